@@ -1,0 +1,61 @@
+"""The ``saria`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from saria import doctor
+
+    report = doctor.collect()
+    print(json.dumps(report, indent=2) if args.json else doctor.render(report))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from saria import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="saria",
+        description="saria: KV-cache tiering for LLM agent serving (GPU <-> pinned DRAM <-> NVMe SSD).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("doctor", help="report torch / triton / CUDA / NVML / kvikio and the backends saria would use",
+                       description="Report what this machine offers saria: torch, triton, CUDA devices, NVML, "
+                                   "kvikio, which kernel and storage backends would be used, pinned-memory limits.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("demo", help="run the main job: doctor, then a kernel round trip on a Qwen3-8B layout",
+                       description="Print the doctor report, then pack chunks of a Qwen3-8B-shaped paged KV cache "
+                                   "(36 layers, 8 KV heads, head dim 128, bf16, 16-token pages) into staging, "
+                                   "checksum them, unpack into a fresh cache and verify every byte, with the Triton "
+                                   "kernels (compiled on CUDA, interpreted on CPU) and the torch reference.")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="chunks to pack in one call (default 2 on CUDA, 1 on CPU where the interpreter is slow)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk (default 512, 32 pages)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"saria {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

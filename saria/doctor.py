@@ -1,0 +1,163 @@
+"""``saria doctor``: what this machine offers saria, and what saria would use on it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import resource
+import sys
+from typing import Any
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _meminfo_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _limit(value: int) -> int | str:
+    return "unlimited" if value == resource.RLIM_INFINITY else value
+
+
+def _torch_report() -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    report: dict[str, Any] = {
+        "version": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": cuda,
+        "devices": [],
+    }
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            report["devices"].append({"index": i, "name": props.name, "memory_bytes": props.total_memory,
+                                      "capability": f"{props.major}.{props.minor}",
+                                      "multiprocessors": props.multi_processor_count})
+    return report
+
+
+def _nvml_report() -> dict[str, Any]:
+    try:
+        import pynvml
+    except ImportError as exc:
+        return {"available": False, "reason": f"nvidia-ml-py not importable: {exc}"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc} (PCIe counters off; "
+                                              "configured bandwidth estimates stand)"}
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        count = pynvml.nvmlDeviceGetCount()
+        return {"available": True, "driver": driver.decode() if isinstance(driver, bytes) else driver,
+                "devices": count}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _kvikio_report(cuda: bool) -> dict[str, Any]:
+    version = _version("kvikio-cu13") or _version("kvikio")
+    if version is None:
+        return {"installed": False, "usable": False,
+                "reason": "not installed (pip install 'saria[gds]' on a GPU machine)"}
+    if not cuda:
+        return {"installed": True, "version": version, "usable": False,
+                "reason": "kvikio needs libcuda even in compat mode; no CUDA device here"}
+    try:
+        import kvikio
+        import kvikio.defaults
+
+        compat = kvikio.defaults.compat_mode()
+        return {"installed": True, "version": version, "usable": True, "compat_mode": str(compat),
+                "module": getattr(kvikio, "__version__", version)}
+    except Exception as exc:  # a broken install must not break the doctor
+        return {"installed": True, "version": version, "usable": False, "reason": f"import failed: {exc}"}
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``saria doctor`` reports, as plain data."""
+    from saria import __version__
+    from saria.kernels import INTERPRETED, default_backend
+
+    import torch
+
+    torch_info = _torch_report()
+    cuda = torch_info["cuda_available"]
+    kvikio_info = _kvikio_report(cuda)
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    device = torch.device("cuda" if cuda else "cpu")
+    return {
+        "saria": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch_info,
+        "triton": {"version": _version("triton"), "interpreter": INTERPRETED},
+        "kernel_backend": {"device": str(device), "backend": default_backend(device),
+                           "interpreted": INTERPRETED and not cuda},
+        "nvml": _nvml_report(),
+        "kvikio": kvikio_info,
+        "storage_backend": "kvikio" if kvikio_info.get("usable") else "posix",
+        "pinned_memory": {
+            "pinning": "cudaHostRegister" if cuda else "none (no CUDA: host pool is pageable memory)",
+            "memlock_soft": _limit(soft),
+            "memlock_hard": _limit(hard),
+            "mem_total_bytes": _meminfo_bytes("MemTotal"),
+            "mem_available_bytes": _meminfo_bytes("MemAvailable"),
+        },
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _bytes(n: int) -> str:
+    return _gib(n) if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human-readable form of :func:`collect`."""
+    t, k, nv, kv, pin = (report["torch"], report["kernel_backend"], report["nvml"], report["kvikio"],
+                         report["pinned_memory"])
+    gpus = ", ".join(f"{d['name']} ({_gib(d['memory_bytes'])}, sm_{d['capability'].replace('.', '')})"
+                     for d in t["devices"]) or "none"
+    kernel = k["backend"] + (" (Triton interpreter)" if k["interpreted"] else "")
+    if k["backend"] == "torch" and k["device"] == "cpu":
+        kernel += " (pure-torch reference; set TRITON_INTERPRET=1 to run the Triton kernels on CPU)"
+    nvml = f"driver {nv['driver']}, {nv['devices']} device(s)" if nv["available"] else nv["reason"]
+    kvikio = (f"{kv['version']}, compat mode {kv.get('compat_mode')}" if kv.get("usable")
+              else kv["reason"] if not kv["installed"] else f"{kv['version']}: {kv['reason']}")
+    memlock = pin["memlock_soft"] if isinstance(pin["memlock_soft"], str) else _bytes(pin["memlock_soft"])
+    rows = [
+        ("saria", report["saria"]),
+        ("python", f"{report['python']} on {report['platform']}, {report['cpus']} CPUs"),
+        ("torch", f"{t['version']} (CUDA build: {t['cuda_build'] or 'none'})"),
+        ("CUDA devices", gpus),
+        ("triton", f"{report['triton']['version']}"
+                   + (", interpreter (TRITON_INTERPRET=1)" if report["triton"]["interpreter"] else "")),
+        ("kernel backend", f"{kernel} on {k['device']}"),
+        ("NVML", nvml),
+        ("kvikio", kvikio),
+        ("storage backend", report["storage_backend"]
+         + ("" if report["storage_backend"] == "kvikio" else " (pread/pwrite on a thread pool)")),
+        ("pinned memory", f"{pin['pinning']}; memlock limit {memlock}; "
+                          f"host memory {_gib(pin['mem_available_bytes'])} free of {_gib(pin['mem_total_bytes'])}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -1,0 +1,53 @@
+"""Which implementation of a kernel op runs: the Triton kernel or the pure-torch reference.
+
+Triton decides once, when a ``@triton.jit`` function is defined, whether it is compiled for the GPU
+or run by its interpreter (``TRITON_INTERPRET=1``). An interpreted kernel dereferences raw host
+addresses, so it may only ever see CPU tensors; a compiled kernel only CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "triton", "torch"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+
+# Read at import, like Triton itself: the kernels in this package are defined right after.
+INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "torch"]:
+    """Pick the implementation for tensors on ``device``.
+
+    ``auto`` is Triton on CUDA (compiled) or on CPU under ``TRITON_INTERPRET=1`` (interpreted),
+    and the torch reference otherwise. Asking for ``triton`` where it cannot run is an error,
+    not a silent fallback.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if device.type == "cuda":
+        runnable = not INTERPRETED
+        why = ("TRITON_INTERPRET=1 is set, so saria's kernels were defined for the interpreter, "
+               "which cannot touch CUDA memory; unset it to run them on the GPU")
+    elif device.type == "cpu":
+        runnable = INTERPRETED
+        why = ("Triton kernels run on CPU tensors only under its interpreter: set TRITON_INTERPRET=1 "
+               "before saria.kernels is first imported")
+    else:
+        runnable = False
+        why = f"Triton kernels support CUDA (or CPU through the interpreter), not {device.type!r}"
+    if runnable:
+        return "triton"
+    if backend == "auto":
+        return "torch"
+    raise ValueError(f"backend='triton' cannot run on {device}: {why}")
+
+
+def default_backend(device: torch.device) -> str:
+    """What ``auto`` resolves to on ``device`` (for ``saria doctor``)."""
+    return resolve_backend("auto", device)

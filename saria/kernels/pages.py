@@ -1,0 +1,167 @@
+"""``pack_pages`` / ``unpack_pages``: gather paged KV into contiguous staging bytes and scatter back.
+
+Staging layout (the contract with the data plane and the SSD format). For ``block_ids`` of shape
+``[C, P]`` (1-D ids are one chunk: ``C = 1``), chunk ``c`` occupies bytes
+``[c * P * B, (c + 1) * P * B)`` where ``B = table.bytes_per_page``; inside a chunk the order is
+tensor after tensor, and inside a tensor's region page after page in ``block_ids`` order::
+
+    staging[c] = cat_t( cat_j( bytes of caches[t][block_ids[c, j]] ) )      # [tensor][page]
+
+So one chunk's kv object is one contiguous run of bytes, whatever the engine's layout.
+
+The Triton kernel covers every (page id, tensor) pair of the call in one launch: program
+``(i, t)`` copies page ``block_ids[i]`` of tensor ``t``. When both addresses and the page size are
+multiples of 16 bytes it moves 16-byte words (``ld/st.global.v4.b32``: the pointer hints below make
+that visible to the compiler, and a test checks the PTX); otherwise it falls back to byte copies
+for that page. Each program decides for itself, so one unaligned tensor does not slow the others.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import resolve_backend
+from .page_table import PageTable, check_block_ids, check_staging
+
+# Words (int32) one program moves per loop iteration on the 16-byte path, and bytes on the
+# narrow path. 2048 words = 8 KiB: with 4 warps each thread keeps four 16-byte loads in flight.
+# Untuned on a GPU yet: bench/bench_kernels.py --sweep-block measures the alternatives.
+WORDS_PER_ITER = 2048
+BYTES_PER_ITER = 2048
+NUM_WARPS = 4
+
+
+@triton.jit
+def _copy_pages_kernel(
+    p_table,  # int64 [T, 4]: base address, page stride, page bytes, tensor offset in one page id's bytes
+    p_ids,  # int64 [C * P]
+    staging_addr,  # int64: address of staging byte 0
+    pages_per_chunk,  # P
+    chunk_bytes,  # P * bytes per page id
+    PACK: tl.constexpr,  # True: pages -> staging; False: staging -> pages
+    WORDS: tl.constexpr,
+    BYTES: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    i_t = tl.program_id(1).to(tl.int64)
+    base = tl.load(p_table + i_t * 4)
+    page_stride = tl.load(p_table + i_t * 4 + 1)
+    page_bytes = tl.load(p_table + i_t * 4 + 2)
+    tensor_offset = tl.load(p_table + i_t * 4 + 3)
+    block = tl.load(p_ids + i_n)
+    i_c = i_n // pages_per_chunk
+    i_j = i_n - i_c * pages_per_chunk
+
+    page_addr = base + block * page_stride
+    stage_addr = staging_addr + i_c * chunk_bytes + tensor_offset * pages_per_chunk + i_j * page_bytes
+    if PACK:
+        src_addr = page_addr
+        dst_addr = stage_addr
+    else:
+        src_addr = stage_addr
+        dst_addr = page_addr
+
+    if ((src_addr | dst_addr | page_bytes) & 15) == 0:
+        p_src = src_addr.to(tl.pointer_type(tl.int32))
+        p_dst = dst_addr.to(tl.pointer_type(tl.int32))
+        n_words = tl.multiple_of(page_bytes // 4, 4)
+        for start in range(0, n_words, WORDS):
+            o_w = start + tl.arange(0, WORDS)
+            mask = o_w < n_words
+            # Both runs start 16-byte aligned and are contiguous: lets the compiler emit v4 copies.
+            p_s = tl.max_contiguous(tl.multiple_of(p_src + o_w, [16]), [WORDS])
+            p_d = tl.max_contiguous(tl.multiple_of(p_dst + o_w, [16]), [WORDS])
+            tl.store(p_d, tl.load(p_s, mask=mask), mask=mask)
+    else:
+        p_src8 = src_addr.to(tl.pointer_type(tl.uint8))
+        p_dst8 = dst_addr.to(tl.pointer_type(tl.uint8))
+        for start in range(0, page_bytes, BYTES):
+            o_b = start + tl.arange(0, BYTES)
+            mask = o_b < page_bytes
+            tl.store(p_dst8 + o_b, tl.load(p_src8 + o_b, mask=mask), mask=mask)
+
+
+def _launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int, per_chunk: int,
+            pack: bool) -> None:
+    if ids.numel() == 0:
+        return
+    grid = (ids.numel(), len(table))
+    _copy_pages_kernel[grid](
+        table.device_table(), ids, staging.data_ptr(), per_chunk, table.staging_bytes(per_chunk),
+        PACK=pack, WORDS=WORDS_PER_ITER, BYTES=BYTES_PER_ITER, num_warps=NUM_WARPS)
+
+
+# --- pure-torch reference ------------------------------------------------------------------------
+
+def pack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
+                         per_chunk: int) -> None:
+    """Reference gather: per tensor, ``index_select`` of its pages into its staging region."""
+    rows = staging.view(chunks, table.staging_bytes(per_chunk))
+    for t, seg in enumerate(table.segments):
+        start = table.tensor_offsets[t] * per_chunk
+        region = rows[:, start:start + per_chunk * seg.page_bytes]
+        pages = table.byte_pages(t).index_select(0, ids)
+        region.copy_(pages.view(chunks, per_chunk * seg.page_bytes))
+
+
+def unpack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
+                           per_chunk: int) -> None:
+    """Reference scatter: per tensor, ``index_copy_`` of its staging region into its pages."""
+    rows = staging.view(chunks, table.staging_bytes(per_chunk))
+    for t, seg in enumerate(table.segments):
+        start = table.tensor_offsets[t] * per_chunk
+        region = rows[:, start:start + per_chunk * seg.page_bytes]
+        table.byte_pages(t).index_copy_(0, ids, region.reshape(chunks * per_chunk, seg.page_bytes))
+
+
+# --- public ops ----------------------------------------------------------------------------------
+
+def pack_pages(caches: PageTable | Sequence[torch.Tensor], block_ids: torch.Tensor,
+               out: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """Gather pages ``block_ids`` of every tensor in ``caches`` into contiguous uint8 staging.
+
+    ``caches``: a sequence of paged tensors (dim 0 indexes pages, each page contiguous; see
+    :mod:`saria.kernels.page_table`) or a prebuilt :class:`PageTable`. ``block_ids``: 1-D integer
+    ids, or 2-D ``[chunks, pages_per_chunk]`` for a batch of chunks (returned as
+    ``[chunks, bytes_per_chunk]``, each row one chunk). ``out``: optional contiguous uint8 tensor
+    of exactly the right size on the caches' device. Returns the staging tensor, laid out tensor
+    after tensor, pages in ``block_ids`` order (module docstring). Never synchronizes when
+    ``block_ids`` are on the CPU.
+    """
+    table = PageTable.of(caches)
+    ids, chunks, per_chunk = check_block_ids(block_ids, table, unique=False)
+    size = table.staging_bytes(chunks * per_chunk)
+    shape = (size,) if block_ids.dim() == 1 else (chunks, table.staging_bytes(per_chunk))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=table.device)
+    else:
+        check_staging(out, table, chunks, per_chunk, "out")
+    if resolve_backend(backend, table.device) == "triton":
+        _launch(table, ids, out, chunks, per_chunk, pack=True)
+    elif size:
+        pack_pages_reference(table, ids, out, chunks, per_chunk)
+    return out
+
+
+def unpack_pages(staging: torch.Tensor, caches: PageTable | Sequence[torch.Tensor],
+                 block_ids: torch.Tensor, *, backend: str = "auto") -> None:
+    """Scatter ``staging`` (as produced by :func:`pack_pages` for the same ids) back into the pages
+    ``block_ids`` of every tensor in ``caches``, in place. The exact inverse of ``pack_pages``.
+
+    Duplicate ids and tables whose tensors share page bytes are refused: the writes would race.
+    """
+    table = PageTable.of(caches)
+    if table.overlap is not None:
+        a, b = table.overlap
+        raise ValueError(f"caches[{a}] and caches[{b}] share memory: unpacking into them would overwrite "
+                         "one tensor's pages with the other's")
+    ids, chunks, per_chunk = check_block_ids(block_ids, table, unique=True)
+    check_staging(staging, table, chunks, per_chunk, "staging")
+    if resolve_backend(backend, table.device) == "triton":
+        _launch(table, ids, staging, chunks, per_chunk, pack=False)
+    elif staging.numel():
+        unpack_pages_reference(table, ids, staging, chunks, per_chunk)

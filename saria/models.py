@@ -1,0 +1,101 @@
+"""KV footprints of the models saria is measured on, as plain data (no torch: control and replay use it).
+
+Numbers come from each model's published ``config.json`` on its model card; the source is noted
+beside each entry. Byte counts are per token for full-attention (FA) KV and per checkpoint for a
+GDN layer's recurrent state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    fa_layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str = "bf16"
+    # Hybrid (gated delta net) layers; zero for dense models.
+    gdn_layers: int = 0
+    gdn_value_heads: int = 0  # HV
+    gdn_key_heads: int = 0
+    gdn_key_dim: int = 0  # K
+    gdn_value_dim: int = 0  # V
+    gdn_conv_kernel: int = 0  # conv state keeps kernel - 1 positions
+    gdn_state_dtype: str = "fp32"
+    source: str = ""
+
+    @property
+    def hybrid(self) -> bool:
+        return self.gdn_layers > 0
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """K and V of one token in one FA layer."""
+        return 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.fa_layers * self.kv_bytes_per_token_layer
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
+
+    @property
+    def gdn_temporal_shape(self) -> tuple[int, int, int]:
+        """``[HV, V, K]`` of one layer's temporal state."""
+        return (self.gdn_value_heads, self.gdn_value_dim, self.gdn_key_dim)
+
+    @property
+    def gdn_conv_shape(self) -> tuple[int, int]:
+        """``[conv_len, conv_dim]`` of one layer's conv state."""
+        return (self.gdn_conv_kernel - 1, self.gdn_conv_dim)
+
+    @property
+    def gdn_temporal_bytes(self) -> int:
+        hv, v, k = self.gdn_temporal_shape
+        return hv * v * k * DTYPE_BYTES[self.gdn_state_dtype]
+
+    @property
+    def gdn_conv_bytes(self) -> int:
+        length, dim = self.gdn_conv_shape
+        return length * dim * DTYPE_BYTES[self.kv_dtype] if self.hybrid else 0
+
+    @property
+    def state_bytes_per_layer(self) -> int:
+        return self.gdn_conv_bytes + self.gdn_temporal_bytes if self.hybrid else 0
+
+    @property
+    def state_bytes(self) -> int:
+        """One checkpoint: every GDN layer's conv and temporal state."""
+        return self.gdn_layers * self.state_bytes_per_layer
+
+
+MODELS: dict[str, ModelSpec] = {
+    "qwen3-8b": ModelSpec(
+        "qwen3-8b", fa_layers=36, kv_heads=8, head_dim=128,
+        source="Qwen/Qwen3-8B config.json: num_hidden_layers 36, num_key_value_heads 8, head_dim 128, bf16"),
+    "qwen3-1.7b": ModelSpec(
+        "qwen3-1.7b", fa_layers=28, kv_heads=8, head_dim=128,
+        source="Qwen/Qwen3-1.7B config.json: num_hidden_layers 28, num_key_value_heads 8, head_dim 128, bf16"),
+    "qwen3-next-80b-a3b": ModelSpec(
+        "qwen3-next-80b-a3b", fa_layers=12, kv_heads=2, head_dim=256,
+        gdn_layers=36, gdn_value_heads=32, gdn_key_heads=16, gdn_key_dim=128, gdn_value_dim=128,
+        gdn_conv_kernel=4,
+        source=("Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 48 layers, full_attention_interval 4, "
+                "num_key_value_heads 2, head_dim 256, linear_num_value_heads 32, linear_num_key_heads 16, "
+                "linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4; "
+                "GDN temporal state fp32 as vLLM keeps it")),
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
