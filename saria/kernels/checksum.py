@@ -29,8 +29,10 @@ MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 MAX_BYTES = 1 << 34  # word indices must fit in 32 bits for the single-change guarantee
 
-# Words one program reads: 4096 x 4 B = 16 KiB, so a 36 MiB Qwen3-8B chunk is 2,304 programs.
+# Words one program reads: 4096 x 4 B = 16 KiB, so a 72 MiB Qwen3-8B chunk is 4,608 programs.
 WORDS_PER_PROGRAM = 4096
+# The interpreter pays per program and per op, not per byte: far fewer, larger programs on CPU.
+WORDS_PER_PROGRAM_INTERPRETED = 1 << 16
 
 
 def mix64(x: int) -> int:
@@ -129,8 +131,9 @@ def checksum(staging: torch.Tensor, *, backend: str = "auto") -> int:
     words, n_words, tail = _words_and_tail(data)
     total = 0
     if n_words:
-        programs = triton.cdiv(n_words, WORDS_PER_PROGRAM)
+        block = WORDS_PER_PROGRAM if data.device.type == "cuda" else WORDS_PER_PROGRAM_INTERPRETED
+        programs = triton.cdiv(n_words, block)
         partials = torch.empty(programs, dtype=torch.int64, device=data.device)
-        _checksum_kernel[(programs,)](words, n_words, partials, WORDS=WORDS_PER_PROGRAM, num_warps=4)
+        _checksum_kernel[(programs,)](words, n_words, partials, WORDS=block, num_warps=4)
         total = sum(partials.tolist()) & MASK64
     return _finish(total, n_words, tail, data.numel())

@@ -85,18 +85,20 @@ def _copy_pages_kernel(
             tl.store(p_dst8 + o_b, tl.load(p_src8 + o_b, mask=mask), mask=mask)
 
 
-def _launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int, per_chunk: int,
-            pack: bool) -> None:
+def _launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, per_chunk: int, pack: bool, *,
+            words: int = WORDS_PER_ITER, num_warps: int = NUM_WARPS) -> None:
+    """One launch over every (page id, tensor) pair. ``words``/``num_warps``: for benchmark sweeps."""
     if ids.numel() == 0:
         return
     grid = (ids.numel(), len(table))
     _copy_pages_kernel[grid](
         table.device_table(), ids, staging.data_ptr(), per_chunk, table.staging_bytes(per_chunk),
-        PACK=pack, WORDS=WORDS_PER_ITER, BYTES=BYTES_PER_ITER, num_warps=NUM_WARPS)
+        PACK=pack, WORDS=words, BYTES=BYTES_PER_ITER, num_warps=num_warps)
 
 
 # --- pure-torch reference ------------------------------------------------------------------------
 
+@torch.no_grad()
 def pack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                          per_chunk: int) -> None:
     """Reference gather: per tensor, ``index_select`` of its pages into its staging region."""
@@ -108,6 +110,7 @@ def pack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Ten
         region.copy_(pages.view(chunks, per_chunk * seg.page_bytes))
 
 
+@torch.no_grad()
 def unpack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                            per_chunk: int) -> None:
     """Reference scatter: per tensor, ``index_copy_`` of its staging region into its pages."""
@@ -141,7 +144,7 @@ def pack_pages(caches: PageTable | Sequence[torch.Tensor], block_ids: torch.Tens
     else:
         check_staging(out, table, chunks, per_chunk, "out")
     if resolve_backend(backend, table.device) == "triton":
-        _launch(table, ids, out, chunks, per_chunk, pack=True)
+        _launch(table, ids, out, per_chunk, pack=True)
     elif size:
         pack_pages_reference(table, ids, out, chunks, per_chunk)
     return out
@@ -162,6 +165,6 @@ def unpack_pages(staging: torch.Tensor, caches: PageTable | Sequence[torch.Tenso
     ids, chunks, per_chunk = check_block_ids(block_ids, table, unique=True)
     check_staging(staging, table, chunks, per_chunk, "staging")
     if resolve_backend(backend, table.device) == "triton":
-        _launch(table, ids, staging, chunks, per_chunk, pack=False)
+        _launch(table, ids, staging, per_chunk, pack=False)
     elif staging.numel():
         unpack_pages_reference(table, ids, staging, chunks, per_chunk)

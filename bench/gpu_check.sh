@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One script for a GPU machine with no network (torch and triton preinstalled, saria run from this
+# source tree): the GPU checks of every layer, in a few minutes, results under OUTDIR.
+#   bench/gpu_check.sh OUTDIR
+# Each step has its own time limit and its own log; a failing step does not hide the others, and the
+# script exits non-zero if any step failed. Later issues add their GPU checks below.
+set -uo pipefail
+out=${1:?usage: bench/gpu_check.sh OUTDIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - t0))s"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+step doctor 60 "$PY" -m saria.cli doctor
+"$PY" -m saria.cli doctor --json >"$out/doctor.json" 2>/dev/null
+step kernel_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_pages.py \
+  tests/test_kernels_state.py tests/test_kernels_checksum.py tests/test_kernels_codegen.py
+step bench_kernels 240 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" --sweep-block
+
+if [ ${#failed[@]} -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]} (logs in $out)"; exit 1; fi
+echo "gpu_check: all steps passed (results in $out)"

@@ -1,0 +1,80 @@
+"""The `saria` command: doctor, demo, help and bad arguments, run as a user runs them."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def saria(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "saria.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_help_lists_commands():
+    proc = saria("--help")
+    assert proc.returncode == 0
+    assert "doctor" in proc.stdout and "demo" in proc.stdout
+
+
+def test_doctor_json_reports_backends():
+    proc = saria("doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    cuda = report["torch"]["cuda_available"]
+    assert report["kernel_backend"]["device"] == ("cuda" if cuda else "cpu")
+    assert report["kernel_backend"]["backend"] in ("triton", "torch")
+    assert report["storage_backend"] in ("kvikio", "posix")
+    if not cuda:
+        assert report["storage_backend"] == "posix"
+        assert report["nvml"]["available"] is False and "NVML" in report["nvml"]["reason"]
+    assert report["pinned_memory"]["mem_total_bytes"] > 0
+
+
+def test_doctor_text():
+    proc = saria("doctor")
+    assert proc.returncode == 0, proc.stderr
+    for row in ("torch", "triton", "kernel backend", "NVML", "kvikio", "storage backend", "pinned memory"):
+        assert row in proc.stdout
+
+
+def test_demo_round_trip(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = saria("demo", "--chunk-tokens", "64", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "demo: OK" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["backends_agree"]
+    assert result["chunk_bytes"] == 36 * 4 * 16 * 2 * 8 * 128 * 2  # 36 layers x 4 pages of 16 tokens
+    sums = {tuple(b["checksums"]) for b in result["backends"].values()}
+    assert len(sums) == 1  # both backends, same checksums
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--chunk-tokens", "100"], "multiple of the 16-token page"),
+    (["demo", "--chunks", "0"], "--chunks must be >= 1"),
+])
+def test_demo_bad_arguments(args, message):
+    proc = saria(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_kernels_runs_and_writes_csv(tmp_path):
+    out = tmp_path / "k.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_kernels.py"), "--min-seconds", "0",
+                           "--csv", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    impls = {r["impl"] for r in rows}
+    assert {"torch d2d copy (bound)", "torch baseline"} <= impls
+    assert {r["table"] for r in rows} >= {"qwen3-8b"}
+    smoke = [r for r in rows if "interpreter" in r["impl"] or r["device"] == "cuda"]
+    assert smoke and all("False" not in r["note"] for r in smoke)
