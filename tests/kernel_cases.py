@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from saria.kernels import PageTable
+from saria.layouts import zeros_like_caches as fresh_like  # noqa: F401 (re-exported for the tests)
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = {
     "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -46,18 +49,9 @@ def gdn_pages(nb, page_stride, used, seed=0):
     return [raw.as_strided((nb, used), (page_stride, 1))]
 
 
-def fresh_like(caches):
-    """Zeroed tensors with the same shapes, strides and dtypes (padding included)."""
-    out = []
-    for c in caches:
-        storage = torch.zeros(c.untyped_storage().nbytes(), dtype=torch.uint8, device=c.device).untyped_storage()
-        out.append(torch.empty(0, dtype=c.dtype, device=c.device).set_(storage, c.storage_offset(), c.shape, c.stride()))
-    return out
-
-
 def byte_pages(t: torch.Tensor) -> torch.Tensor:
     """[NB, page_bytes] uint8 view (pages compared as bytes: NaN-safe)."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8) if t.dim() > 1 else t.view(-1, 1).view(torch.uint8)
+    return PageTable([t]).byte_pages(0)
 
 
 def assert_round_trip(fresh, original, ids: torch.Tensor) -> None:

@@ -98,27 +98,29 @@ def _launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, per_chun
 
 # --- pure-torch reference ------------------------------------------------------------------------
 
+def _regions(table: PageTable, staging: torch.Tensor, chunks: int, per_chunk: int):
+    """Pairs (tensor t's pages as a [num_pages, page_bytes] byte view, t's staging region
+    [chunks, per_chunk * page_bytes]) for every tensor of the table."""
+    rows = staging.view(chunks, table.staging_bytes(per_chunk))
+    for t, seg in enumerate(table.segments):
+        start = table.tensor_offsets[t] * per_chunk
+        yield table.byte_pages(t), rows[:, start:start + per_chunk * seg.page_bytes]
+
+
 @torch.no_grad()
 def pack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                          per_chunk: int) -> None:
     """Reference gather: per tensor, ``index_select`` of its pages into its staging region."""
-    rows = staging.view(chunks, table.staging_bytes(per_chunk))
-    for t, seg in enumerate(table.segments):
-        start = table.tensor_offsets[t] * per_chunk
-        region = rows[:, start:start + per_chunk * seg.page_bytes]
-        pages = table.byte_pages(t).index_select(0, ids)
-        region.copy_(pages.view(chunks, per_chunk * seg.page_bytes))
+    for pages, region in _regions(table, staging, chunks, per_chunk):
+        region.copy_(pages.index_select(0, ids).view(region.shape))
 
 
 @torch.no_grad()
 def unpack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                            per_chunk: int) -> None:
     """Reference scatter: per tensor, ``index_copy_`` of its staging region into its pages."""
-    rows = staging.view(chunks, table.staging_bytes(per_chunk))
-    for t, seg in enumerate(table.segments):
-        start = table.tensor_offsets[t] * per_chunk
-        region = rows[:, start:start + per_chunk * seg.page_bytes]
-        table.byte_pages(t).index_copy_(0, ids, region.reshape(chunks * per_chunk, seg.page_bytes))
+    for pages, region in _regions(table, staging, chunks, per_chunk):
+        pages.index_copy_(0, ids, region.reshape(-1, pages.shape[1]))
 
 
 # --- public ops ----------------------------------------------------------------------------------
