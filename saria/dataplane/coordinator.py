@@ -1,0 +1,187 @@
+"""The coordinator (paper §4.5, Eq. 4): how DRAM->GPU copies share GPU ingress with SSD reads.
+
+Left alone, DRAM copies (pinned H2D DMA, ~48 GB/s) take nearly all of the GPU's PCIe ingress and
+the SSD reads that started with them crawl until the DRAM burst is over, leaving an SSD-only tail.
+While any SSD read is runnable the coordinator therefore releases DRAM traffic in bounded slices at
+
+    B_pace = min(B_DRAM, B_GPU - B_disk)
+
+so both sources progress together. All DRAM work (every request's) goes through one coordinator,
+so when one request's DRAM part is done the paced budget serves the next request's DRAM work (the
+"residual ingress" of the paper's Figure 9). When no SSD read is runnable DRAM runs unthrottled.
+When SSD reads alone can saturate ingress (B_disk >= ``saturation`` x B_GPU; the paper's two-SSD
+case got 15.8% slower with pacing) coordination switches itself off.
+
+Time is read through a :class:`Clock` so the schedule can be checked exactly in tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator, Protocol
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bandwidth estimates in bytes/s: GPU ingress (PCIe), all SSD reads together, pinned DRAM->GPU."""
+
+    gpu: float
+    disk: float
+    dram: float
+
+    def __post_init__(self):
+        for name in ("gpu", "disk", "dram"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"bandwidth {name} must be > 0 bytes/s, got {getattr(self, name)}")
+
+    @property
+    def pace(self) -> float:
+        """Eq. 4: the DRAM rate while SSD reads are runnable."""
+        return min(self.dram, self.gpu - self.disk)
+
+    @classmethod
+    def gbps(cls, gpu: float, disk: float, dram: float) -> "Bandwidths":
+        return cls(gpu * GB, disk * GB, dram * GB)
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    def wait(self, cond: threading.Condition, timeout: float) -> None:
+        """Wait on ``cond`` (held by the caller) for at most ``timeout`` seconds."""
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wait(self, cond: threading.Condition, timeout: float) -> None:
+        cond.wait(timeout)
+
+
+@dataclass
+class CoordinatorCounters:
+    slices: int = 0
+    paced_slices: int = 0
+    paced_bytes: int = 0
+    unpaced_bytes: int = 0
+    pace_waits: int = 0
+    pace_wait_seconds: float = 0.0
+
+    def snapshot(self) -> dict:
+        return asdict(self)
+
+
+class Coordinator:
+    """Paces DRAM->GPU slices while SSD reads are runnable. Thread-safe.
+
+    ``mode``: ``"coordinated"`` (pace per Eq. 4), ``"overlap"`` (never pace: uncoordinated overlap),
+    or ``"serial"`` (DRAM waits until no SSD read is runnable: serial tier loading).
+    """
+
+    MODES = ("coordinated", "overlap", "serial")
+
+    def __init__(self, bandwidths: Bandwidths, *, mode: str = "coordinated", saturation: float = 0.95,
+                 clock: Clock | None = None):
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        if not 0 < saturation <= 1:
+            raise ValueError(f"saturation must be in (0, 1], got {saturation}")
+        self.mode = mode
+        self.saturation = saturation
+        self._bw = bandwidths
+        self._clock = clock or MonotonicClock()
+        self._cond = threading.Condition()
+        self._ssd_runnable = 0
+        self._next_release = 0.0
+        self.counters = CoordinatorCounters()
+
+    @property
+    def bandwidths(self) -> Bandwidths:
+        return self._bw
+
+    def set_bandwidths(self, bandwidths: Bandwidths) -> None:
+        """New estimates (from calibration); waiting slices re-plan at once."""
+        with self._cond:
+            self._bw = bandwidths
+            self._cond.notify_all()
+
+    @property
+    def pacing_enabled(self) -> bool:
+        """Coordinated mode and SSD alone does not saturate ingress."""
+        bw = self._bw
+        return self.mode == "coordinated" and bw.disk < self.saturation * bw.gpu and bw.pace > 0
+
+    # --- SSD side --------------------------------------------------------------------------------
+
+    def ssd_begin(self, n: int = 1) -> None:
+        with self._cond:
+            self._ssd_runnable += n
+
+    def ssd_end(self, n: int = 1) -> None:
+        with self._cond:
+            if n > self._ssd_runnable:
+                raise ValueError(f"ssd_end({n}) but only {self._ssd_runnable} SSD reads are runnable")
+            self._ssd_runnable -= n
+            self._cond.notify_all()
+
+    @contextmanager
+    def ssd_reads(self, n: int = 1) -> Iterator[None]:
+        """Mark ``n`` SSD reads runnable for the duration of the block."""
+        self.ssd_begin(n)
+        try:
+            yield
+        finally:
+            self.ssd_end(n)
+
+    @property
+    def ssd_runnable(self) -> int:
+        with self._cond:
+            return self._ssd_runnable
+
+    # --- DRAM side -------------------------------------------------------------------------------
+
+    def acquire(self, nbytes: int) -> float:
+        """Block until a DRAM slice of ``nbytes`` may be issued; returns the seconds it waited.
+
+        Paced slices are released on a schedule ``nbytes / B_pace`` apart; an idle DRAM path banks
+        at most one slice of credit, so no burst follows a pause.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        clock = self._clock
+        with self._cond:
+            start = clock.now()
+            waited_once = False
+            while True:
+                now = clock.now()
+                if self._ssd_runnable == 0 or self.mode == "overlap" or \
+                        (self.mode == "coordinated" and not self.pacing_enabled):
+                    self._next_release = now
+                    self.counters.unpaced_bytes += nbytes
+                    break
+                if self.mode == "coordinated":
+                    if self._next_release <= now:
+                        # A late wake-up keeps up to one slice of credit so oversleeping does not
+                        # lower the average rate; an idle path banks no more than that.
+                        interval = nbytes / self._bw.pace
+                        self._next_release = max(self._next_release, now - interval) + interval
+                        self.counters.paced_bytes += nbytes
+                        self.counters.paced_slices += 1
+                        break
+                    timeout = self._next_release - now
+                else:  # serial: wait for the SSD reads to finish
+                    timeout = 1.0
+                waited_once = True
+                clock.wait(self._cond, timeout)
+            waited = clock.now() - start
+            self.counters.slices += 1
+            if waited_once:
+                self.counters.pace_waits += 1
+                self.counters.pace_wait_seconds += waited
+            return waited

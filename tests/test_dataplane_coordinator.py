@@ -1,0 +1,209 @@
+"""Coordinator (Eq. 4) on a simulated clock: the schedule is checked exactly, not timed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from saria.dataplane.coordinator import Bandwidths, Coordinator
+from saria.dataplane.pcie import PCIeMonitor, calibrate
+
+MB = 1e6
+
+
+class SimClock:
+    """Time that passes only when someone waits."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self):
+        return self.t
+
+    def wait(self, cond, timeout):
+        self.t += timeout
+
+
+def paper_bw():
+    return Bandwidths.gbps(gpu=48, disk=20, dram=48)
+
+
+def test_pace_is_eq4():
+    assert paper_bw().pace == pytest.approx(28e9)
+    assert Bandwidths.gbps(gpu=48, disk=5, dram=24).pace == pytest.approx(24e9)  # DRAM-bound
+
+
+def test_unthrottled_without_ssd_reads():
+    clock = SimClock()
+    coord = Coordinator(paper_bw(), clock=clock)
+    for _ in range(10):
+        assert coord.acquire(4 * 1024 * 1024) == 0
+    assert clock.t == 0 and coord.counters.unpaced_bytes == 10 * 4 * 1024 * 1024
+
+
+def test_paced_at_b_pace_while_ssd_runnable():
+    clock = SimClock()
+    coord = Coordinator(paper_bw(), clock=clock)
+    slice_bytes = 4 * 1024 * 1024
+    with coord.ssd_reads(2):
+        for _ in range(100):
+            coord.acquire(slice_bytes)
+        # 100 slices released at 0, i, 2i, ...: the DRAM rate is exactly B_pace
+        assert clock.t == pytest.approx(99 * slice_bytes / 28e9)
+    assert coord.counters.paced_slices == 100 and coord.counters.pace_waits == 99
+    t = clock.t
+    coord.acquire(slice_bytes)  # SSD done: full rate again
+    assert clock.t == t
+
+
+def test_requests_share_one_paced_budget():
+    """Residual ingress: request B's DRAM slices continue in A's paced schedule (paper Fig. 9)."""
+    clock = SimClock()
+    coord = Coordinator(Bandwidths(gpu=100 * MB, disk=60 * MB, dram=80 * MB), clock=clock)
+    with coord.ssd_reads():
+        for _ in range(5):
+            coord.acquire(MB)  # request A's DRAM part
+        for _ in range(5):
+            coord.acquire(MB)  # request B, DRAM only
+    assert clock.t == pytest.approx(9 * MB / (40 * MB))
+
+
+def test_coordination_off_when_ssd_saturates_ingress():
+    clock = SimClock()
+    coord = Coordinator(Bandwidths.gbps(gpu=24, disk=23.9, dram=48), clock=clock)
+    assert not coord.pacing_enabled
+    with coord.ssd_reads():
+        for _ in range(10):
+            coord.acquire(MB)
+    assert clock.t == 0
+
+
+def test_overlap_mode_never_waits():
+    clock = SimClock()
+    coord = Coordinator(paper_bw(), mode="overlap", clock=clock)
+    with coord.ssd_reads():
+        for _ in range(10):
+            coord.acquire(MB)
+    assert clock.t == 0
+
+
+def test_idle_path_banks_at_most_one_slice():
+    clock = SimClock()
+    coord = Coordinator(Bandwidths(gpu=100 * MB, disk=50 * MB, dram=100 * MB), clock=clock)
+    with coord.ssd_reads():
+        coord.acquire(MB)
+        clock.t += 10.0  # DRAM idle for a long time
+        for _ in range(4):
+            coord.acquire(MB)
+    # after the pause: one slice at once (credit), then one per 20 ms
+    assert clock.t == pytest.approx(10.0 + 2 * MB / (50 * MB))
+
+
+def test_ssd_end_releases_a_waiting_slice_at_once():
+    coord = Coordinator(Bandwidths(gpu=100.0, disk=99.0, dram=100.0), saturation=1.0)  # pace: 1 byte/s
+    coord.ssd_begin()
+    coord.acquire(1000)  # the first slice and one of credit go at once; the next waits ~1000 s
+    coord.acquire(1000)
+    done = threading.Event()
+    threading.Thread(target=lambda: (coord.acquire(1000), done.set()), daemon=True).start()
+    time.sleep(0.05)
+    assert not done.is_set()
+    coord.ssd_end()
+    assert done.wait(5.0)
+
+
+def test_serial_mode_waits_for_ssd_to_finish():
+    coord = Coordinator(paper_bw(), mode="serial")
+    coord.ssd_begin()
+    done = threading.Event()
+    threading.Thread(target=lambda: (coord.acquire(MB), done.set()), daemon=True).start()
+    assert not done.wait(0.1)
+    coord.ssd_end()
+    assert done.wait(5.0)
+
+
+def test_bandwidth_update_replans():
+    clock = SimClock()
+    coord = Coordinator(Bandwidths(gpu=100 * MB, disk=50 * MB, dram=100 * MB), clock=clock)
+    with coord.ssd_reads():
+        coord.acquire(MB)
+        coord.set_bandwidths(Bandwidths(gpu=100 * MB, disk=90 * MB, dram=100 * MB))
+        coord.acquire(MB)
+        coord.acquire(MB)
+    assert clock.t == pytest.approx(MB / (50 * MB) + MB / (10 * MB))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="must be > 0"):
+        Bandwidths(gpu=0, disk=1, dram=1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Coordinator(paper_bw(), mode="fast")
+    with pytest.raises(ValueError, match="saturation"):
+        Coordinator(paper_bw(), saturation=1.5)
+    coord = Coordinator(paper_bw())
+    with pytest.raises(ValueError, match="only 0 SSD reads"):
+        coord.ssd_end()
+    with pytest.raises(ValueError, match="nbytes"):
+        coord.acquire(-1)
+
+
+# --- PCIe monitor and calibration ----------------------------------------------------------------
+
+class RampSource:
+    """A counter source standing in for NVML's (which needs a GPU): RX grows by 1 GB/s a sample."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self):
+        self.n += 1
+        return self.n * 1e9, 0.5e9
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-NVML path")
+def test_monitor_without_nvml_says_why_and_estimates_stand():
+    monitor = PCIeMonitor()
+    assert not monitor.available and "NVML" in monitor.unavailable_reason
+    with monitor:
+        assert monitor.samples() == []
+    assert calibrate(paper_bw(), monitor) == paper_bw()
+
+
+def test_monitor_history_and_windows():
+    t = [0.0]
+    monitor = PCIeMonitor(RampSource(), history=3, clock=lambda: t[0])
+    for i in range(5):
+        t[0] = i * 0.02
+        monitor.sample_once()
+    assert [s.rx for s in monitor.samples()] == [3e9, 4e9, 5e9]
+    assert monitor.peak_rx() == 5e9 and monitor.mean_rx(window_s=0.02) == 4.5e9
+
+
+def test_monitor_thread_samples_and_survives_errors():
+    calls = [0]
+
+    def flaky():
+        calls[0] += 1
+        if calls[0] % 2:
+            raise OSError("transient")
+        return 1e9, 1e9
+
+    with PCIeMonitor(flaky, interval_s=0.005) as monitor:
+        deadline = time.monotonic() + 5
+        while len(monitor.samples()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(monitor.samples()) >= 3 and monitor.errors >= 3
+
+
+def test_calibration_raises_gpu_estimate_and_takes_measured_disk():
+    monitor = PCIeMonitor(RampSource())
+    for _ in range(53):
+        monitor.sample_once()  # peak 53 GB/s > 48 configured
+    bw = calibrate(paper_bw(), monitor, ssd_only_rx=13e9)
+    assert bw.gpu == 53e9 and bw.disk == 13e9 and bw.dram == 48e9
+    quiet = PCIeMonitor(lambda: (1e9, 0.0))
+    quiet.sample_once()
+    assert calibrate(paper_bw(), quiet) == paper_bw()  # a quiet window never lowers B_GPU
