@@ -272,3 +272,20 @@ def test_backend_choice():
     if DEVICE.type == "cpu":  # the suite runs the kernels under the interpreter here
         with pytest.raises(ValueError, match="interpreter"):
             resolve_backend("triton", torch.device("cuda"))
+
+
+def test_concurrent_calls_from_threads():
+    """Many threads packing and checksumming at once (the interpreter is serialized internally)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from saria.kernels import checksum
+
+    caches = vllm_layers(8, 2, 1, 8, torch.bfloat16, layers=2)
+    expected = {i: pack_pages(caches, _ids(i, 7 - i), backend="torch") for i in range(8)}
+
+    def job(i):
+        staging = pack_pages(caches, _ids(i, 7 - i))
+        return torch.equal(staging, expected[i]) and checksum(staging) == checksum(expected[i], backend="torch")
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(job, list(range(8)) * 3))

@@ -8,7 +8,9 @@ addresses, so it may only ever see CPU tensors; a compiled kernel only CUDA tens
 from __future__ import annotations
 
 import os
-from typing import Literal
+import threading
+from contextlib import nullcontext
+from typing import ContextManager, Literal
 
 import torch
 
@@ -17,6 +19,16 @@ BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 
 # Read at import, like Triton itself: the kernels in this package are defined right after.
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Triton's interpreter patches triton.language globally while a kernel runs: two threads
+# interpreting at once corrupt each other. Compiled launches need no lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def launch_guard() -> ContextManager:
+    """Hold around a kernel launch: serializes launches under the interpreter, free otherwise."""
+    return _INTERPRETER_LOCK if INTERPRETED else nullcontext()
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "torch"]:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import resolve_backend
+from .backend import launch_guard, resolve_backend
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -134,6 +134,7 @@ def checksum(staging: torch.Tensor, *, backend: str = "auto") -> int:
         block = WORDS_PER_PROGRAM if data.device.type == "cuda" else WORDS_PER_PROGRAM_INTERPRETED
         programs = triton.cdiv(n_words, block)
         partials = torch.empty(programs, dtype=torch.int64, device=data.device)
-        _checksum_kernel[(programs,)](words, n_words, partials, WORDS=block, num_warps=4)
+        with launch_guard():
+            _checksum_kernel[(programs,)](words, n_words, partials, WORDS=block, num_warps=4)
         total = sum(partials.tolist()) & MASK64
     return _finish(total, n_words, tail, data.numel())

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import resolve_backend
+from .backend import launch_guard, resolve_backend
 from .page_table import PageTable, check_block_ids, check_staging
 
 # Words (int32) one program moves per loop iteration on the 16-byte path, and bytes on the
@@ -91,9 +91,10 @@ def _launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, per_chun
     if ids.numel() == 0:
         return
     grid = (ids.numel(), len(table))
-    _copy_pages_kernel[grid](
-        table.device_table(), ids, staging.data_ptr(), per_chunk, table.staging_bytes(per_chunk),
-        PACK=pack, WORDS=words, BYTES=BYTES_PER_ITER, num_warps=num_warps)
+    with launch_guard():
+        _copy_pages_kernel[grid](
+            table.device_table(), ids, staging.data_ptr(), per_chunk, table.staging_bytes(per_chunk),
+            PACK=pack, WORDS=words, BYTES=BYTES_PER_ITER, num_warps=num_warps)
 
 
 # --- pure-torch reference ------------------------------------------------------------------------
