@@ -408,8 +408,9 @@ class SSDStore:
 
         Raises at once (nothing changed): ``TypeError`` / ``ValueError`` for bad input,
         :class:`StoreFull` when not enough slots are free, :class:`StoreClosed`. The Future
-        resolves to the new :class:`ObjectInfo`, to ``None`` if a later write or a delete of the
-        same key overtook this one (nothing of it is kept), or fails with :class:`ObjectWriteError`.
+        resolves to the new :class:`ObjectInfo`; to ``None`` if the key was deleted while this write
+        was in flight or a later write of it committed first (nothing of this one is kept); or fails
+        with :class:`ObjectWriteError`.
         """
         _check_key(key)
         parts = self._split(data)
