@@ -186,6 +186,34 @@ def test_flipped_header_of_a_one_part_object(tmp_path):
         assert store.counters()["corrupt_headers"] == 1
 
 
+def test_unreadable_header_at_open_drops_its_object(tmp_path):
+    data, other = payload(3 * PB, 13), payload(PB, 14)
+    with open_store(tmp_path) as store:
+        info = store.write(b"k", data).result()
+        store.write(b"other", other).result()
+    p = info.parts[1]
+    bad = geometry(SLOTS).header_offset(p.slot)
+    ops = FaultyOps()
+    ops.add(Fault("pread", when=lambda c: c.offset == bad and c.path.endswith(f"nvme{p.drive}/saria-ssd-store.bin"),
+                  error=errno.EIO))
+    with open_store(tmp_path, io_ops=ops) as store:
+        c = store.counters()
+        assert c["io_errors"] == 1 and c["corrupt_headers"] == 1 and c["dropped_at_open"] == 1
+        assert store.keys() == [b"other"] and store.free_parts == store.total_parts - 1
+    assert_clean_reopen(tmp_path, {b"other": other})
+
+
+def test_unreadable_superblock_is_a_start_up_error(tmp_path):
+    with open_store(tmp_path) as store:
+        store.write(b"k", payload(10, 1)).result()
+    ops = FaultyOps()
+    ops.add(Fault("pread", when=lambda c: c.offset == 0 and c.path.endswith("nvme1/saria-ssd-store.bin"),
+                  error=errno.EIO))
+    with pytest.raises(StoreConfigError, match="start-up failed.*Input/output error"):
+        open_store(tmp_path, io_ops=ops)
+    assert_clean_reopen(tmp_path, {b"k": payload(10, 1)})
+
+
 def test_corrupt_superblock_is_refused_at_start_up(tmp_path):
     with open_store(tmp_path) as store:
         store.write(b"k", payload(100, 12)).result()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import threading
@@ -210,8 +211,10 @@ class SSDStore:
                 self._files.append(self._open_drive(d, direct))
             self._recover()
             self._payload = open_payload_io(backend, self._files, part_bytes, self._counters)
-        except BaseException:
+        except BaseException as exc:
             self._shutdown(sync=False)
+            if isinstance(exc, OSError):  # a drive failing while its headers are scanned or written
+                raise StoreConfigError(f"SSD store start-up failed: {exc}") from exc
             raise
 
     # ---------------------------------------------------------------- start-up
@@ -243,8 +246,6 @@ class SSDStore:
                 raise StoreConfigError(f"cannot open {path}: {exc.strerror or exc}") from exc
         f = DriveFile(path, fd, use_direct, self._ops, self._counters, created=not existed)
         try:
-            import fcntl
-
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             f.close()
