@@ -1,8 +1,9 @@
 """Byte movement for the SSD store: the syscall layer, drive files, and the payload backends.
 
-* :class:`IoOps` is the only place a drive file's syscalls happen (open, pread, pwrite, fdatasync,
-  fallocate, ftruncate, close). Tests wrap it to inject ENOSPC, EIO or short transfers at chosen
-  calls; everything above it is the real code.
+* :class:`IoOps` makes the POSIX path's syscalls that open, move, sync or size a drive file (open,
+  pread, pwrite, fdatasync, fallocate, ftruncate, close; only ``fstat`` and ``flock`` are called
+  directly). Tests wrap it to inject ENOSPC, EIO or short transfers at chosen calls; everything
+  above it is the real code. kvikio's own I/O on CUDA tensors does not pass through it.
 * :class:`DriveFile` is one open drive file: whole-buffer reads and writes that resume after short
   transfers, 4 KiB block I/O for headers, per-path byte and time counters.
 * :class:`PosixPayloadIO` moves a part's payload between a drive file and a tensor with
