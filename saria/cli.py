@@ -10,7 +10,7 @@ import sys
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from saria import doctor
 
-    report = doctor.collect()
+    report = doctor.collect(ssd_path=args.ssd_path)
     print(json.dumps(report, indent=2) if args.json else doctor.render(report))
     return 0
 
@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Report what this machine offers saria: torch, triton, CUDA devices, NVML, "
                                    "kvikio, which kernel and storage backends would be used, pinned-memory limits.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--ssd-path", metavar="DIR", default=None,
+                   help="directory to probe for O_DIRECT (the SSD store's drive path; default: the system temp dir)")
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("demo", help="run the main job: doctor, then a kernel round trip on a Qwen3-8B layout",

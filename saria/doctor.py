@@ -7,6 +7,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 from typing import Any
 
 
@@ -89,8 +90,21 @@ def _kvikio_report(cuda: bool) -> dict[str, Any]:
         return {"installed": True, "version": version, "usable": False, "reason": f"import failed: {exc}"}
 
 
-def collect() -> dict[str, Any]:
-    """Everything ``saria doctor`` reports, as plain data."""
+def _ssd_report(path: str) -> dict[str, Any]:
+    """Whether the SSD store could use O_DIRECT in directory ``path`` (it falls back to buffered I/O)."""
+    from saria.dataplane import probe_direct_io
+
+    try:
+        direct = probe_direct_io(path)
+    except OSError as exc:
+        return {"path": path, "o_direct": False, "reason": f"path not usable: {exc.strerror or exc}"}
+    return {"path": path, "o_direct": direct,
+            "reason": "O_DIRECT works" if direct else "filesystem refuses O_DIRECT: buffered I/O fallback"}
+
+
+def collect(ssd_path: str | None = None) -> dict[str, Any]:
+    """Everything ``saria doctor`` reports, as plain data (``ssd_path``: directory to probe for
+    O_DIRECT, default the system temp dir)."""
     from saria import __version__
     from saria.kernels import INTERPRETED, default_backend
 
@@ -113,6 +127,7 @@ def collect() -> dict[str, Any]:
         "nvml": _nvml_report(),
         "kvikio": kvikio_info,
         "storage_backend": "kvikio" if kvikio_info.get("usable") else "posix",
+        "ssd": _ssd_report(ssd_path or tempfile.gettempdir()),
         "pinned_memory": {
             "pinning": "cudaHostRegister" if cuda else "none (no CUDA: host pool is pageable memory)",
             "memlock_soft": _limit(soft),
@@ -156,6 +171,7 @@ def render(report: dict[str, Any]) -> str:
         ("kvikio", kvikio),
         ("storage backend", report["storage_backend"]
          + ("" if report["storage_backend"] == "kvikio" else " (pread/pwrite on a thread pool)")),
+        ("ssd O_DIRECT", f"{report['ssd']['path']}: {report['ssd']['reason']}"),
         ("pinned memory", f"{pin['pinning']}; memlock limit {memlock}; "
                           f"host memory {_gib(pin['mem_available_bytes'])} free of {_gib(pin['mem_total_bytes'])}"),
     ]

@@ -1,0 +1,378 @@
+"""Byte movement for the SSD store: the syscall layer, drive files, and the payload backends.
+
+* :class:`IoOps` makes the POSIX path's syscalls that open, move, sync or size a drive file (open,
+  pread, pwrite, fdatasync, fallocate, ftruncate, close; only ``fstat`` and ``flock`` are called
+  directly). Tests wrap it to inject ENOSPC, EIO or short transfers at chosen calls; everything
+  above it is the real code. kvikio's own I/O on CUDA tensors does not pass through it.
+* :class:`DriveFile` is one open drive file: whole-buffer reads and writes that resume after short
+  transfers, 4 KiB block I/O for headers, per-path byte and time counters.
+* :class:`PosixPayloadIO` moves a part's payload between a drive file and a tensor with
+  ``os.preadv`` / ``os.pwritev`` on memoryviews of the tensor's memory. Under O_DIRECT every buffer
+  address, length and file offset must be a multiple of 4096: an aligned destination gets its whole
+  blocks straight from the file and only the final partial block goes through an aligned
+  (``mmap``) bounce buffer; an unaligned one goes through the bounce buffer entirely. CUDA tensors
+  always go through the bounce buffer and a copy.
+* :class:`KvikioPayloadIO` reads and writes CUDA tensors with ``kvikio.CuFile.pread`` /
+  ``pwrite`` (GPUDirect Storage, or kvikio's POSIX compat mode) and hands CPU tensors to POSIX.
+
+Headers always go through :class:`DriveFile`, so both backends share the header handling,
+verification and index of the store.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+
+from .ssd_counters import SSDCounters
+from .ssd_errors import StoreConfigError
+from .ssd_format import BLOCK, round_up
+
+log = logging.getLogger("saria.dataplane.ssd")
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+BACKENDS = ("auto", "posix", "kvikio")
+
+
+class IoOps:
+    """The syscalls of the POSIX path, one method each (the real ``os`` functions)."""
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pread(self, fd: int, buf: memoryview, offset: int) -> int:
+        """Read up to ``len(buf)`` bytes at ``offset`` into ``buf``; the count read."""
+        return os.preadv(fd, [buf], offset)
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int) -> int:
+        """Write up to ``len(buf)`` bytes of ``buf`` at ``offset``; the count written."""
+        return os.pwritev(fd, [buf], offset)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+
+class ShortTransfer(OSError):
+    """A read or write that stopped making progress (end of file, or repeated zero-length I/O)."""
+
+
+class AlignedBuffer:
+    """``nbytes`` of page-aligned anonymous memory, seen as a memoryview and a uint8 tensor."""
+
+    def __init__(self, nbytes: int):
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+
+class AlignedPool:
+    """Reusable :class:`AlignedBuffer` s of one size (one is made whenever none is free)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self._free: list[AlignedBuffer] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def acquire(self) -> Iterator[AlignedBuffer]:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        buf = buf or AlignedBuffer(self.nbytes)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                self._free.append(buf)
+
+
+def host_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of the bytes of a contiguous uint8 CPU tensor (no copy)."""
+    return memoryview(t.reshape(-1).numpy()).cast("B")
+
+
+class DriveFile:
+    """One open drive file. Transfers move whole buffers or raise; short transfers are resumed
+    (from the last whole block under O_DIRECT) and counted, and OS errors are counted."""
+
+    MAX_STALLS = 3  # consecutive attempts without progress before a transfer is given up
+
+    def __init__(self, path: Path, fd: int, direct: bool, ops: IoOps, counters: SSDCounters,
+                 created: bool = False):
+        self.path = path
+        self.fd = fd
+        self.direct = direct
+        self.created = created  # this process made the file (removed again if it cannot be sized)
+        self._ops = ops
+        self._counters = counters
+        self._blocks = AlignedPool(BLOCK)
+
+    def read_exact(self, buf: memoryview, offset: int) -> None:
+        self._transfer(self._ops.pread, buf, offset, "read")
+
+    def write_exact(self, buf: memoryview, offset: int) -> None:
+        self._transfer(self._ops.pwrite, buf, offset, "write")
+
+    def read_block(self, offset: int) -> bytes:
+        """The 4 KiB block at ``offset`` (through an aligned buffer, so O_DIRECT accepts it)."""
+        with self._blocks.acquire() as b:
+            self.read_exact(b.view, offset)
+            return bytes(b.view)
+
+    def write_block(self, data: bytes, offset: int) -> None:
+        """Write one 4 KiB block (``len(data) == 4096``) at ``offset``."""
+        with self._blocks.acquire() as b:
+            b.view[:] = data
+            self.write_exact(b.view, offset)
+
+    def sync(self) -> None:
+        self._call(self._ops.fdatasync, self.fd)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def allocated_bytes(self) -> int:
+        return os.fstat(self.fd).st_blocks * 512
+
+    def fallocate(self, length: int) -> None:
+        self._call(self._ops.fallocate, self.fd, 0, length)
+
+    def truncate(self, length: int) -> None:
+        self._call(self._ops.ftruncate, self.fd, length)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            self._ops.close(fd)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError:
+            self._counters.add(io_errors=1)
+            raise
+
+    def _transfer(self, op, buf: memoryview, offset: int, kind: str) -> None:
+        n, done, stalls = len(buf), 0, 0
+        start = time.perf_counter()
+        while done < n:
+            got = self._call(op, self.fd, buf[done:], offset + done)
+            if got >= n - done:
+                break
+            self._counters.add(**{f"short_{kind}s": 1})
+            if got == 0 and kind == "read":
+                raise ShortTransfer(errno.EIO, f"{self.path}: read hit end of file at offset {offset + done} "
+                                               f"({n - done} of {n} bytes missing; file truncated?)")
+            advanced = done + got
+            if self.direct:  # O_DIRECT needs block-aligned offsets: redo the partial block
+                advanced -= advanced % BLOCK
+            stalls = 0 if advanced > done else stalls + 1
+            if stalls >= self.MAX_STALLS:
+                raise ShortTransfer(errno.EIO, f"{self.path}: {kind} at offset {offset} stalled after "
+                                               f"{done} of {n} bytes ({stalls} attempts without progress)")
+            self._counters.add(retries=1)
+            done = advanced
+        self._counters.add_io(str(self.path), kind, n, time.perf_counter() - start)
+
+
+def probe_direct_io(path: str | os.PathLike, ops: IoOps | None = None) -> bool:
+    """Can the filesystem holding directory ``path`` do O_DIRECT I/O?
+
+    Writes one aligned 4 KiB block with O_DIRECT to a temporary file in ``path``, reads it back and
+    removes the file. ``False`` when the filesystem refuses O_DIRECT (EINVAL at open or on I/O);
+    ``OSError`` when ``path`` is not a usable directory (missing, not a directory, not writable).
+    """
+    ops = ops or IoOps()
+    directory = Path(path)
+    if not directory.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory" if directory.exists() else "no such directory",
+                                 str(directory))
+    if not O_DIRECT:
+        return False
+    fd_tmp, name = tempfile.mkstemp(prefix=".saria-odirect-probe-", dir=directory)
+    os.close(fd_tmp)
+    fd = -1
+    try:
+        try:
+            fd = ops.open(name, os.O_RDWR | O_DIRECT | os.O_CLOEXEC)
+            buf = AlignedBuffer(BLOCK)
+            buf.view[:] = bytes(range(256)) * (BLOCK // 256)
+            if ops.pwrite(fd, buf.view, 0) != BLOCK:
+                return False
+            back = AlignedBuffer(BLOCK)
+            return ops.pread(fd, back.view, 0) == BLOCK and back.view == buf.view
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+    finally:
+        if fd >= 0:
+            ops.close(fd)
+        os.unlink(name)
+
+
+class PayloadIO(Protocol):
+    """Moves the ``length`` payload bytes of one part between a drive file and a tensor."""
+
+    name: str
+
+    def read_payload(self, drive: int, offset: int, dest: torch.Tensor, length: int) -> None: ...
+
+    def write_payload(self, drive: int, offset: int, src: torch.Tensor, length: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PosixPayloadIO:
+    """Payload I/O with pread/pwrite through :class:`DriveFile` (see the module docstring)."""
+
+    name = "posix"
+
+    def __init__(self, files: list[DriveFile], part_bytes: int):
+        self._files = files
+        self._bounce = AlignedPool(part_bytes)
+
+    def read_payload(self, drive: int, offset: int, dest: torch.Tensor, length: int) -> None:
+        f = self._files[drive]
+        if dest.device.type != "cpu":
+            with self._bounce.acquire() as b:
+                f.read_exact(b.view[:round_up(length) if f.direct else length], offset)
+                dest[:length].copy_(b.tensor[:length])
+            return
+        view = host_view(dest)[:length]
+        if not f.direct:
+            f.read_exact(view, offset)
+            return
+        head = length - length % BLOCK if dest.data_ptr() % BLOCK == 0 else 0
+        if head:
+            f.read_exact(view[:head], offset)
+        if head < length:
+            with self._bounce.acquire() as b:
+                f.read_exact(b.view[:round_up(length - head)], offset + head)
+                view[head:] = b.view[:length - head]
+
+    def write_payload(self, drive: int, offset: int, src: torch.Tensor, length: int) -> None:
+        f = self._files[drive]
+        if src.device.type != "cpu":
+            with self._bounce.acquire() as b:
+                b.tensor[:length].copy_(src[:length])
+                size = length
+                if f.direct:
+                    size = round_up(length)
+                    b.tensor[length:size].zero_()
+                f.write_exact(b.view[:size], offset)
+            return
+        view = host_view(src)[:length]
+        if not f.direct:
+            f.write_exact(view, offset)
+            return
+        head = length - length % BLOCK if src.data_ptr() % BLOCK == 0 else 0
+        if head:
+            f.write_exact(view[:head], offset)
+        if head < length:
+            rest, size = length - head, round_up(length - head)
+            with self._bounce.acquire() as b:
+                b.view[:rest] = view[head:]
+                b.tensor[rest:size].zero_()
+                f.write_exact(b.view[:size], offset + head)
+
+    def close(self) -> None:
+        pass
+
+
+class KvikioPayloadIO:
+    """Payload I/O for CUDA tensors with kvikio 26.x ``CuFile`` (GDS, or kvikio's compat mode);
+    CPU tensors go to the POSIX backend. Needs CUDA: kvikio loads libcuda even in compat mode."""
+
+    name = "kvikio"
+
+    def __init__(self, paths: list[Path], posix: PosixPayloadIO, counters: SSDCounters):
+        import kvikio
+        import kvikio.defaults
+
+        self._posix = posix
+        self._counters = counters
+        self._paths = [str(p) for p in paths]
+        try:
+            self.compat_mode = str(kvikio.defaults.get("compat_mode"))
+        except Exception:  # older kvikio spelled it compat_mode(); the value is informational only
+            self.compat_mode = "unknown"
+        self._files = []
+        try:
+            for p in self._paths:
+                self._files.append(kvikio.CuFile(p, "r+"))  # "r+": read/write, no truncation
+        except BaseException:
+            self.close()
+            raise
+
+    def read_payload(self, drive: int, offset: int, dest: torch.Tensor, length: int) -> None:
+        if dest.device.type != "cuda":
+            return self._posix.read_payload(drive, offset, dest, length)
+        self._run("read", drive, lambda f: f.pread(dest[:length], length, offset), length)
+
+    def write_payload(self, drive: int, offset: int, src: torch.Tensor, length: int) -> None:
+        if src.device.type != "cuda":
+            return self._posix.write_payload(drive, offset, src, length)
+        self._run("write", drive, lambda f: f.pwrite(src[:length], length, offset), length)
+
+    def _run(self, kind: str, drive: int, submit, length: int) -> None:
+        start = time.perf_counter()
+        try:
+            done = submit(self._files[drive]).get()
+        except (RuntimeError, OSError) as exc:  # kvikio raises RuntimeError for cuFile / POSIX errors
+            self._counters.add(io_errors=1)
+            raise OSError(errno.EIO, f"kvikio {kind} on {self._paths[drive]} failed: {exc}") from exc
+        if done != length:
+            self._counters.add(**{f"short_{kind}s": 1})
+            raise ShortTransfer(errno.EIO, f"kvikio {kind} on {self._paths[drive]} moved {done} of {length} bytes")
+        self._counters.add_io(self._paths[drive], kind, length, time.perf_counter() - start)
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files = []
+
+
+def open_payload_io(backend: str, files: list[DriveFile], part_bytes: int,
+                    counters: SSDCounters) -> PayloadIO:
+    """The payload backend for ``backend`` (``auto``: kvikio when CUDA and kvikio are both there,
+    else POSIX). Asking for ``kvikio`` where it cannot run is a :class:`StoreConfigError`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    posix = PosixPayloadIO(files, part_bytes)
+    if backend == "posix":
+        return posix
+    if not torch.cuda.is_available():
+        if backend == "kvikio":
+            raise StoreConfigError("backend='kvikio' needs CUDA: kvikio loads libcuda even in compat mode, and "
+                                   "this machine has no usable CUDA device; use backend='posix' or 'auto'")
+        return posix
+    try:
+        return KvikioPayloadIO([f.path for f in files], posix, counters)
+    except ImportError as exc:
+        if backend == "kvikio":
+            raise StoreConfigError(f"backend='kvikio' but kvikio is not importable ({exc}); "
+                                   "install saria[gds] or use backend='posix'") from exc
+    except Exception as exc:
+        if backend == "kvikio":
+            raise StoreConfigError(f"kvikio could not open the drive files: {exc}") from exc
+        log.warning("kvikio unusable (%s); SSD store falls back to POSIX", exc)
+    return posix

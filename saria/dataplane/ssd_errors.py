@@ -1,0 +1,59 @@
+"""Exceptions of the SSD store: start-up errors, refusals, and per-object failures.
+
+Start-up problems (a bad path, a file that cannot be preallocated, a file of another format) raise
+:class:`StoreConfigError` from the constructor. At run time a refusal (:class:`StoreFull`,
+:class:`ObjectNotFound`, :class:`StoreClosed`) is raised by the call itself, before anything
+changes; an I/O or verification failure reaches the caller through the operation's Future.
+"""
+
+from __future__ import annotations
+
+
+class SSDStoreError(Exception):
+    """Base class of every error the SSD store raises on purpose."""
+
+
+class StoreConfigError(SSDStoreError):
+    """The store cannot start: bad path, preallocation failure, foreign or mismatched file, backend."""
+
+
+class StoreClosed(SSDStoreError):
+    """The store was closed; no new operation is accepted."""
+
+
+class StoreFull(SSDStoreError):
+    """Not enough free slots for an object; nothing was changed."""
+
+
+class ObjectNotFound(SSDStoreError, KeyError):
+    """No committed object under this key."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class ObjectWriteError(SSDStoreError):
+    """Writing an object failed (ENOSPC, EIO, short write, ...); nothing of it is served.
+
+    ``errno`` is the OS error number when the cause was an ``OSError``, else ``None``.
+    """
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
+class ObjectReadError(SSDStoreError):
+    """A read failed; the object was dropped from the store (its copy is not trusted any more)."""
+
+
+class ObjectUnreadable(ObjectReadError):
+    """An I/O error, or a short read that could not be completed. ``errno`` as in ObjectWriteError."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
+class ObjectCorrupt(ObjectReadError):
+    """A part's bytes do not match the checksum recorded when it was written."""

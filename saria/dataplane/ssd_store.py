@@ -1,0 +1,743 @@
+"""The SSD store: opaque objects striped over one preallocated file per drive, found again after a
+restart, verified on every read, never served when their bytes are not the ones written.
+
+An object (``key``: up to 64 bytes, e.g. chunk hash + object kind) is a list of parts of
+``part_bytes`` (the last one may be shorter); part ``i`` lands in a free slot on drive
+``(start + i) % D`` (see :class:`~saria.dataplane.ssd_alloc.SlotAllocator`), so the parts of one
+object are read in parallel from several drives. The on-disk format is in ``ssd_format``.
+
+Write protocol (one Future per object, on the writer pool):
+
+1. allocate one free slot per part (free slots always have an erased, i.e. all-zero, header);
+2. write every payload in parallel (checksums computed with ``saria.kernels.checksum`` on the
+   source's device when the caller did not pass them);
+3. ``fdatasync`` each touched drive file (``durable=True``);
+4. write the committed headers, then ``fdatasync`` again: the committed header is the commit marker;
+5. publish the object in the index. A failure anywhere erases what was written, frees the slots,
+   counts the error and fails the Future with :class:`ObjectWriteError`: nothing of it is served.
+
+Reads pin the object (a delete or overwrite waits for its readers before its slots are reused),
+read each part straight into the destination on the reader pool, and check each part's checksum
+on the destination's device. A mismatch, an I/O error or a short read that cannot be completed
+fails the Future (:class:`ObjectCorrupt` / :class:`ObjectUnreadable`) and drops the object: its
+headers are erased and its slots freed.
+
+At open every slot header is scanned; each key's newest complete generation is served, and
+everything else (half-committed writes, torn or flipped headers, parts beyond the end of a
+truncated file, older generations) is erased and counted (``dropped_at_open``,
+``corrupt_headers``). A truncated drive file is re-extended; a file of another ``part_bytes`` or
+format is refused with :class:`StoreConfigError`.
+
+Durability: with ``durable=True`` a write's Future completes only after its headers are synced.
+Deletes and the erasures that free slots are not synced on their own (the next write's sync or
+``close`` syncs them); a crash before that can bring a deleted object back, whole and verified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from saria.kernels import checksum, resolve_backend
+
+from .ssd_alloc import SlotAllocator
+from .ssd_backends import DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
+from .ssd_counters import SSDCounters
+from .ssd_errors import (ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable, ObjectWriteError,
+                         StoreClosed, StoreConfigError, StoreFull)
+from .ssd_format import (BLOCK, EMPTY_HEADER, FILE_NAME, HEADER_BYTES, MAX_KEY_BYTES, SUPERBLOCK_BYTES, Geometry,
+                         SlotHeader, SuperBlock, decode_header)
+from .ssd_index import ObjectInfo, PartLocation, assemble
+
+log = logging.getLogger("saria.dataplane.ssd")
+
+CHECKSUM_LIMIT = 1 << 64
+
+
+class _Checksummer:
+    """``saria.kernels.checksum``, serialized where it runs under Triton's interpreter (CPU tensors
+    with TRITON_INTERPRET=1): the interpreter patches ``triton.language`` globally and is not
+    thread-safe. Compiled kernels (CUDA) and the torch reference run concurrently."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __call__(self, data: torch.Tensor) -> int:
+        if data.device.type == "cpu" and resolve_backend("auto", data.device) == "triton":
+            with self._lock:
+                return checksum(data)
+        return checksum(data)
+
+
+class _WorkerStreams:
+    """A side CUDA stream per worker thread and device: the store's copies and checksums on CUDA
+    tensors neither queue behind the caller's streams nor hold them up (each worker waits only for
+    its own stream, when the checksum returns)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def on(self, t: torch.Tensor) -> contextlib.AbstractContextManager:
+        if t.device.type != "cuda":
+            return contextlib.nullcontext()
+        streams = self._local.__dict__.setdefault("streams", {})
+        if t.device not in streams:
+            streams[t.device] = torch.cuda.Stream(t.device)
+        return torch.cuda.stream(streams[t.device])
+
+
+@dataclass
+class _Entry:
+    """An indexed object, its read pins, and whether it left the index (slots freed at pins == 0)."""
+
+    info: ObjectInfo
+    pins: int = 0
+    dead: bool = False
+
+
+class _Gather:
+    """Completion of ``n`` part tasks: the first error wins; the last task to finish runs ``done``."""
+
+    def __init__(self, n: int):
+        self.remaining = n
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def finish_part(self, error: BaseException | None) -> bool:
+        """Record one part's outcome; ``True`` for the caller that finished the last part."""
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.remaining -= 1
+            return self.remaining == 0
+
+
+def _check_key(key: Any) -> bytes:
+    if not isinstance(key, bytes):
+        raise TypeError(f"key must be bytes, got {type(key).__name__}")
+    if not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def _check_tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.uint8:
+        raise ValueError(f"{what} must be uint8, got {t.dtype}")
+    if t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous tensor")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} must be on CPU or CUDA, not {t.device}")
+    return t.reshape(-1)
+
+
+def _ready_events(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Events on the caller's current CUDA streams, so workers touch CUDA memory only after the
+    caller's queued work on it (producing a source, or still reading a destination) is done."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return [torch.cuda.current_stream(d).record_event() for d in devices]
+
+
+class SSDStore:
+    """Objects on NVMe drives, one preallocated file per drive path (module docstring).
+
+    Args:
+        paths: one existing, writable directory per drive; the store keeps ``saria-ssd-store.bin``
+            in each (created and preallocated when missing, locked while open).
+        capacity_bytes_per_drive: size of each drive file; it holds
+            ``(capacity - 4096) // (4096 + part_bytes)`` slots.
+        part_bytes: payload bytes per slot, the striping unit (a multiple of 4096).
+        backend: ``"auto"`` (kvikio when CUDA and kvikio are there, else POSIX), ``"posix"``, or
+            ``"kvikio"`` (an error where it cannot run).
+        direct: O_DIRECT policy: ``"auto"`` (use it where the filesystem allows it), ``True``
+            (required: an error where refused), ``False`` (buffered I/O).
+        durable: ``fdatasync`` payloads before headers and headers before a write completes.
+        read_threads, write_threads: sizes of the separate reader and writer pools.
+        io_ops: the syscall layer (default the real ``os`` calls); tests pass a wrapper to inject faults.
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike], capacity_bytes_per_drive: int,
+                 part_bytes: int = 4 << 20, *, backend: str = "auto", direct: bool | str = "auto",
+                 durable: bool = True, read_threads: int = 8, write_threads: int = 2,
+                 io_ops: IoOps | None = None):
+        if isinstance(paths, (str, os.PathLike)) or not len(paths):
+            raise ValueError("paths must be a non-empty list of directories, one per drive")
+        if not isinstance(part_bytes, int) or part_bytes < BLOCK or part_bytes % BLOCK:
+            raise ValueError(f"part_bytes must be a positive multiple of {BLOCK}, got {part_bytes}")
+        if direct not in ("auto", True, False):
+            raise ValueError(f"direct must be 'auto', True or False, got {direct!r}")
+        if read_threads < 1 or write_threads < 1:
+            raise ValueError("read_threads and write_threads must be >= 1")
+        self._geometry = Geometry.for_capacity(int(capacity_bytes_per_drive), part_bytes)
+        if self._geometry.slots < 1:
+            raise ValueError(f"capacity_bytes_per_drive={capacity_bytes_per_drive} holds no slot: one needs "
+                             f"{SUPERBLOCK_BYTES + HEADER_BYTES + part_bytes} bytes with part_bytes={part_bytes}")
+        dirs = [Path(p) for p in paths]
+        if len({os.path.realpath(d) for d in dirs}) != len(dirs):
+            raise ValueError(f"paths must be distinct directories, got {[str(d) for d in dirs]}")
+        self._durable = bool(durable)
+        self._ops = io_ops or IoOps()
+        self._counters = SSDCounters()
+        self._checksum = _Checksummer()
+        self._streams = _WorkerStreams()
+        self._lock = threading.Lock()
+        self._index: dict[bytes, _Entry] = {}
+        self._pending: dict[bytes, int] = {}  # writes in flight per key
+        self._tombstones: dict[bytes, int] = {}  # key -> in-flight writes below this generation are void
+        self._quarantined: set[tuple[int, int]] = set()  # slots whose header could not be erased
+        self._closed = False
+        self._files: list[DriveFile] = []
+        self._payload: PayloadIO | None = None
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="saria-ssd-read")
+        self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="saria-ssd-write")
+        try:
+            for d in dirs:
+                self._files.append(self._open_drive(d, direct))
+            self._recover()
+            self._payload = open_payload_io(backend, self._files, part_bytes, self._counters)
+        except BaseException as exc:
+            self._shutdown(sync=False)
+            if isinstance(exc, OSError):  # a drive failing while its headers are scanned or written
+                raise StoreConfigError(f"SSD store start-up failed: {exc}") from exc
+            raise
+
+    # ---------------------------------------------------------------- start-up
+
+    def _open_drive(self, directory: Path, direct: bool | str) -> DriveFile:
+        if not directory.exists():
+            raise StoreConfigError(f"SSD path {directory} does not exist")
+        if not directory.is_dir():
+            raise StoreConfigError(f"SSD path {directory} is not a directory")
+        path = directory / FILE_NAME
+        use_direct = False
+        if direct is not False:
+            try:
+                use_direct = probe_direct_io(directory, self._ops)
+            except OSError as exc:
+                raise StoreConfigError(f"SSD path {directory} is not usable: {exc.strerror or exc}") from exc
+            if direct is True and not use_direct:
+                raise StoreConfigError(f"direct=True but the filesystem of {directory} refuses O_DIRECT "
+                                       "(use direct='auto' to fall back to buffered I/O)")
+        existed = path.exists()
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (O_DIRECT if use_direct else 0)
+        try:
+            fd = self._ops.open(str(path), flags, 0o644)
+        except OSError as exc:
+            if use_direct and exc.errno == errno.EINVAL and direct == "auto":
+                use_direct = False
+                fd = self._open_plain(path, flags & ~O_DIRECT)
+            else:
+                raise StoreConfigError(f"cannot open {path}: {exc.strerror or exc}") from exc
+        f = DriveFile(path, fd, use_direct, self._ops, self._counters, created=not existed)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            f.close()
+            raise StoreConfigError(f"{path} is in use by another SSD store (locked)") from exc
+        log.info("SSD drive %s: %s I/O", path, "O_DIRECT" if use_direct else "buffered")
+        return f
+
+    def _open_plain(self, path: Path, flags: int) -> int:
+        try:
+            return self._ops.open(str(path), flags, 0o644)
+        except OSError as exc:
+            raise StoreConfigError(f"cannot open {path}: {exc.strerror or exc}") from exc
+
+    def _recover(self) -> None:
+        """Scan every drive's headers, rebuild the index, erase what is not served, size the files."""
+        g = self._geometry
+        scans = list(self._readers.map(self._scan_drive, range(len(self._files))))
+        headers = [h for scan in scans for h in scan[0]]
+        rec = assemble(headers, g.part_bytes)
+        erase = [(d, s) for d, s in rec.erase if s < g.slots]
+        for key, info in list(rec.objects.items()):  # parts cut off by a smaller capacity
+            if any(p.slot >= g.slots for p in info.parts):
+                del rec.objects[key]
+                rec.dropped_objects += 1
+                erase.extend((p.drive, p.slot) for p in info.parts if p.slot < g.slots)
+        for d, (_, corrupt, partial) in enumerate(scans):
+            erase.extend((d, s) for s in corrupt + partial if s < g.slots)
+        for f in self._files:
+            self._size_file(f)
+        failed = {(d, s) for d, s in erase if not self._erase_header(d, s)}
+        self._quarantined |= failed
+        for f in self._files:
+            f.write_block(SuperBlock(g.part_bytes, g.slots).encode(), 0)
+            if self._durable:
+                f.sync()
+        used = {(p.drive, p.slot) for info in rec.objects.values() for p in info.parts} | failed
+        self._alloc = SlotAllocator([[s for s in range(g.slots) if (d, s) not in used]
+                                     for d in range(len(self._files))])
+        self._index = {k: _Entry(info) for k, info in rec.objects.items()}
+        self._next_gen = rec.max_generation + 1
+        self._counters.add(dropped_at_open=rec.dropped_objects,
+                           corrupt_headers=sum(len(scan[1]) for scan in scans))
+        if rec.dropped_objects:
+            log.warning("SSD store: %d object(s) dropped at open (incomplete, inconsistent or stale)",
+                        rec.dropped_objects)
+
+    def _scan_drive(self, drive: int) -> tuple[list[tuple[int, int, SlotHeader]], list[int], list[int]]:
+        """Committed headers ``(drive, slot, header)``, corrupt slots, and the slot cut mid-payload."""
+        f, g = self._files[drive], self._geometry
+        size = f.size()
+        if size < SUPERBLOCK_BYTES:
+            return [], [], []
+        try:
+            sb = SuperBlock.decode(f.read_block(0))
+        except ValueError as exc:
+            raise StoreConfigError(f"{f.path} is not a usable saria SSD store file: {exc} "
+                                   "(remove it to start an empty store)") from exc
+        if sb is not None and sb.part_bytes != g.part_bytes:
+            raise StoreConfigError(f"{f.path} was formatted with part_bytes={sb.part_bytes}, the store was "
+                                   f"opened with part_bytes={g.part_bytes} (remove the file to reformat)")
+        whole = g.whole_slots_in(size)
+        if sb is not None and whole < sb.slots:
+            log.warning("SSD drive file %s is truncated: %d of its %d slots remain", f.path, whole, sb.slots)
+            self._counters.add(truncated_slots=sb.slots - whole)
+        found, corrupt = [], []
+        for s in range(whole):
+            try:
+                h = decode_header(f.read_block(g.header_offset(s)))
+            except ValueError as exc:
+                log.warning("SSD drive file %s slot %d: %s", f.path, s, exc)
+                corrupt.append(s)
+                continue
+            except OSError as exc:
+                log.warning("SSD drive file %s slot %d header unreadable: %s", f.path, s, exc)
+                corrupt.append(s)
+                continue
+            if h is not None:
+                found.append((drive, s, h))
+        partial = [whole] if g.header_offset(whole) < size else []
+        return found, corrupt, partial
+
+    def _size_file(self, f: DriveFile) -> None:
+        """Make ``f`` exactly the configured size, fully allocated (clear error if it cannot be)."""
+        want = self._geometry.file_bytes
+        if f.size() > want:
+            f.truncate(want)
+        missing = want - f.allocated_bytes()
+        try:
+            st = os.statvfs(f.path.parent)
+            free = st.f_bavail * st.f_frsize
+            if missing > free:
+                raise OSError(errno.ENOSPC, f"needs {missing} more bytes, {free} free")
+            f.fallocate(want)
+        except OSError as exc:
+            if f.created:
+                f.path.unlink(missing_ok=True)
+            raise StoreConfigError(f"cannot preallocate {want} bytes for {f.path}: "
+                                   f"{exc.strerror or exc} (errno {exc.errno})") from exc
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def paths(self) -> list[Path]:
+        """The drive files, in drive order."""
+        return [f.path for f in self._files]
+
+    @property
+    def part_bytes(self) -> int:
+        return self._geometry.part_bytes
+
+    @property
+    def backend_name(self) -> str:
+        """``"posix"`` or ``"kvikio"``: the payload backend in use."""
+        assert self._payload is not None
+        return self._payload.name
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether every drive file uses O_DIRECT (``False``: buffered I/O on at least one)."""
+        return all(f.direct for f in self._files)
+
+    @property
+    def total_parts(self) -> int:
+        """Slots in the store (each holds one part)."""
+        return self._geometry.slots * len(self._files)
+
+    @property
+    def free_parts(self) -> int:
+        """Slots free now (slots of objects being read after a delete are freed when reads end)."""
+        with self._lock:
+            return self._alloc.free
+
+    def counters(self) -> dict[str, Any]:
+        """A snapshot of the counters (:class:`~saria.dataplane.ssd_counters.SSDCounters`)."""
+        return self._counters.snapshot()
+
+    def contains(self, key: bytes) -> bool:
+        _check_key(key)
+        with self._lock:
+            return key in self._index
+
+    def info(self, key: bytes) -> ObjectInfo | None:
+        """Where the committed object under ``key`` lives, or ``None``."""
+        _check_key(key)
+        with self._lock:
+            entry = self._index.get(key)
+            return entry.info if entry else None
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    def write(self, key: bytes, data: torch.Tensor | Sequence[torch.Tensor],
+              checksums: Sequence[int] | None = None) -> "Future[ObjectInfo | None]":
+        """Store ``data`` under ``key``; the Future resolves once the object is committed.
+
+        ``data`` is a contiguous uint8 tensor (cut into parts of ``part_bytes``) or a list of
+        per-part tensors (every part ``part_bytes`` long except the last, e.g. host pool slots).
+        ``checksums`` are the parts' ``saria.kernels.checksum`` values if the caller has them
+        (they are trusted, not recomputed). The source must stay unchanged until the Future is done.
+
+        Raises at once (nothing changed): ``TypeError`` / ``ValueError`` for bad input,
+        :class:`StoreFull` when not enough slots are free, :class:`StoreClosed`. The Future
+        resolves to the new :class:`ObjectInfo`; to ``None`` if the key was deleted while this write
+        was in flight or a later write of it committed first (nothing of this one is kept); or fails
+        with :class:`ObjectWriteError`.
+        """
+        _check_key(key)
+        parts = self._split(data)
+        sums = self._check_checksums(checksums, len(parts))
+        with self._lock:
+            self._check_open()
+            try:
+                slots = self._alloc.allocate(len(parts))
+            except StoreFull:
+                self._counters.add(store_full=1)
+                raise
+            generation = self._next_gen
+            self._next_gen += 1
+            self._pending[key] = self._pending.get(key, 0) + 1
+        job = _WriteJob(self, key, generation, parts, slots, sums, _ready_events(parts))
+        for i in range(len(parts)):
+            self._writers.submit(job.write_part, i)
+        return job.future
+
+    def read(self, key: bytes, out: torch.Tensor | Sequence[torch.Tensor]) -> "Future[ObjectInfo]":
+        """Read the object under ``key`` into ``out``; the Future resolves to its :class:`ObjectInfo`.
+
+        ``out`` is a contiguous uint8 tensor (CPU or CUDA) of at least the object's length (part
+        ``i`` lands at ``i * part_bytes``; bytes past the object are not touched) or a list of
+        per-part tensors, each at least that part's length. ``out`` must not be used until the
+        Future is done; on CUDA the read waits for work already queued on the caller's stream.
+
+        Raises at once: :class:`ObjectNotFound`, ``TypeError`` / ``ValueError`` for a bad ``out``,
+        :class:`StoreClosed`. The Future fails with :class:`ObjectCorrupt` (checksum mismatch) or
+        :class:`ObjectUnreadable` (I/O error, short read), and the object is then dropped.
+        """
+        _check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._index.get(key)
+            if entry is None:
+                raise ObjectNotFound(f"no object under key {key.hex()}")
+            entry.pins += 1
+        try:
+            dests = self._read_targets(entry.info, out)
+        except BaseException:
+            self._unpin(entry)
+            raise
+        job = _ReadJob(self, entry, dests, _ready_events(dests))
+        for i in range(len(dests)):
+            self._readers.submit(job.read_part, i)
+        return job.future
+
+    def delete(self, key: bytes) -> bool:
+        """Remove ``key`` (and void writes of it still in flight). ``True`` if there was anything.
+
+        Its headers are erased and its slots freed now, or when the last read in progress ends.
+        """
+        _check_key(key)
+        with self._lock:
+            self._check_open()
+            entry = self._index.pop(key, None)
+            pending = key in self._pending
+            if pending:
+                self._tombstones[key] = self._next_gen
+            release = entry is not None and self._retire(entry)
+        if release:
+            self._release(entry.info.parts)
+        return entry is not None or pending
+
+    def close(self) -> None:
+        """Wait for reads and writes in flight, sync (``durable``), close the files. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._shutdown(sync=self._durable)
+
+    def __enter__(self) -> "SSDStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _shutdown(self, sync: bool) -> None:
+        self._closed = True
+        self._readers.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
+        try:
+            if sync:
+                for f in self._files:
+                    f.sync()
+        finally:
+            if self._payload is not None:
+                self._payload.close()
+            for f in self._files:
+                f.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the SSD store is closed")
+
+    def _split(self, data: Any) -> list[torch.Tensor]:
+        pb = self._geometry.part_bytes
+        if isinstance(data, torch.Tensor):
+            flat = _check_tensor(data, "data")
+            if flat.numel() == 0:
+                raise ValueError("data is empty: an object has at least one byte")
+            parts = list(flat.split(pb))
+        elif isinstance(data, (list, tuple)):
+            if not data:
+                raise ValueError("data is an empty list of parts")
+            parts = [_check_tensor(t, f"data[{i}]") for i, t in enumerate(data)]
+            for i, t in enumerate(parts):
+                last = i == len(parts) - 1
+                if (not last and t.numel() != pb) or not 0 < t.numel() <= pb:
+                    raise ValueError(f"data[{i}] has {t.numel()} bytes: every part but the last must have "
+                                     f"part_bytes={pb} and the last 1..{pb}")
+        else:
+            raise TypeError(f"data must be a uint8 tensor or a list of them, got {type(data).__name__}")
+        return parts
+
+    @staticmethod
+    def _check_checksums(checksums: Any, n: int) -> list[int | None]:
+        if checksums is None:
+            return [None] * n
+        sums = list(checksums)
+        if len(sums) != n or not all(isinstance(c, int) and 0 <= c < CHECKSUM_LIMIT for c in sums):
+            raise ValueError(f"checksums must be {n} integers in [0, 2**64), one per part")
+        return sums
+
+    def _read_targets(self, info: ObjectInfo, out: Any) -> list[torch.Tensor]:
+        pb = self._geometry.part_bytes
+        if isinstance(out, torch.Tensor):
+            flat = _check_tensor(out, "out")
+            if flat.numel() < info.length:
+                raise ValueError(f"out has {flat.numel()} bytes, the object has {info.length}")
+            return [flat[i * pb:i * pb + p.length] for i, p in enumerate(info.parts)]
+        if isinstance(out, (list, tuple)):
+            if len(out) != len(info.parts):
+                raise ValueError(f"out has {len(out)} tensors, the object has {len(info.parts)} parts")
+            dests = []
+            for i, (t, p) in enumerate(zip(out, info.parts)):
+                flat = _check_tensor(t, f"out[{i}]")
+                if flat.numel() < p.length:
+                    raise ValueError(f"out[{i}] has {flat.numel()} bytes, part {i} has {p.length}")
+                dests.append(flat[:p.length])
+            return dests
+        raise TypeError(f"out must be a uint8 tensor or a list of them, got {type(out).__name__}")
+
+    def _retire(self, entry: _Entry) -> bool:
+        """Under the lock: mark ``entry`` out of the index; ``True`` if its slots can go now."""
+        entry.dead = True
+        return entry.pins == 0
+
+    def _unpin(self, entry: _Entry, drop: bool = False) -> None:
+        """End one read of ``entry``; ``drop`` removes it from the index (its copy is bad)."""
+        with self._lock:
+            if drop and self._index.get(entry.info.key) is entry:
+                del self._index[entry.info.key]
+                entry.dead = True
+            entry.pins -= 1
+            release = entry.dead and entry.pins == 0
+        if release:
+            self._release(entry.info.parts)
+
+    def _erase_header(self, drive: int, slot: int) -> bool:
+        try:
+            self._files[drive].write_block(EMPTY_HEADER, self._geometry.header_offset(slot))
+            return True
+        except OSError as exc:
+            log.warning("SSD drive file %s slot %d: header not erased (%s); slot set aside until restart",
+                        self._files[drive].path, slot, exc)
+            return False
+
+    def _release(self, parts: Sequence[PartLocation] | Sequence[tuple[int, int]]) -> None:
+        """Erase the headers of these slots and free them (a slot that cannot be erased is set aside)."""
+        slots = [(p.drive, p.slot) if isinstance(p, PartLocation) else p for p in parts]
+        ok = [s for s in slots if self._erase_header(*s)]
+        with self._lock:
+            self._alloc.release(ok)
+            self._quarantined.update(set(slots) - set(ok))
+
+    def _finish_write(self, key: bytes, generation: int, info: ObjectInfo | None) -> ObjectInfo | None:
+        """Publish a written object (``None``: it failed). ``None`` back if it was overtaken."""
+        old = None
+        with self._lock:
+            n = self._pending[key] - 1
+            if n:
+                self._pending[key] = n
+            else:
+                del self._pending[key]
+            current = self._index.get(key)
+            void = info is None or generation < self._tombstones.get(key, -1) or (
+                current is not None and current.info.generation > generation)
+            if not n:
+                self._tombstones.pop(key, None)
+            if not void:
+                self._index[key] = _Entry(info)
+                if current is not None and self._retire(current):
+                    old = current
+        if info is not None and void:
+            self._release(info.parts)
+            return None
+        if old is not None:
+            self._release(old.info.parts)
+        return info
+
+
+class _WriteJob:
+    """One object's write: payload tasks on the writer pool, then sync, headers, sync, publish."""
+
+    def __init__(self, store: SSDStore, key: bytes, generation: int, parts: list[torch.Tensor],
+                 slots: list[tuple[int, int]], sums: list[int | None], events: list[Any]):
+        self.store, self.key, self.generation = store, key, generation
+        self.parts, self.slots, self.sums, self.events = parts, slots, sums, events
+        self.gather = _Gather(len(parts))
+        self.future: Future = Future()
+        self.future.set_running_or_notify_cancel()
+
+    def write_part(self, i: int) -> None:
+        store, error = self.store, None
+        try:
+            if not self.gather.failed:
+                for e in self.events:
+                    e.synchronize()
+                drive, slot = self.slots[i]
+                with store._streams.on(self.parts[i]):
+                    if self.sums[i] is None:
+                        self.sums[i] = store._checksum(self.parts[i])
+                    store._payload.write_payload(drive, store._geometry.payload_offset(slot), self.parts[i],
+                                                 self.parts[i].numel())
+        except BaseException as exc:
+            error = exc
+        if self.gather.finish_part(error):
+            self._commit()
+
+    def _commit(self) -> None:
+        store, g = self.store, self.store._geometry
+        drives = sorted({d for d, _ in self.slots})
+        headers_started = False
+        error = self.gather.error
+        try:
+            if error is None:
+                if store._durable:
+                    for d in drives:
+                        store._files[d].sync()
+                length = sum(t.numel() for t in self.parts)
+                headers_started = True
+                for i, (d, s) in enumerate(self.slots):
+                    h = SlotHeader(self.key, self.generation, i, len(self.parts), length, self.parts[i].numel(),
+                                   g.part_bytes, self.sums[i])
+                    store._files[d].write_block(h.encode(), g.header_offset(s))
+                if store._durable:
+                    for d in drives:
+                        store._files[d].sync()
+        except BaseException as exc:
+            error = exc
+        if error is not None:
+            self._fail(error, headers_started)
+            return
+        info = ObjectInfo(self.key, length, self.generation, tuple(
+            PartLocation(d, s, t.numel(), c) for (d, s), t, c in zip(self.slots, self.parts, self.sums)))
+        try:
+            result = store._finish_write(self.key, self.generation, info)
+        except BaseException as exc:  # an erase of a superseded copy failed: the write itself is done
+            self.future.set_exception(exc)
+            return
+        if result is not None:
+            store._counters.add(writes=1)
+        self.future.set_result(result)
+
+    def _fail(self, error: BaseException, headers_started: bool) -> None:
+        store = self.store
+        if headers_started:
+            store._release(self.slots)  # some headers may be on disk: erase them
+        else:
+            with store._lock:  # headers are still erased: the slots go straight back
+                store._alloc.release(self.slots)
+        store._finish_write(self.key, self.generation, None)
+        store._counters.add(write_failures=1)
+        code = error.errno if isinstance(error, OSError) else None
+        why = f"{error.strerror or error}" if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+        exc = ObjectWriteError(f"writing object {self.key.hex()} failed: {why}; nothing of it is stored", code)
+        exc.__cause__ = error
+        self.future.set_exception(exc)
+
+
+class _ReadJob:
+    """One object's read: part tasks on the reader pool, each verified where it landed."""
+
+    def __init__(self, store: SSDStore, entry: _Entry, dests: list[torch.Tensor], events: list[Any]):
+        self.store, self.entry, self.dests, self.events = store, entry, dests, events
+        self.gather = _Gather(len(dests))
+        self.future: Future = Future()
+        self.future.set_running_or_notify_cancel()
+
+    def read_part(self, i: int) -> None:
+        store, part, error = self.store, self.entry.info.parts[i], None
+        key = self.entry.info.key.hex()
+        try:
+            if not self.gather.failed:
+                for e in self.events:
+                    e.synchronize()
+                dest = self.dests[i]
+                with store._streams.on(dest):
+                    store._payload.read_payload(part.drive, store._geometry.payload_offset(part.slot), dest,
+                                                part.length)
+                    good = store._checksum(dest) == part.checksum  # returns once the stream is done
+                if not good:
+                    store._counters.add(verification_failures=1)
+                    raise ObjectCorrupt(f"object {key} part {i} (drive {store._files[part.drive].path}, "
+                                        f"slot {part.slot}) does not match its checksum")
+        except OSError as exc:
+            error = ObjectUnreadable(f"object {key} part {i} (drive {store._files[part.drive].path}, slot "
+                                     f"{part.slot}) unreadable: {exc.strerror or exc}", exc.errno)
+            error.__cause__ = exc
+        except BaseException as exc:
+            error = exc
+        if self.gather.finish_part(error):
+            self._finish()
+
+    def _finish(self) -> None:
+        error, store = self.gather.error, self.store
+        bad_copy = isinstance(error, ObjectReadError)
+        store._unpin(self.entry, drop=bad_copy)
+        if error is None:
+            store._counters.add(reads=1)
+            self.future.set_result(self.entry.info)
+        else:
+            store._counters.add(read_failures=1)
+            self.future.set_exception(error)
