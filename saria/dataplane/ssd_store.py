@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from saria.kernels import checksum, resolve_backend
+from saria.kernels import checksum
 
 from .ssd_alloc import SlotAllocator
 from .ssd_backends import DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
@@ -63,21 +63,6 @@ from .ssd_index import ObjectInfo, PartLocation, assemble
 log = logging.getLogger("saria.dataplane.ssd")
 
 CHECKSUM_LIMIT = 1 << 64
-
-
-class _Checksummer:
-    """``saria.kernels.checksum``, serialized where it runs under Triton's interpreter (CPU tensors
-    with TRITON_INTERPRET=1): the interpreter patches ``triton.language`` globally and is not
-    thread-safe. Compiled kernels (CUDA) and the torch reference run concurrently."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __call__(self, data: torch.Tensor) -> int:
-        if data.device.type == "cpu" and resolve_backend("auto", data.device) == "triton":
-            with self._lock:
-                return checksum(data)
-        return checksum(data)
 
 
 class _WorkerStreams:
@@ -194,7 +179,6 @@ class SSDStore:
         self._durable = bool(durable)
         self._ops = io_ops or IoOps()
         self._counters = SSDCounters()
-        self._checksum = _Checksummer()
         self._streams = _WorkerStreams()
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}
@@ -638,7 +622,7 @@ class _WriteJob:
                 drive, slot = self.slots[i]
                 with store._streams.on(self.parts[i]):
                     if self.sums[i] is None:
-                        self.sums[i] = store._checksum(self.parts[i])
+                        self.sums[i] = checksum(self.parts[i])
                     store._payload.write_payload(drive, store._geometry.payload_offset(slot), self.parts[i],
                                                  self.parts[i].numel())
         except BaseException as exc:
@@ -717,7 +701,7 @@ class _ReadJob:
                 with store._streams.on(dest):
                     store._payload.read_payload(part.drive, store._geometry.payload_offset(part.slot), dest,
                                                 part.length)
-                    good = store._checksum(dest) == part.checksum  # returns once the stream is done
+                    good = checksum(dest) == part.checksum  # returns once the stream is done
                 if not good:
                     store._counters.add(verification_failures=1)
                     raise ObjectCorrupt(f"object {key} part {i} (drive {store._files[part.drive].path}, "
