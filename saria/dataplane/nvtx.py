@@ -16,8 +16,8 @@ PACK = "saria.pack"  # pages -> GPU staging (kernel launch)
 UNPACK = "saria.unpack"  # GPU staging -> pages (kernel launch)
 COPY_H2D = "saria.copy.dram_to_gpu"  # one DRAM slice onto the DRAM stream
 COPY_D2H = "saria.copy.gpu_to_dram"  # offload / promotion into host slots
-SSD_READ = "saria.ssd.read"  # one part read (GDS or POSIX)
-SSD_WRITE = "saria.ssd.write"  # one object written from DRAM slots
+SSD_READ = "saria.ssd.read"  # one part read (GDS or POSIX), on a reader thread
+SSD_WRITE = "saria.ssd.write"  # one part written, on a writer thread
 PACE_WAIT = "saria.pace.wait"  # a DRAM slice held back by the coordinator
 VERIFY = "saria.verify"  # checksum of data read from SSD
 

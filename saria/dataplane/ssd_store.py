@@ -51,6 +51,7 @@ import torch
 
 from saria.kernels import checksum
 
+from .nvtx import SSD_READ, SSD_WRITE, VERIFY, nvtx_range
 from .ssd_alloc import SlotAllocator
 from .ssd_backends import DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
 from .ssd_counters import SSDCounters
@@ -622,9 +623,11 @@ class _WriteJob:
                 drive, slot = self.slots[i]
                 with store._streams.on(self.parts[i]):
                     if self.sums[i] is None:
-                        self.sums[i] = checksum(self.parts[i])
-                    store._payload.write_payload(drive, store._geometry.payload_offset(slot), self.parts[i],
-                                                 self.parts[i].numel())
+                        with nvtx_range(VERIFY):
+                            self.sums[i] = checksum(self.parts[i])
+                    with nvtx_range(SSD_WRITE):
+                        store._payload.write_payload(drive, store._geometry.payload_offset(slot), self.parts[i],
+                                                     self.parts[i].numel())
         except BaseException as exc:
             error = exc
         if self.gather.finish_part(error):
@@ -699,9 +702,11 @@ class _ReadJob:
                     e.synchronize()
                 dest = self.dests[i]
                 with store._streams.on(dest):
-                    store._payload.read_payload(part.drive, store._geometry.payload_offset(part.slot), dest,
-                                                part.length)
-                    good = checksum(dest) == part.checksum  # returns once the stream is done
+                    with nvtx_range(SSD_READ):
+                        store._payload.read_payload(part.drive, store._geometry.payload_offset(part.slot), dest,
+                                                    part.length)
+                    with nvtx_range(VERIFY):
+                        good = checksum(dest) == part.checksum  # returns once the stream is done
                 if not good:
                     store._counters.add(verification_failures=1)
                     raise ObjectCorrupt(f"object {key} part {i} (drive {store._files[part.drive].path}, "
