@@ -93,3 +93,13 @@ def test_failed_ssd_read_in_a_hybrid_plan_recomputes_the_whole_prefix_and_drops_
     assert cp.chunk_info("h:2").kv.ssd == "ready"
     drain(cp, orders, 2.0)
     assert not cp.audit()
+
+
+def test_evicting_a_chunk_with_its_checkpoint_counts_one_eviction():
+    cp = ControlPlane(config("dram-only", dram_chunks=16, chunk=HYBRID))
+    request(cp, chain("h", 4), 0.0)
+    request(cp, chain("other", 16), 1.0)  # evicts every object of h, the state at h:3 included
+    info = cp.chunk_info("h:3")
+    assert (info.kv.dram, info.state.dram) == ("absent", "absent")
+    assert [cp.chunk_info(h).E_b for h in chain("h", 4)] == [1, 1, 1, 1]
+    assert cp.counters().dram_evictions >= 5
