@@ -39,6 +39,19 @@ Request lifecycle::
 * ``counters() -> Counters``, ``usage() -> Usage``, ``chunk_info(hash) -> ChunkInfo | None``,
   ``audit() -> list[str]`` (every internal invariant, for tests).
 
+Notes for callers:
+
+* Replay (logical clock): per request ``plan`` -> hits per tier are ``plan.kv_sources`` (counted
+  at commit); after prefill ``commit_prefill``; complete orders when the simulated transfers end
+  (completions may come later and out of order; a slot stays taken until its completion).
+* vLLM connector, scheduler side: ``get_num_new_matched_tokens`` -> ``plan(...).tokens`` (release
+  the previous plan of a request that is planned again, and any plan of a request that is not
+  scheduled); ``request_finished`` -> ``commit_prefill``. Worker side: load ``plan``'s objects
+  (DRAM copies may be read while ``draining``), execute the orders. A ``WriteOrder`` with
+  ``source=Tier.GPU``, a ``StoreOrder`` and a ``PromoteOrder`` read the request's HBM blocks, so
+  the blocks must not be freed before they ran (``request_finished`` returns True until then).
+* Hashes: one per full chunk (``chunk_tokens`` tokens), prefix-chained; any hashable works.
+
 Bad input (unknown or finished ids, a plan that does not begin the committed hashes, failures
 naming objects the plan or order does not have, non-finite ``now``) raises
 :class:`ControlPlaneError` (a ``ValueError``) before anything changes.

@@ -6,7 +6,8 @@ moves and, separately, the chunks whose ``state`` object (hybrid GDN checkpoint)
 
 Orders that need a completion (``ControlPlane.complete``): :class:`StoreOrder`,
 :class:`PromoteOrder`, :class:`WriteOrder`. A :class:`DropOrder` needs none: the control plane has
-already taken the bytes back and only tells the data plane that the slot is free.
+already taken the bytes back and only tells the data plane that the slot is free. Every slot an
+order reserved comes back through a DropOrder, a failed order's slots included.
 Within one returned list, orders are safe to run in list order: drops come first (so a later store
 or write may reuse those slots), and nothing dropped is read by a later order of the list.
 """
