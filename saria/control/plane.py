@@ -146,7 +146,7 @@ class ControlPlane:
                               prefix.state_source, n * self._chunk_tokens, dram_bytes, ssd_bytes, self._serial)
             self._plans[plan.plan_id] = _PlanRecord(plan, hashes, nodes, self._tree.generation, state)
             self._counters.plans += 1
-            self._tree.expire(now)
+            self._finish(OrderBatch(), now)
             return plan
 
     def release(self, plan: ReloadPlan | int, now: float, failed: Iterable[Hashable | ObjectKey] = ()) -> list[Order]:
@@ -161,8 +161,7 @@ class ControlPlane:
             self._now = now
             batch = OrderBatch()
             self._finish_reads(record, bad, batch, used=False)
-            self._tree.expire(now)
-            return self._emit(batch)
+            return self._finish(batch, now)
 
     def commit_prefill(self, chunk_hashes: Sequence[Hashable], now: float, plan: ReloadPlan | int | None = None,
                        failed: Iterable[Hashable | ObjectKey] = ()) -> list[Order]:
@@ -197,8 +196,7 @@ class ControlPlane:
                 self._promote(record, usable, now, batch)
             if self._prewrite_depth:
                 self._prewrite(batch)
-            self._tree.expire(now)
-            return self._emit(batch)
+            return self._finish(batch, now)
 
     def complete(self, order_id: int, ok: bool, now: float, failed: Iterable[Hashable | ObjectKey] = ()) -> list[Order]:
         """The data plane finished order ``order_id``: ``ok`` for all its objects except those named
@@ -225,8 +223,7 @@ class ControlPlane:
                 else:
                     self._counters.promotions_failed += len(failing)
                 self._tiers.dram_filled(record.objects, failing, batch)
-            self._tree.expire(now)
-            return self._emit(batch)
+            return self._finish(batch, now)
 
     def counters(self) -> Counters:
         """A snapshot of the counters."""
@@ -411,6 +408,13 @@ class ControlPlane:
                 tiers.write(obj, DRAM, "prewrite", batch)
 
     # =============================================================================== bookkeeping
+    def _finish(self, batch: OrderBatch, now: float) -> list[Order]:
+        """End of a mutating call: expire metadata, build the orders, free reclaimed nodes."""
+        self._tree.expire(now)
+        orders = self._emit(batch)
+        self._tree.bury()
+        return orders
+
     def _emit(self, batch: OrderBatch) -> list[Order]:
         """Turn a batch into orders, registering those that need a completion. Drops come first
         (later orders may reuse their slots); then writes for evictions (their DRAM slots are held

@@ -138,6 +138,7 @@ class ContextTree:
         self._counters = counters
         self.generation = 0  # bumped whenever a node is created or reclaimed
         self._expiry_floor = -math.inf  # no awake node expires before this time
+        self._reclaimed: list[Node] = []  # reclaimed in the current call, see bury()
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -237,12 +238,25 @@ class ContextTree:
         """Reclaim ``node`` if it is dormant, childless and holds nothing; then its parent likewise."""
         while node is not None and node.dormant and node.children == 0 and node.holds_nothing():
             del self.nodes[node.key]
-            node.dormant = False
             self.generation += 1
             self._counters.nodes_reclaimed += 1
+            node.dormant = False
+            self._reclaimed.append(node)
             node = node.parent
             if node is not None:
                 node.children -= 1
+
+    def bury(self) -> None:
+        """Break the reference cycles of the nodes reclaimed since the last call (a node is its own
+        kv object and evidence; a state object points back at its node), so that reference
+        counting frees them at once instead of the next full garbage collection. Called once the
+        orders naming them have been built."""
+        for node in self._reclaimed:
+            node.node = node.evidence = node.parent = None  # type: ignore[assignment]
+            if node.state is not None:
+                node.state.node = node.state.evidence = None  # type: ignore[assignment]
+                node.state = None
+        self._reclaimed.clear()
 
     def awake(self) -> int:
         """Nodes inside their window (for audits)."""
