@@ -103,3 +103,19 @@ def test_failed_write_leaves_the_chunk_non_persisted(cp):
     assert (info.kv.dram, info.kv.ssd) == ("ready", "absent")
     assert cp.counters().writes_failed == 1 and cp.counters().ssd_writes == 9  # every earlier chunk
     assert cp.audit() == []
+
+
+def test_a_request_keeps_its_chunks_metadata_even_when_its_reads_free_their_last_copy():
+    """a is past its metadata window and held only by its SSD copy; the request's read of that
+    copy fails, which drops the copy: a must be woken by the request, not reclaimed under it."""
+    cp = ControlPlane(config("full-duplicate", dram_chunks=2, metadata_window_s=10.0))
+    request(cp, ["a"], 0.0)
+    request(cp, ["f0"], 1.0)
+    request(cp, ["f1"], 1.0)  # a is only on SSD now, with E_b = 1
+    plan = cp.plan(["a"], 50.0)  # a's window has passed: parked until its copy goes
+    assert plan.kv_sources == (Tier.SSD,)
+    orders = cp.commit_prefill(["a"], 50.0, plan, failed=["a"])
+    info = cp.chunk_info("a")
+    assert (info.E_b, info.R_b, info.last_reuse) == (1, 1, 50.0)
+    drain(cp, orders, 50.0)
+    assert cp.audit() == []

@@ -258,10 +258,6 @@ class ContextTree:
                 node.state = None
         self._reclaimed.clear()
 
-    def awake(self) -> int:
-        """Nodes inside their window (for audits)."""
-        return len(self._recent)
-
     def is_tracked(self, node: Node) -> bool:
         """Whether ``node`` is either awake (in the window queue) or dormant, exactly one (audits)."""
         return (node in self._recent) != node.dormant
