@@ -199,7 +199,7 @@ class Driver:
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
 @pytest.mark.parametrize("preset", PRESETS)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=ops)
 def test_random_workloads_keep_every_invariant(preset, hybrid, workload):
     driver = Driver(ControlPlane(make_config(preset, hybrid)))
