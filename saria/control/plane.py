@@ -277,18 +277,15 @@ class ControlPlane:
         """Create or touch every chunk's node (the request reuses or recomputes it: R_b of a known
         chunk goes up, its window restarts, its copies become most recently used) and count hits
         and misses. Fills ``nodes`` in."""
-        create = self._tree.create
-        known = []
-        prev = None
-        for i, node in enumerate(nodes):
-            if node is None:
-                node = nodes[i] = create(hashes[i], prev, now)
-            else:
-                known.append(node)
-            prev = node
+        try:
+            known = nodes.index(None)  # the tree resolves unknown chunks as a suffix
+        except ValueError:
+            known = len(nodes)
         if known:
-            self._tree.reuse(known, now)
-            self._tiers.touch(known)
+            self._tree.reuse(nodes[:known], now)
+            self._tiers.touch(nodes[:known])
+        if known < len(nodes):
+            nodes[known:] = self._tree.extend(hashes[known:], nodes[known - 1] if known else None, now)
         counters = self._counters
         counters.requests += 1
         counters.references += len(nodes)

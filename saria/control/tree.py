@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from itertools import repeat
 from typing import Hashable, Sequence
 
 from saria.config import ChunkSpec
@@ -191,17 +192,28 @@ class ContextTree:
                                 f"must be prefix-chained")
 
     # --------------------------------------------------------------------------------- mutations
-    def create(self, key: Hashable, parent: Node | None, now: float) -> Node:
-        node = Node(key, parent, now, self._kv_bytes)
-        if self._checkpoint_chunks and (node.depth + 1) % self._checkpoint_chunks == 0:
-            node.state = CacheObject(node, STATE, self._state_bytes, node if self._unified else Evidence(now))
+    def extend(self, keys: Sequence[Hashable], parent: Node | None, now: float) -> list[Node]:
+        """Create the nodes of ``keys``, a chain below ``parent`` (None: the root), and return them."""
+        if not keys:
+            return []
+        made: list[Node] = []
+        append = made.append
+        kv_bytes, every = self._kv_bytes, self._checkpoint_chunks
         if parent is not None:
             parent.children += 1
-        self.nodes[key] = node
-        self._recent[node] = None
+        for key in keys:
+            node = Node(key, parent, now, kv_bytes)
+            if every and (node.depth + 1) % every == 0:
+                node.state = CacheObject(node, STATE, self._state_bytes, node if self._unified else Evidence(now))
+            append(node)
+            parent = node
+        for node in made[:-1]:  # each new node's only child is the next one of the chain
+            node.children = 1
+        self.nodes.update(zip(keys, made))
+        self._recent.update(zip(made, repeat(None)))
         self.generation += 1
-        self._counters.nodes_created += 1
-        return node
+        self._counters.nodes_created += len(made)
+        return made
 
     def reuse(self, nodes: list[Node], now: float) -> None:
         """These known chunks were referenced again (reused or recomputed) now: R_b goes up and
