@@ -1,0 +1,296 @@
+"""saria's typed configuration: capacities, chunk geometry, bandwidth estimates and policy.
+
+Plain frozen dataclasses, validated on construction (a bad value raises ``ValueError`` naming the
+field), no torch. The control plane reads :class:`SariaConfig`; the data plane and replay read the
+same object.
+
+```python
+from saria.config import Capacity, Policy, SariaConfig
+
+cfg = SariaConfig()                                    # saria defaults: DRAM 1M, SSD 10M tokens, Qwen3-8B
+cfg = SariaConfig.for_model("qwen3-next-80b-a3b")      # hybrid: 1024-token chunks, GDN state objects
+cfg = SariaConfig(policy=Policy.preset("full-duplicate", p_tau_s=30.0))
+cfg = SariaConfig(dram=Capacity(nbytes=64 << 30), ssd=Capacity(tokens=0))
+```
+
+Capacities are in full-attention token equivalents (``tokens``, as the paper budgets them: one
+token costs ``kv_bytes_per_token``) or in bytes (``nbytes``). Either way GDN state objects consume
+their real bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from saria.models import ModelSpec, get_model
+
+__all__ = ["Bandwidths", "Capacity", "ChunkSpec", "LOOKUP_MODES", "POLICY_PRESETS", "Policy", "SariaConfig"]
+
+# Qwen3-8B (saria.models): 36 full-attention layers x K and V x 8 KV heads x head dim 128 x bf16.
+QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 2 * 8 * 128 * 2
+
+LOOKUP_MODES = ("unified", "tier-prefix")
+
+
+def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(owner: str, name: str, value: Any, minimum: float, *, strict: bool = False,
+                 maximum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
+    if value < minimum or (strict and value == minimum):
+        raise ValueError(f"{owner}.{name} must be {'>' if strict else '>='} {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{owner}.{name} must be <= {maximum}, got {value}")
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A tier's capacity: ``tokens`` (full-attention token equivalents) or ``nbytes``, exactly one."""
+
+    tokens: int | None = None
+    nbytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.nbytes is None):
+            raise ValueError(f"Capacity needs exactly one of tokens= or nbytes=, got {self!r}")
+        name, value = ("tokens", self.tokens) if self.tokens is not None else ("nbytes", self.nbytes)
+        _check_int("Capacity", name, value, 0)
+
+    def in_bytes(self, kv_bytes_per_token: int) -> int:
+        return self.nbytes if self.nbytes is not None else self.tokens * kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What one chunk's objects weigh. A chunk is ``chunk_tokens`` tokens; its kv object holds
+    every full-attention layer's K and V (``chunk_tokens * kv_bytes_per_token`` bytes). A hybrid
+    model (``state_bytes > 0``) also keeps a state object (every GDN layer's checkpoint,
+    ``state_bytes``) on the chunks that end a ``checkpoint_tokens`` boundary."""
+
+    chunk_tokens: int = 512
+    kv_bytes_per_token: int = QWEN3_8B_KV_BYTES_PER_TOKEN
+    state_bytes: int = 0
+    checkpoint_tokens: int = 16_384
+
+    def __post_init__(self) -> None:
+        _check_int("ChunkSpec", "chunk_tokens", self.chunk_tokens, 1)
+        _check_int("ChunkSpec", "kv_bytes_per_token", self.kv_bytes_per_token, 1)
+        _check_int("ChunkSpec", "state_bytes", self.state_bytes, 0)
+        _check_int("ChunkSpec", "checkpoint_tokens", self.checkpoint_tokens, 1)
+        if self.checkpoint_tokens % self.chunk_tokens:
+            raise ValueError(f"ChunkSpec.checkpoint_tokens ({self.checkpoint_tokens}) must be a multiple of "
+                             f"chunk_tokens ({self.chunk_tokens}): checkpoints sit at chunk boundaries")
+
+    @classmethod
+    def for_model(cls, model: str | ModelSpec, chunk_tokens: int | None = None,
+                  checkpoint_tokens: int = 16_384) -> ChunkSpec:
+        """Sizes from a :class:`saria.models.ModelSpec` (or its name); chunks default to 1024 tokens
+        for hybrid models and 512 otherwise, as the paper."""
+        spec = get_model(model) if isinstance(model, str) else model
+        if chunk_tokens is None:
+            chunk_tokens = 1024 if spec.hybrid else 512
+        return cls(chunk_tokens=chunk_tokens, kv_bytes_per_token=spec.kv_bytes_per_token,
+                   state_bytes=spec.state_bytes, checkpoint_tokens=checkpoint_tokens)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.state_bytes > 0
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of one kv object."""
+        return self.chunk_tokens * self.kv_bytes_per_token
+
+    @property
+    def checkpoint_chunks(self) -> int:
+        """A chunk at depth ``d`` (0-based) carries a state object when ``(d + 1) % checkpoint_chunks == 0``
+        (hybrid models only)."""
+        return self.checkpoint_tokens // self.chunk_tokens
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bandwidth estimates in GB/s (paper §5.1 defaults: shared GPU ingress 48, GDS 20 per drive,
+    DRAM 48). The data plane's PCIe monitor may calibrate them; the control plane uses them for r*."""
+
+    gpu_gbps: float = 48.0
+    disk_gbps_per_drive: float = 20.0
+    drives: int = 1
+    dram_gbps: float = 48.0
+
+    def __post_init__(self) -> None:
+        _check_float("Bandwidths", "gpu_gbps", self.gpu_gbps, 0.0, strict=True)
+        _check_float("Bandwidths", "disk_gbps_per_drive", self.disk_gbps_per_drive, 0.0, strict=True)
+        _check_int("Bandwidths", "drives", self.drives, 1)
+        _check_float("Bandwidths", "dram_gbps", self.dram_gbps, 0.0, strict=True)
+
+    @property
+    def disk_gbps(self) -> float:
+        """B_disk: all drives together."""
+        return self.disk_gbps_per_drive * self.drives
+
+    @property
+    def auto_promotion_ratio(self) -> float:
+        """Paper Eq. 2: r* = 1 - B_disk / B_GPU, floored at 0 (SSDs alone saturate ingress)."""
+        return max(0.0, 1.0 - self.disk_gbps / self.gpu_gbps)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The control plane's decisions, one knob per field. Presets are settings of these knobs.
+
+    * ``use_dram`` / ``use_ssd``: a disabled tier has capacity 0 whatever its configured size.
+    * Admission (paper Eq. 1): a chunk is admitted to SSD when ``E_b >= theta_E or R_b >= theta_R``;
+      ``None`` disables a branch; ``admit_all`` admits everything (full duplicate caching).
+    * ``write_through``: new KV is written to SSD when it is stored (from HBM), not at eviction.
+    * ``prewrite`` / ``prewrite_depth``: after each commit, the ``prewrite_depth`` least recently
+      used DRAM objects are written early if they would be admitted with ``E_b + 1``.
+    * ``r``: promotion ratio, the target DRAM share of a reload (paper Eq. 2); ``None`` = auto r*.
+    * ``p_tau_s``: a DRAM object may be evicted to make room for a promotion only if its chunk was
+      last reused at least ``p_tau_s`` seconds ago (paper §4.4).
+    * ``lookup``: ``"unified"`` plans the longest prefix across DRAM and SSD in any interleaving;
+      ``"tier-prefix"`` takes DRAM, then SSD, and stops where a chunk is only in DRAM again.
+    * ``unified_metadata``: a state object shares its chunk's E_b / R_b; off, it keeps its own.
+    * ``serial_loading``: plans ask the data plane to load tiers one after the other.
+    * ``metadata_window_s``: a chunk's metadata is reclaimed after this long with no reuse or
+      recomputation and nothing resident.
+    """
+
+    name: str = "saria"
+    use_dram: bool = True
+    use_ssd: bool = True
+    theta_E: int | None = 2
+    theta_R: int | None = 8
+    admit_all: bool = False
+    write_through: bool = False
+    prewrite: bool = True
+    prewrite_depth: int = 16
+    r: float | None = None
+    p_tau_s: float = 60.0
+    lookup: str = "unified"
+    unified_metadata: bool = True
+    serial_loading: bool = False
+    metadata_window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Policy.name must be a non-empty string, got {self.name!r}")
+        for flag in ("use_dram", "use_ssd", "admit_all", "write_through", "prewrite", "unified_metadata",
+                     "serial_loading"):
+            _check_bool("Policy", flag, getattr(self, flag))
+        for threshold in ("theta_E", "theta_R"):
+            value = getattr(self, threshold)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"Policy.{threshold} must be an int or None (branch off), got {value!r}")
+                if value < 1:
+                    raise ValueError(f"Policy.{threshold} must be >= 1 (or None to disable that admission "
+                                     f"branch), got {value}")
+        _check_int("Policy", "prewrite_depth", self.prewrite_depth, 0)
+        if self.r is not None:
+            _check_float("Policy", "r", self.r, 0.0, maximum=1.0)
+        _check_float("Policy", "p_tau_s", self.p_tau_s, 0.0)
+        if self.lookup not in LOOKUP_MODES:
+            raise ValueError(f"Policy.lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
+        _check_float("Policy", "metadata_window_s", self.metadata_window_s, 0.0, strict=True)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> Policy:
+        """The named preset (see :data:`POLICY_PRESETS`), with any field overridden."""
+        try:
+            settings = POLICY_PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown policy preset {name!r}; known: {', '.join(POLICY_PRESETS)}") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown Policy field(s) {unknown}; known: {sorted(known)}")
+        return cls(**{"name": name, **settings, **overrides})
+
+
+# Every preset is the one code path with these settings over the Policy defaults (= saria).
+POLICY_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    # Persistence-aware admission (E2 or R8), prewrite, mixed-source reload, r auto, P_tau 60 s.
+    "saria": MappingProxyType({}),
+    # Admission off: every new chunk is written through; metadata and reload mechanisms kept.
+    "full-duplicate": MappingProxyType({"admit_all": True, "write_through": True, "prewrite": False}),
+    # No SSD tier.
+    "dram-only": MappingProxyType({"use_ssd": False, "prewrite": False, "r": 0.0}),
+    # SSD only: new KV written from HBM, reloads by GDS, nothing promoted.
+    "gds-only": MappingProxyType({"use_dram": False, "admit_all": True, "write_through": True,
+                                  "prewrite": False, "r": 0.0}),
+    # saria without promotion (GDS reload path only).
+    "zero-promotion": MappingProxyType({"r": 0.0}),
+    # saria promoting every SSD hit, evicting whatever it takes.
+    "full-promotion": MappingProxyType({"r": 1.0, "p_tau_s": 0.0}),
+    # Popularity-gated admission only.
+    "reuse-only": MappingProxyType({"theta_E": None}),
+    # LMCache with optimized GDS: full duplicate, per-object metadata, tier-prefix lookup,
+    # serial tier loading, no promotion.
+    "lmcache-plus": MappingProxyType({"admit_all": True, "write_through": True, "prewrite": False,
+                                      "unified_metadata": False, "lookup": "tier-prefix",
+                                      "serial_loading": True, "r": 0.0}),
+})
+
+
+@dataclass(frozen=True)
+class SariaConfig:
+    """The one configuration object: tier capacities, chunk geometry, bandwidths, policy, SSD paths."""
+
+    dram: Capacity = Capacity(tokens=1_000_000)
+    ssd: Capacity = Capacity(tokens=10_000_000)
+    chunk: ChunkSpec = ChunkSpec()
+    bandwidth: Bandwidths = Bandwidths()
+    policy: Policy = Policy()
+    ssd_paths: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, kind in (("dram", Capacity), ("ssd", Capacity), ("chunk", ChunkSpec),
+                           ("bandwidth", Bandwidths), ("policy", Policy)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"SariaConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if not isinstance(self.ssd_paths, tuple) or not all(isinstance(p, str) for p in self.ssd_paths):
+            raise ValueError(f"SariaConfig.ssd_paths must be a tuple of str, got {self.ssd_paths!r}")
+
+    @classmethod
+    def for_model(cls, model: str | ModelSpec, *, chunk_tokens: int | None = None,
+                  checkpoint_tokens: int = 16_384, **changes: Any) -> SariaConfig:
+        """A config whose object sizes come from a model in :mod:`saria.models`."""
+        return cls(chunk=ChunkSpec.for_model(model, chunk_tokens, checkpoint_tokens), **changes)
+
+    @classmethod
+    def preset(cls, name: str, **changes: Any) -> SariaConfig:
+        """``SariaConfig(policy=Policy.preset(name), **changes)``."""
+        return cls(policy=Policy.preset(name), **changes)
+
+    def with_policy(self, **overrides: Any) -> SariaConfig:
+        return replace(self, policy=replace(self.policy, **overrides))
+
+    @property
+    def dram_bytes(self) -> int:
+        """DRAM capacity in bytes (0 when the policy disables DRAM)."""
+        return self.dram.in_bytes(self.chunk.kv_bytes_per_token) if self.policy.use_dram else 0
+
+    @property
+    def ssd_bytes(self) -> int:
+        """SSD capacity in bytes (0 when the policy disables SSD)."""
+        return self.ssd.in_bytes(self.chunk.kv_bytes_per_token) if self.policy.use_ssd else 0
+
+    @property
+    def promotion_ratio(self) -> float:
+        """r: the policy's, or r* = 1 - B_disk / B_GPU when it is None."""
+        return self.bandwidth.auto_promotion_ratio if self.policy.r is None else float(self.policy.r)

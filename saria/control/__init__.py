@@ -1,0 +1,72 @@
+"""saria's control plane: what to keep where, what to reload from where, what to write and promote.
+
+Pure Python (never imports torch), deterministic, time passed in by the caller (seconds on any
+clock: wall time for an engine, the logical clock for a replay), safe to call from several
+threads (one lock per instance). It never touches bytes: it hands out a :class:`ReloadPlan` per
+request and orders (plain dataclasses) that the data plane executes, and takes completions back.
+
+Request lifecycle::
+
+    cp = ControlPlane(SariaConfig())                # or SariaConfig.preset("lmcache-plus"), ...
+    plan = cp.plan(chunk_hashes, now)               # reusable prefix: plan.tokens, plan.kv_sources
+    ... data plane loads plan's objects (pinned until commit or release) ...
+    ... prefill computes the rest ...
+    orders = cp.commit_prefill(chunk_hashes, now, plan=plan)
+    for order in orders:                            # in list order; DropOrders need no completion
+        ... execute ...
+        follow_up = cp.complete(order.order_id, ok=True, now=later)   # may return DropOrders
+    cp.release(plan, now)                           # instead of commit: request aborted / re-planned
+    cp.counters()                                   # hits per tier, SSD bytes, admissions, ...
+
+* ``chunk_hashes``: the prefix-chained hashes of the request's full chunks (``chunk_tokens`` each),
+  in order. A sequence that contradicts what the tree already knows raises.
+* ``plan(chunk_hashes, now) -> ReloadPlan``: the longest prefix whose every chunk has a kv copy in
+  DRAM or SSD (``lookup="unified"``; ``"tier-prefix"`` stops at the first chunk found only in DRAM
+  after switching to SSD), cut back for hybrid models to the deepest checkpoint boundary whose
+  state object is there too. One source per object, DRAM if resident, else SSD. Every object read
+  is pinned (not evictable) until the plan is released or committed. Nothing is counted yet:
+  plan as often as you like, but release every plan you do not commit.
+* ``commit_prefill(chunk_hashes, now, plan=None, failed=()) -> list[Order]``: the request ran;
+  counts references and hits, bumps R_b of chunks seen before, releases the plan, stores the new
+  KV (objects prefill computed) in DRAM (``StoreOrder``; LRU eviction may emit ``WriteOrder`` for
+  admitted chunks and ``DropOrder``), issues write-through / reuse-path writes, lazy partial
+  promotion of SSD hits (``PromoteOrder``) and prewrites. ``failed`` names SSD reads of the plan
+  that failed: those copies are marked bad and dropped, and the chunks from there on count as
+  recomputed (for hybrid models, the whole plan).
+* ``complete(order_id, ok, now, failed=()) -> list[Order]``: a store, promotion or write ended;
+  ``failed`` names the objects that failed when the rest succeeded. Returns the drops it causes.
+* ``release(plan, now, failed=()) -> list[Order]``: unpin a plan that will not be committed.
+* ``counters() -> Counters``, ``usage() -> Usage``, ``chunk_info(hash) -> ChunkInfo | None``,
+  ``audit() -> list[str]`` (every internal invariant, for tests).
+
+Notes for callers:
+
+* Replay (logical clock): per request ``plan`` -> hits per tier are ``plan.kv_sources`` (counted
+  at commit); after prefill ``commit_prefill``; complete orders when the simulated transfers end
+  (completions may come later and out of order; a slot stays taken until its completion).
+* vLLM connector, scheduler side: ``get_num_new_matched_tokens`` -> ``plan(...).tokens`` (release
+  the previous plan of a request that is planned again, and any plan of a request that is not
+  scheduled); ``request_finished`` -> ``commit_prefill``. Worker side: load ``plan``'s objects
+  (DRAM copies may be read while ``draining``), execute the orders. A ``WriteOrder`` with
+  ``source=Tier.GPU``, a ``StoreOrder`` and a ``PromoteOrder`` read the request's HBM blocks, so
+  the blocks must not be freed before they ran (``request_finished`` returns True until then).
+* Hashes: one per full chunk (``chunk_tokens`` tokens), prefix-chained; any hashable works.
+
+Bad input (unknown or finished ids, a plan that does not begin the committed hashes, failures
+naming objects the plan or order does not have, non-finite ``now``) raises
+:class:`ControlPlaneError` (a ``ValueError``) before anything changes.
+
+Modules, one job each: ``tree`` (context tree, evidence, metadata window), ``admission`` (Eq. 1),
+``residency`` (tier capacity, LRU, eviction, pins, copy states), ``planner`` (reload prefix and
+sources), ``promotion`` (Eqs. 2-3), ``orders`` (plans and orders), ``counters``, ``plane``
+(the :class:`ControlPlane` that runs a request through them).
+"""
+
+from saria.control.counters import Counters
+from saria.control.orders import (ControlPlaneError, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan,
+                                  StoreOrder, Tier, WriteOrder)
+from saria.control.plane import ChunkInfo, ControlPlane, CopyInfo, Usage
+from saria.control.promotion import promotion_target
+
+__all__ = ["ChunkInfo", "ControlPlane", "ControlPlaneError", "CopyInfo", "Counters", "DropOrder", "ObjectKey",
+           "Order", "PromoteOrder", "ReloadPlan", "StoreOrder", "Tier", "Usage", "WriteOrder", "promotion_target"]

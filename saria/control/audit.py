@@ -1,0 +1,82 @@
+"""``ControlPlane.audit``: every invariant of a control plane, recomputed from scratch.
+
+O(nodes + plans + orders in flight); for tests and debugging, never on the hot path. Reads the
+plane's internals on purpose: it is the independent check of the bookkeeping they keep.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from saria.control.orders import DRAM, SSD, Tier
+from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY
+
+if TYPE_CHECKING:
+    from saria.control.plane import ControlPlane
+
+
+def audit(cp: ControlPlane) -> list[str]:
+    """Every invariant the control plane keeps, checked from scratch (the caller holds its lock)."""
+    problems: list[str] = []
+    tiers, tree = cp._tiers, cp._tree
+    pins: dict[tuple[int, Tier], int] = {}
+    for record in cp._plans.values():
+        for obj, source in record.reads():
+            pins[(id(obj), source)] = pins.get((id(obj), source), 0) + 1
+    in_flight: dict[int, list[str]] = {}
+    for flight in cp._in_flight.values():
+        for obj in flight.objects:
+            in_flight.setdefault(id(obj), []).append(type(flight.order).__name__)
+    used = {DRAM: 0, SSD: 0}
+    children: dict[int, int] = {}
+    for key, node in tree.nodes.items():
+        if node.key != key:
+            problems.append(f"{node!r} filed under {key!r}")
+        if node.parent is not None:
+            if tree.nodes.get(node.parent.key) is not node.parent:
+                problems.append(f"{node!r}: parent {node.parent!r} is not in the tree")
+            children[id(node.parent)] = children.get(id(node.parent), 0) + 1
+        if not tree.is_tracked(node):
+            problems.append(f"{node!r}: neither awake nor dormant (or both)")
+        if (node.state is not None) != (tree.is_boundary(node.depth) and cp.config.chunk.hybrid):
+            problems.append(f"{node!r}: state object presence does not match the checkpoint boundaries")
+        for obj in node.objects:
+            flights = in_flight.get(id(obj), [])
+            if obj.dram != ABSENT:
+                used[DRAM] += obj.nbytes
+            if obj.ssd != ABSENT:
+                used[SSD] += obj.nbytes
+            if obj.dram_pins != pins.get((id(obj), DRAM), 0) or obj.ssd_pins != pins.get((id(obj), SSD), 0):
+                problems.append(f"{obj!r}: pin counts do not match the live plans")
+            if obj.dram_pins and obj.dram not in (READY, DRAINING):
+                problems.append(f"{obj!r}: pinned in DRAM but not readable there")
+            if obj.ssd_pins and obj.ssd not in (READY, BAD):
+                problems.append(f"{obj!r}: pinned in SSD but neither ready nor bad")
+            if (obj in tiers.dram.lru) != (obj.dram == READY and obj.dram_pins == 0):
+                problems.append(f"{obj!r}: DRAM LRU membership wrong")
+            if (obj in tiers.ssd.lru) != (obj.ssd == READY and obj.ssd_pins == 0):
+                problems.append(f"{obj!r}: SSD LRU membership wrong")
+            fills = flights.count("StoreOrder") + flights.count("PromoteOrder")
+            if (obj.dram == FILLING) != (fills == 1) or fills > 1:
+                problems.append(f"{obj!r}: DRAM filling without exactly one store/promote order ({flights})")
+            if (obj.ssd == FILLING) != (flights.count("WriteOrder") == 1) or flights.count("WriteOrder") > 1:
+                problems.append(f"{obj!r}: SSD filling without exactly one write order ({flights})")
+            if obj.dram == DRAINING and obj.ssd != FILLING and obj.dram_pins == 0:
+                problems.append(f"{obj!r}: draining with no write in flight and no pin")
+    for key, node in tree.nodes.items():
+        if node.children != children.get(id(node), 0):
+            problems.append(f"{node!r}: child count {node.children}, actual {children.get(id(node), 0)}")
+        if node.dormant and node.children == 0 and node.holds_nothing():
+            problems.append(f"{node!r}: dormant and idle but not reclaimed")
+    for tier in (tiers.dram, tiers.ssd):
+        if tier.used != used[tier.tier]:
+            problems.append(f"{tier.tier}: used {tier.used} bytes, copies hold {used[tier.tier]}")
+        if not 0 <= tier.used <= tier.capacity:
+            problems.append(f"{tier.tier}: used {tier.used} bytes outside [0, {tier.capacity}]")
+        for obj in tier.lru:
+            if tree.nodes.get(obj.node.key) is not obj.node:
+                problems.append(f"{obj!r} in the {tier.tier} LRU belongs to a reclaimed node")
+    c = cp._counters
+    if c.hits_dram_chunks + c.hits_ssd_chunks + c.misses != c.references:
+        problems.append(f"counters: hits {c.hits} + misses {c.misses} != references {c.references}")
+    return problems

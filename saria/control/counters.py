@@ -1,0 +1,63 @@
+"""Counters of a control plane, as one plain dataclass (``dataclasses.asdict`` makes it JSON).
+
+Units: ``*_chunks`` count chunks (a chunk's kv object decides where it hit), ``*_bytes`` count
+payload bytes of every object involved (kv and state), other counts are objects unless named.
+Reads and writes count completed payload only (a failed SSD read or write is not counted as bytes).
+``hits_dram_chunks + hits_ssd_chunks + misses == references`` always.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Counters:
+    # Requests committed and the chunks they referenced.
+    requests: int = 0
+    references: int = 0
+    hits_dram_chunks: int = 0
+    hits_ssd_chunks: int = 0
+    misses: int = 0
+    hits_dram_bytes: int = 0
+    hits_ssd_bytes: int = 0
+    # Plans handed out (committed or released).
+    plans: int = 0
+    # GPU -> DRAM copies of new KV after prefill.
+    stores: int = 0
+    store_bytes: int = 0
+    stores_skipped: int = 0      # no DRAM room: everything else was pinned or draining
+    stores_failed: int = 0
+    # DRAM -> (SSD) eviction and SSD eviction.
+    dram_evictions: int = 0
+    ssd_evictions: int = 0
+    # Write orders issued, by admission reason (objects).
+    admissions_eviction: int = 0
+    admissions_reuse: int = 0
+    admissions_prewrite: int = 0
+    admissions_write_through: int = 0
+    writes_skipped: int = 0      # admitted, but no SSD room (everything pinned or being written)
+    writes_failed: int = 0
+    ssd_writes: int = 0          # completed ok
+    ssd_bytes_written: int = 0
+    # SSD reads of plans (committed or released).
+    ssd_reads: int = 0
+    ssd_bytes_read: int = 0
+    ssd_read_failures: int = 0
+    # Lazy partial promotion.
+    promotions: int = 0          # chunks promoted (orders issued)
+    promotion_bytes: int = 0
+    promotions_failed: int = 0   # objects
+    promotion_evictions: int = 0  # DRAM objects evicted to make room for promotions
+    # Metadata.
+    nodes_created: int = 0
+    nodes_reclaimed: int = 0
+
+    @property
+    def hits(self) -> int:
+        return self.hits_dram_chunks + self.hits_ssd_chunks
+
+    @property
+    def admissions(self) -> int:
+        return (self.admissions_eviction + self.admissions_reuse + self.admissions_prewrite
+                + self.admissions_write_through)

@@ -1,0 +1,69 @@
+"""Reload planning (paper §4.3): the longest reusable prefix and one source per object.
+
+``unified`` lookup (saria): walk the request's chunks while each has a readable kv copy in DRAM
+or SSD; each kv object reads from DRAM if it has a copy there, else from SSD, so sources may
+alternate (DRAM-SSD-DRAM) and stay in request order.
+``tier-prefix`` lookup (LMCache): take chunks from DRAM while DRAM has them, then from SSD while
+SSD has them, and stop at the first chunk SSD lacks: a DRAM-only chunk after the switch ends the
+prefix.
+Hybrid models resume from a GDN checkpoint, so the prefix is then cut back to the deepest chunk
+that ends a checkpoint interval and whose state object is readable (DRAM preferred, else SSD).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from saria.control.orders import DRAM, SSD, Tier
+from saria.control.tree import DRAINING, READY, CacheObject, Node
+
+
+class Prefix(NamedTuple):
+    """``length`` chunks; ``kv_sources[i]`` for chunk i; the state object to load and its source."""
+
+    length: int
+    kv_sources: list[Tier]
+    state: CacheObject | None
+    state_source: Tier | None
+
+
+def _dram_readable(status: int) -> bool:
+    return status == READY or status == DRAINING
+
+
+def find_prefix(nodes: Sequence[Node | None], *, tier_prefix: bool, hybrid: bool) -> Prefix:
+    dram, ssd = DRAM, SSD
+    sources: list[Tier] = []
+    append = sources.append
+    in_dram_phase = True
+    state: CacheObject | None = None
+    state_source: Tier | None = None
+    state_length = 0
+    for node in nodes:
+        if node is None:
+            break
+        kv = node  # a node is its kv object
+        if tier_prefix:
+            if in_dram_phase and _dram_readable(kv.dram):
+                append(dram)
+            elif kv.ssd == READY:
+                in_dram_phase = False
+                append(ssd)
+            else:
+                break
+        elif kv.dram == READY or kv.dram == DRAINING:
+            append(dram)
+        elif kv.ssd == READY:
+            append(ssd)
+        else:
+            break
+        if hybrid and node.state is not None:
+            candidate = node.state
+            if _dram_readable(candidate.dram):
+                state, state_source, state_length = candidate, dram, len(sources)
+            elif candidate.ssd == READY:
+                state, state_source, state_length = candidate, ssd, len(sources)
+    if not hybrid:
+        return Prefix(len(sources), sources, None, None)
+    del sources[state_length:]
+    return Prefix(state_length, sources, state, state_source)

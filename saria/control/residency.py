@@ -1,0 +1,285 @@
+"""The two capacity-bounded tiers and every change to where an object's copies are.
+
+Each tier counts the bytes of its copies that are not ``ABSENT`` (filling, ready, draining or bad
+copies all hold a slot) against its capacity, and keeps its evictable copies (``READY``, unpinned)
+in LRU order. All copy state changes go through :class:`Residency`, which records the slots to
+drop and the copies to write in an :class:`OrderBatch`; the control plane turns a batch into orders.
+
+Rules:
+* DRAM eviction increments E_b (of the kv object's chunk; a state object's own evidence only with
+  per-object metadata). An admitted object that is not on SSD gets a write, and its DRAM slot is
+  held (``DRAINING``, still readable) until the write ends; so is an object whose write is already
+  in flight. Anything else is dropped at once.
+* SSD eviction drops the copy.
+* A pinned copy is out of its LRU: it cannot be evicted. When its last pin goes it re-enters at the
+  most recently used end, or, if it was draining or bad meanwhile, its slot is reclaimed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from itertools import islice
+
+from saria.control.admission import Admission
+from saria.control.counters import Counters
+from saria.control.orders import DRAM, SSD, Tier
+from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY, CacheObject, ContextTree, Node
+
+WRITE_REASONS = ("eviction", "write-through", "reuse", "prewrite")
+_ADMISSION_COUNTER = {"eviction": "admissions_eviction", "write-through": "admissions_write_through",
+                      "reuse": "admissions_reuse", "prewrite": "admissions_prewrite"}
+
+
+class TierState:
+    """Capacity and use in bytes, and the LRU of evictable copies (least recently used first)."""
+
+    __slots__ = ("tier", "capacity", "used", "lru")
+
+    def __init__(self, tier: Tier, capacity: int) -> None:
+        self.tier = tier
+        self.capacity = capacity
+        self.used = 0
+        self.lru: OrderedDict[CacheObject, None] = OrderedDict()
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+class OrderBatch:
+    """What one control-plane call decided: slots to drop, copies to store, promote and write."""
+
+    __slots__ = ("dram_drops", "ssd_drops", "stores", "promotions", "writes")
+
+    def __init__(self) -> None:
+        self.dram_drops: list[CacheObject] = []
+        self.ssd_drops: list[CacheObject] = []
+        self.stores: list[CacheObject] = []
+        self.promotions: list[CacheObject] = []
+        self.writes: dict[tuple[str, Tier], list[CacheObject]] = {}
+
+    def write(self, reason: str, source: Tier, obj: CacheObject) -> None:
+        key = (reason, source)
+        objs = self.writes.get(key)
+        if objs is None:
+            self.writes[key] = [obj]
+        else:
+            objs.append(obj)
+
+
+class Residency:
+    """Copies of objects in DRAM and SSD: reservation, eviction, writes, pins and completions."""
+
+    def __init__(self, dram_bytes: int, ssd_bytes: int, admission: Admission, tree: ContextTree,
+                 counters: Counters) -> None:
+        self.dram = TierState(DRAM, dram_bytes)
+        self.ssd = TierState(SSD, ssd_bytes)
+        self._admission = admission
+        self._tree = tree
+        self._counters = counters
+
+    # ---------------------------------------------------------------------------------------- DRAM
+    def reserve_dram(self, objs: list[CacheObject], batch: OrderBatch) -> list[CacheObject]:
+        """Give each of ``objs`` a DRAM slot (``FILLING``), in order, evicting from the LRU end as
+        needed. Returns those that got one: an object gets none if it is larger than the tier or
+        the LRU runs dry first (everything else pinned, filling or draining). Evictions stay done."""
+        dram = self.dram
+        lru = dram.lru
+        capacity = dram.capacity
+        pop = lru.popitem
+        evict = self.evict_dram
+        reserved = []
+        for obj in objs:
+            need = obj.nbytes
+            if need > capacity:
+                continue
+            while capacity - dram.used < need and lru:
+                evict(pop(False)[0], batch)
+            if capacity - dram.used >= need:
+                dram.used += need
+                obj.dram = FILLING
+                reserved.append(obj)
+        return reserved
+
+    def evict_dram(self, obj: CacheObject, batch: OrderBatch) -> None:
+        """Evict a ``READY`` copy the caller has taken out of the DRAM LRU: E_b goes up; an
+        admitted copy not on SSD is written and its slot held (``DRAINING``) until the write ends,
+        as is one whose write is already in flight; anything else is dropped at once."""
+        evidence = obj.evidence
+        evidence.E_b += obj.eviction_step
+        self._counters.dram_evictions += 1
+        ssd = obj.ssd
+        if ssd == ABSENT:
+            if self._admission.admitted(evidence) and self.write(obj, DRAM, "eviction", batch):
+                obj.dram = DRAINING
+                return
+        elif ssd == FILLING:  # a write is reading this copy: hold the slot until it ends
+            obj.dram = DRAINING
+            return
+        # drop_dram, inlined: this is the common end of an eviction
+        self.dram.used -= obj.nbytes
+        obj.dram = ABSENT
+        batch.dram_drops.append(obj)
+        if ssd == ABSENT and obj.node.dormant:
+            self._tree.reclaim_if_idle(obj.node)
+
+    def frees_on_eviction(self, obj: CacheObject) -> bool:
+        """Whether evicting ``obj`` now gives its slot back at once (no write would hold it)."""
+        if obj.ssd == FILLING:
+            return False
+        if obj.ssd != ABSENT:
+            return True
+        return not self._admission.admitted(obj.evidence, obj.eviction_step)
+
+    def idle_candidates(self, idle_before: float, need: int) -> list[CacheObject]:
+        """LRU-end copies whose chunk was last reused at or before ``idle_before`` and whose eviction
+        frees their slot at once, least recently used first, until ``need`` bytes are covered
+        (walk stops at the first copy reused later)."""
+        out: list[CacheObject] = []
+        covered = 0
+        for obj in self.dram.lru:
+            if covered >= need or obj.evidence.last_reuse > idle_before:
+                break
+            if self.frees_on_eviction(obj):
+                out.append(obj)
+                covered += obj.nbytes
+        return out
+
+    def drop_dram(self, obj: CacheObject, batch: OrderBatch) -> None:
+        self.dram.used -= obj.nbytes
+        obj.dram = ABSENT
+        batch.dram_drops.append(obj)
+        if obj.ssd == ABSENT and obj.node.dormant:
+            self._tree.reclaim_if_idle(obj.node)
+
+    def dram_filled(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
+        """A store or promotion into these objects' DRAM slots ended; ``failing`` ones failed."""
+        lru = self.dram.lru
+        for obj in objs:
+            if failing and obj in failing:
+                self.drop_dram(obj, batch)
+            else:
+                obj.dram = READY
+                lru[obj] = None
+
+    # ----------------------------------------------------------------------------------------- SSD
+    def write(self, obj: CacheObject, source: Tier, reason: str, batch: OrderBatch) -> bool:
+        """Reserve an SSD slot for ``obj`` (evicting SSD copies as needed) and order the write.
+        The caller has decided admission. False (counted as skipped) if SSD has no room."""
+        if not self.reserve_ssd(obj.nbytes, batch):
+            self._counters.writes_skipped += 1
+            return False
+        obj.ssd = FILLING
+        batch.write(reason, source, obj)
+        counter = _ADMISSION_COUNTER[reason]
+        setattr(self._counters, counter, getattr(self._counters, counter) + 1)
+        return True
+
+    def reserve_ssd(self, need: int, batch: OrderBatch) -> bool:
+        ssd = self.ssd
+        if need > ssd.capacity:
+            return False
+        lru = ssd.lru
+        while ssd.capacity - ssd.used < need:
+            if not lru:
+                return False
+            self._counters.ssd_evictions += 1
+            self.drop_ssd(lru.popitem(last=False)[0], batch)
+        ssd.used += need
+        return True
+
+    def drop_ssd(self, obj: CacheObject, batch: OrderBatch) -> None:
+        self.ssd.used -= obj.nbytes
+        obj.ssd = ABSENT
+        batch.ssd_drops.append(obj)
+        if obj.dram == ABSENT and obj.node.dormant:
+            self._tree.reclaim_if_idle(obj.node)
+
+    def ssd_written(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
+        """Writes into these objects' SSD slots ended; ``failing`` ones failed (the chunk stays
+        non-persisted). A DRAM copy held for a write is reclaimed unless a plan pins it."""
+        counters = self._counters
+        lru = self.ssd.lru
+        for obj in objs:
+            if failing and obj in failing:
+                counters.writes_failed += 1
+                self.drop_ssd(obj, batch)
+            else:
+                obj.ssd = READY
+                lru[obj] = None
+                counters.ssd_writes += 1
+                counters.ssd_bytes_written += obj.nbytes
+            if obj.dram == DRAINING and obj.dram_pins == 0:
+                self.drop_dram(obj, batch)
+
+    def unpersisted_lru_end(self, depth: int) -> list[CacheObject]:
+        """Of the ``depth`` least recently used DRAM copies, those with no SSD copy or write."""
+        return [obj for obj in islice(self.dram.lru, depth) if obj.ssd == ABSENT]
+
+    # ---------------------------------------------------------------------------------------- pins
+    def pin(self, obj: CacheObject, tier: Tier) -> None:
+        """Keep ``obj``'s readable copy in ``tier`` from eviction until :meth:`unpin`."""
+        if tier is DRAM:
+            if obj.dram_pins == 0 and obj.dram == READY:
+                del self.dram.lru[obj]
+            obj.dram_pins += 1
+        else:
+            if obj.ssd_pins == 0:
+                del self.ssd.lru[obj]
+            obj.ssd_pins += 1
+
+    def pin_all(self, objs: list[CacheObject], tiers: tuple[Tier, ...]) -> None:
+        """:meth:`pin` ``objs[i]`` in ``tiers[i]``, for every i."""
+        dram_lru, ssd_lru, dram = self.dram.lru, self.ssd.lru, DRAM
+        for obj, tier in zip(objs, tiers):
+            if tier is dram:
+                if obj.dram_pins == 0 and obj.dram == READY:
+                    del dram_lru[obj]
+                obj.dram_pins += 1
+            else:
+                if obj.ssd_pins == 0:
+                    del ssd_lru[obj]
+                obj.ssd_pins += 1
+
+    def unpin_all(self, objs: list[CacheObject], tiers: list[Tier], batch: OrderBatch) -> None:
+        """:meth:`unpin` ``objs[i]`` from ``tiers[i]``, for every i."""
+        dram_lru, dram, unpin = self.dram.lru, DRAM, self.unpin
+        for obj, tier in zip(objs, tiers):
+            if tier is dram and obj.dram_pins == 1 and obj.dram == READY:  # the common case, inlined
+                obj.dram_pins = 0
+                dram_lru[obj] = None
+            else:
+                unpin(obj, tier, batch)
+
+    def unpin(self, obj: CacheObject, tier: Tier, batch: OrderBatch) -> None:
+        if tier is DRAM:
+            obj.dram_pins -= 1
+            if obj.dram_pins == 0:
+                if obj.dram == READY:
+                    self.dram.lru[obj] = None
+                elif obj.dram == DRAINING and obj.ssd != FILLING:
+                    self.drop_dram(obj, batch)
+        else:
+            obj.ssd_pins -= 1
+            if obj.ssd_pins == 0:
+                if obj.ssd == READY:
+                    self.ssd.lru[obj] = None
+                elif obj.ssd == BAD:
+                    self.drop_ssd(obj, batch)
+
+    def mark_bad(self, obj: CacheObject) -> None:
+        """A read of ``obj``'s (pinned) SSD copy failed: it is never read again and its slot is
+        reclaimed when its last pin goes."""
+        obj.ssd = BAD
+        self._counters.ssd_read_failures += 1
+
+    def touch(self, nodes: list[Node]) -> None:
+        """These chunks were referenced: their evictable copies (kv and state) move to the most
+        recently used end of each tier's LRU."""
+        dram_lru, ssd_lru = self.dram.lru, self.ssd.lru
+        for node in nodes:
+            for obj in (node,) if node.state is None else (node, node.state):
+                if obj.dram == READY and obj.dram_pins == 0:
+                    dram_lru.move_to_end(obj)
+                if obj.ssd == READY and obj.ssd_pins == 0:
+                    ssd_lru.move_to_end(obj)

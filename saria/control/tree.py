@@ -1,0 +1,275 @@
+"""The context tree: one node per chunk, linked by prefix, with admission evidence and objects.
+
+Chunk hashes are prefix-chained (a chunk's hash depends on every chunk before it), so a dict from
+hash to node, with parent links, is the radix tree over chunk hashes: a request's chunk hashes
+walk one path from the root. A node keeps E_b (DRAM evictions of its kv object), R_b (requests
+that referenced it again) and its last reuse time across residencies, and its objects: ``kv``
+always, ``state`` on checkpoint boundaries of hybrid models.
+
+Metadata is reclaimed by a sliding window: a node untouched (no reuse, no recomputation) for a
+whole window is reclaimed as soon as it also has nothing resident, no pin, nothing in flight and
+no children. Expired nodes that still hold something are parked ("dormant") and reclaimed the
+moment their last copy or child goes; touching one wakes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from itertools import repeat
+from typing import Hashable, Sequence
+
+from saria.config import ChunkSpec
+from saria.control.counters import Counters
+from saria.control.orders import KV, STATE, ControlPlaneError
+
+# Where a copy of an object stands in one tier.
+ABSENT = 0    # no copy
+FILLING = 1   # slot reserved, an order is filling it; not readable
+READY = 2     # readable; in the tier's LRU unless pinned by a plan
+DRAINING = 3  # DRAM only: evicted, slot held while its SSD write is in flight or a plan pins it; readable
+BAD = 4       # SSD only: a read failed; slot held until no plan pins it; not readable
+
+STATUS_NAMES = {ABSENT: "absent", FILLING: "filling", READY: "ready", DRAINING: "draining", BAD: "bad"}
+
+
+class Evidence:
+    """Admission evidence of paper Eq. 1: ``E_b`` DRAM evictions, ``R_b`` reuses, last reuse time.
+    A :class:`Node` carries the same three fields itself; a standalone ``Evidence`` is a state
+    object's own, with per-object metadata."""
+
+    __slots__ = ("E_b", "R_b", "last_reuse")
+
+    def __init__(self, now: float) -> None:
+        self.E_b = 0
+        self.R_b = 0
+        self.last_reuse = now
+
+
+class CacheObject:
+    """One object of a chunk: its ``kind`` (``"kv"`` or ``"state"``), size, the evidence admission
+    reads (its node, or its own :class:`Evidence` with per-object metadata), and its copy in each
+    tier. ``eviction_step``: what evicting it from DRAM adds to its evidence's E_b: 1 for a kv
+    object; for a state object 1 only when it keeps its own evidence (a node counts the evictions
+    of its kv object), else 0.
+
+    A chunk's kv object is its :class:`Node` itself; a state object is a plain ``CacheObject``."""
+
+    __slots__ = ("node", "kind", "nbytes", "evidence", "eviction_step", "dram", "ssd", "dram_pins", "ssd_pins")
+
+    def __init__(self, node: Node, kind: str, nbytes: int, evidence: Evidence | Node) -> None:
+        self.node = node
+        self.kind = kind
+        self.nbytes = nbytes
+        self.evidence = evidence
+        self.eviction_step = 1 if kind is KV or evidence is not node else 0
+        self.dram = ABSENT
+        self.ssd = ABSENT
+        self.dram_pins = 0
+        self.ssd_pins = 0
+
+    def __repr__(self) -> str:
+        return (f"<{self.kind} of {self.node.key!r}: dram {STATUS_NAMES[self.dram]} ssd {STATUS_NAMES[self.ssd]} "
+                f"pins {self.dram_pins}/{self.ssd_pins}>")
+
+
+class Node(CacheObject):
+    """One chunk: its hash, parent, depth (0 = first chunk of a context), child count, evidence
+    (``E_b``, ``R_b``, ``last_reuse``, as :class:`Evidence`) and objects.
+
+    A node is also its own kv object (``node.kv is node``): the kv object's copy fields live in
+    the node, one allocation per chunk instead of two (a million-chunk tree is a million fewer
+    objects for the allocator and the garbage collector). ``state`` is the separate state object
+    on checkpoint boundaries of hybrid models."""
+
+    __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "dormant")
+
+    def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int) -> None:
+        # CacheObject.__init__ for the kv object, inlined: the hottest allocation of the control plane.
+        self.node = self
+        self.kind = KV
+        self.nbytes = kv_bytes
+        self.evidence = self
+        self.eviction_step = 1
+        self.dram = ABSENT
+        self.ssd = ABSENT
+        self.dram_pins = 0
+        self.ssd_pins = 0
+        self.E_b = 0
+        self.R_b = 0
+        self.last_reuse = now
+        self.key = key
+        self.parent = parent
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.children = 0
+        self.state: CacheObject | None = None
+        self.dormant = False
+
+    @property
+    def kv(self) -> Node:
+        return self
+
+    @property
+    def objects(self) -> tuple[CacheObject, ...]:
+        """The kv object, then the state object if any."""
+        return (self,) if self.state is None else (self, self.state)
+
+    def holds_nothing(self) -> bool:
+        """No copy in any tier (which also means no pin and nothing in flight)."""
+        state = self.state
+        return (self.dram == ABSENT and self.ssd == ABSENT
+                and (state is None or (state.dram == ABSENT and state.ssd == ABSENT)))
+
+    def __repr__(self) -> str:
+        return (f"<Node {self.key!r} depth {self.depth} E_b {self.E_b} R_b {self.R_b}: kv dram "
+                f"{STATUS_NAMES[self.dram]} ssd {STATUS_NAMES[self.ssd]} pins {self.dram_pins}/{self.ssd_pins}>")
+
+
+class ContextTree:
+    """Chunk hash -> :class:`Node`, parent links, object creation and the metadata window."""
+
+    def __init__(self, chunk: ChunkSpec, window_s: float, unified_metadata: bool, counters: Counters) -> None:
+        self.nodes: dict[Hashable, Node] = {}
+        self._recent: OrderedDict[Node, None] = OrderedDict()  # awake nodes, least recently touched first
+        self._window = window_s
+        self._kv_bytes = chunk.kv_bytes
+        self._state_bytes = chunk.state_bytes
+        self._checkpoint_chunks = chunk.checkpoint_chunks if chunk.hybrid else 0
+        self._unified = unified_metadata
+        self._counters = counters
+        self.generation = 0  # bumped whenever a node is created or reclaimed
+        self._expiry_floor = -math.inf  # no awake node expires before this time
+        self._reclaimed: list[Node] = []  # reclaimed in the current call, see bury()
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def is_boundary(self, depth: int) -> bool:
+        """Whether the chunk at ``depth`` ends a checkpoint interval (and so has a state object)."""
+        every = self._checkpoint_chunks
+        return every > 0 and (depth + 1) % every == 0
+
+    # ----------------------------------------------------------------------------------- lookups
+    def resolve(self, hashes: Sequence[Hashable], start: int = 0, prev: Node | None = None) -> list[Node | None]:
+        """Nodes of ``hashes[start:]`` (``None`` where the tree has none yet), given ``prev``, the
+        node of ``hashes[start - 1]``. Raises :class:`ControlPlaneError` if the sequence contradicts
+        the tree: a known chunk under another parent, or a known chunk after an unknown one.
+        A repeated hash is a contradiction too. Unhashable ids raise ``TypeError``."""
+        get = self.nodes.get
+        out: list[Node | None] = []
+        append = out.append
+        for i in range(start, len(hashes)):
+            node = get(hashes[i])
+            if node is None:
+                # The first unknown chunk: every later one must be unknown too, and distinct (a
+                # repeat among known chunks breaks the parent links above).
+                unknown = hashes[i:]
+                if not self.nodes.keys().isdisjoint(unknown):
+                    j = next(j for j in range(i + 1, len(hashes)) if hashes[j] in self.nodes)
+                    self._contradiction(hashes, j, self.nodes[hashes[j]], None, i)
+                if len(set(unknown)) != len(unknown):
+                    seen: set = set()
+                    repeat = next(h for h in unknown if h in seen or seen.add(h))
+                    raise ControlPlaneError(f"chunk hash {repeat!r} appears twice in one request; "
+                                            f"prefix-chained hashes never repeat")
+                out += [None] * len(unknown)
+                break
+            if node.parent is not prev:
+                self._contradiction(hashes, i, node, prev, -1)
+            append(node)
+            prev = node
+        return out
+
+    def _contradiction(self, hashes: Sequence[Hashable], i: int, node: Node, prev: Node | None,
+                       unknown_from: int) -> None:
+        if unknown_from >= 0:
+            where = f"after chunk {unknown_from} ({hashes[unknown_from]!r}) which the tree does not know"
+        else:
+            where = "at the root" if prev is None else f"under {prev.key!r}"
+        known = "at the root" if node.parent is None else f"under {node.parent.key!r}"
+        raise ControlPlaneError(f"chunk hash sequence contradicts the context tree: chunk {i} ({hashes[i]!r}) "
+                                f"comes {where}, but the tree has it {known} (depth {node.depth}); chunk hashes "
+                                f"must be prefix-chained")
+
+    # --------------------------------------------------------------------------------- mutations
+    def extend(self, keys: Sequence[Hashable], parent: Node | None, now: float) -> list[Node]:
+        """Create the nodes of ``keys``, a chain below ``parent`` (None: the root), and return them."""
+        if not keys:
+            return []
+        made: list[Node] = []
+        append = made.append
+        kv_bytes, every = self._kv_bytes, self._checkpoint_chunks
+        if parent is not None:
+            parent.children += 1
+        for key in keys:
+            node = Node(key, parent, now, kv_bytes)
+            if every and (node.depth + 1) % every == 0:
+                node.state = CacheObject(node, STATE, self._state_bytes, node if self._unified else Evidence(now))
+            append(node)
+            parent = node
+        for node in made[:-1]:  # each new node's only child is the next one of the chain
+            node.children = 1
+        self.nodes.update(zip(keys, made))
+        self._recent.update(zip(made, repeat(None)))
+        self.generation += 1
+        self._counters.nodes_created += len(made)
+        return made
+
+    def reuse(self, nodes: list[Node], now: float) -> None:
+        """These known chunks were referenced again (reused or recomputed) now: R_b goes up and
+        their metadata window restarts."""
+        recent = self._recent
+        move_to_end = recent.move_to_end
+        for node in nodes:
+            node.R_b += 1
+            node.last_reuse = now
+            if node.dormant:
+                node.dormant = False
+                recent[node] = None
+            else:
+                move_to_end(node)
+
+    def expire(self, now: float) -> None:
+        """Reclaim or park every node untouched for a whole window (``last_reuse <= now - window``)."""
+        if now < self._expiry_floor:
+            return
+        recent = self._recent
+        cutoff = now - self._window
+        while recent:
+            node = next(iter(recent))
+            if node.last_reuse > cutoff:
+                # Touches only move nodes to the end, with later times: a lower bound until then.
+                self._expiry_floor = node.last_reuse + self._window
+                return
+            del recent[node]
+            node.dormant = True
+            self.reclaim_if_idle(node)
+        self._expiry_floor = now + self._window
+
+    def reclaim_if_idle(self, node: Node) -> None:
+        """Reclaim ``node`` if it is dormant, childless and holds nothing; then its parent likewise."""
+        while node is not None and node.dormant and node.children == 0 and node.holds_nothing():
+            del self.nodes[node.key]
+            self.generation += 1
+            self._counters.nodes_reclaimed += 1
+            node.dormant = False
+            self._reclaimed.append(node)
+            node = node.parent
+            if node is not None:
+                node.children -= 1
+
+    def bury(self) -> None:
+        """Break the reference cycles of the nodes reclaimed since the last call (a node is its own
+        kv object and evidence; a state object points back at its node), so that reference
+        counting frees them at once instead of the next full garbage collection. Called once the
+        orders naming them have been built."""
+        for node in self._reclaimed:
+            node.node = node.evidence = node.parent = None  # type: ignore[assignment]
+            if node.state is not None:
+                node.state.node = node.state.evidence = None  # type: ignore[assignment]
+                node.state = None
+        self._reclaimed.clear()
+
+    def is_tracked(self, node: Node) -> bool:
+        """Whether ``node`` is either awake (in the window queue) or dormant, exactly one (audits)."""
+        return (node in self._recent) != node.dormant

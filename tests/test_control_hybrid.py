@@ -1,0 +1,105 @@
+"""Hybrid models: state objects at checkpoint boundaries, plans that end on a checkpoint, shared
+admission evidence."""
+
+from __future__ import annotations
+
+from control_cases import HYBRID, chain, config, drain, request, writes_of, written_chunks
+
+from saria.control import ControlPlane, ObjectKey, StoreOrder, Tier
+
+EVERY = HYBRID.checkpoint_chunks  # 4 chunks of 1024 tokens per 4096-token checkpoint
+
+
+def hybrid_plane(preset: str = "saria", **policy) -> ControlPlane:
+    return ControlPlane(config(preset, dram_chunks=64, ssd_chunks=256, chunk=HYBRID, **policy))
+
+
+def test_state_objects_sit_on_boundaries_and_consume_their_own_bytes():
+    cp = hybrid_plane()
+    hashes = chain("h", 9)
+    _, orders = request(cp, hashes, 0.0)
+    [store] = [o for o in orders if isinstance(o, StoreOrder)]
+    assert store.kv == tuple(hashes) and store.state == ("h:3", "h:7")
+    assert HYBRID.state_bytes > 0
+    assert store.nbytes == 9 * HYBRID.kv_bytes + 2 * HYBRID.state_bytes
+    assert cp.usage().dram_used == store.nbytes
+    assert [cp.chunk_info(h).state is not None for h in hashes] == [i % EVERY == EVERY - 1 for i in range(9)]
+
+
+def test_plan_is_cut_back_to_the_deepest_boundary_with_a_state_checkpoint():
+    cp = hybrid_plane()
+    request(cp, chain("h", 6), 0.0)  # kv of chunks 0-5, state at 3
+    plan = cp.plan(chain("h", 10), 1.0)
+    assert plan.chunk_hashes == tuple(chain("h", 4)) and plan.state_chunk == "h:3"
+    assert plan.state_source is Tier.DRAM and plan.tokens == 4 * 1024
+    assert plan.dram_bytes == 4 * HYBRID.kv_bytes + HYBRID.state_bytes
+    orders = cp.commit_prefill(chain("h", 10), 1.0, plan)
+    drain(cp, orders, 1.0, fail=[ObjectKey("h:7", "state")])  # kv of 4-9 stored, the state at 7 lost
+    assert cp.chunk_info("h:7").kv.dram == "ready" and cp.chunk_info("h:7").state.dram == "absent"
+
+    plan = cp.plan(chain("h", 10), 2.0)  # every kv object is there, but 7 has no checkpoint
+    assert plan.num_chunks == 4 and plan.state_chunk == "h:3"
+    cp.release(plan, 2.0)
+    request(cp, chain("h", 11), 3.0)  # recomputes from 4 on: the state at 7 comes back
+    plan = cp.plan(chain("h", 11), 4.0)
+    assert plan.num_chunks == 8 and plan.state_chunk == "h:7"
+    cp.release(plan, 4.0)
+
+
+def test_no_checkpoint_no_plan_even_with_every_kv_object_resident():
+    cp = hybrid_plane()
+    request(cp, chain("h", 3), 0.0)
+    assert all(cp.chunk_info(h).kv.dram == "ready" for h in chain("h", 3))
+    plan = cp.plan(chain("h", 3), 2.0)  # 3 chunks: no boundary reached, nothing to resume from
+    assert plan.num_chunks == 0 and plan.state_chunk is None
+    cp.release(plan, 2.0)
+
+
+def test_state_object_shares_its_chunks_admission_evidence():
+    """Reuse-only admission at theta_R = 2 over 8 chunks: the checkpoint at chunk 3 is never read
+    (plans end at 7) nor evicted, yet with unified metadata it is written with its chunk; with
+    per-object metadata it has no evidence of its own and stays unwritten."""
+    for unified, expect_state_3 in ((True, True), (False, False)):
+        cp = hybrid_plane(theta_E=None, theta_R=2, prewrite=False, unified_metadata=unified)
+        hashes = chain("h", 8)
+        writes = []
+        for t in range(3):
+            plan, orders = request(cp, hashes, float(t))
+            writes += writes_of(orders)
+            if t:
+                assert plan.state_chunk == "h:7"
+        assert {h for w in writes for h in w.kv} == set(hashes)  # R_b = 2 on every chunk
+        states = {h for w in writes for h in w.state}
+        assert ("h:3" in states) is expect_state_3, unified
+        assert "h:7" in states  # read by both plans: its own evidence reached theta_R too
+        assert all(w.reason == "reuse" for w in writes)
+
+
+def test_failed_ssd_read_in_a_hybrid_plan_recomputes_the_whole_prefix_and_drops_the_copy():
+    cp = hybrid_plane("full-duplicate")
+    hashes = chain("h", 4)
+    request(cp, hashes, 0.0)
+    request(cp, chain("x", 64), 1.0)  # evicts h from DRAM; it stays on SSD
+    plan = cp.plan(hashes, 2.0)
+    assert plan.kv_sources == (Tier.SSD,) * 4 and plan.state_source is Tier.SSD
+    orders = cp.commit_prefill(hashes, 2.0, plan, failed=["h:1"])
+    c = cp.counters()
+    assert (c.hits_ssd_chunks, c.ssd_read_failures) == (0, 1)
+    assert c.misses == 4 + 64 + 4
+    assert c.ssd_reads == 4  # three kv objects and the checkpoint were read fine
+    drops = [o for o in orders if type(o).__name__ == "DropOrder" and o.tier is Tier.SSD]
+    assert [d.kv for d in drops] == [("h:1",)]  # the bad copy is dropped at once (no other plan pins it)
+    assert written_chunks(orders, "write-through") == {"h:1"}  # and, recomputed, written through again
+    assert cp.chunk_info("h:2").kv.ssd == "ready"
+    drain(cp, orders, 2.0)
+    assert not cp.audit()
+
+
+def test_evicting_a_chunk_with_its_checkpoint_counts_one_eviction():
+    cp = ControlPlane(config("dram-only", dram_chunks=16, chunk=HYBRID))
+    request(cp, chain("h", 4), 0.0)
+    request(cp, chain("other", 16), 1.0)  # evicts every object of h, the state at h:3 included
+    info = cp.chunk_info("h:3")
+    assert (info.kv.dram, info.state.dram) == ("absent", "absent")
+    assert [cp.chunk_info(h).E_b for h in chain("h", 4)] == [1, 1, 1, 1]
+    assert cp.counters().dram_evictions >= 5
