@@ -8,10 +8,16 @@ import time
 import pytest
 import torch
 
-from saria.dataplane.coordinator import Bandwidths, Coordinator
+from saria.config import Bandwidths
+from saria.dataplane.coordinator import Coordinator, pace_bytes_per_s
 from saria.dataplane.pcie import PCIeMonitor, calibrate
 
 MB = 1e6
+
+
+def rates(gpu, disk, dram):
+    """Bandwidths from bytes/s."""
+    return Bandwidths(gpu_gbps=gpu / 1e9, disk_gbps_per_drive=disk / 1e9, dram_gbps=dram / 1e9)
 
 
 class SimClock:
@@ -28,12 +34,13 @@ class SimClock:
 
 
 def paper_bw():
-    return Bandwidths.gbps(gpu=48, disk=20, dram=48)
+    return Bandwidths()  # the paper's 48 / 20 / 48 GB/s
 
 
 def test_pace_is_eq4():
-    assert paper_bw().pace == pytest.approx(28e9)
-    assert Bandwidths.gbps(gpu=48, disk=5, dram=24).pace == pytest.approx(24e9)  # DRAM-bound
+    assert pace_bytes_per_s(paper_bw()) == pytest.approx(28e9)
+    assert pace_bytes_per_s(Bandwidths(gpu_gbps=48, disk_gbps_per_drive=5, dram_gbps=24)) == pytest.approx(24e9)
+    assert pace_bytes_per_s(Bandwidths(disk_gbps_per_drive=10, drives=2)) == pytest.approx(28e9)  # B_disk: all drives
 
 
 def test_unthrottled_without_ssd_reads():
@@ -62,7 +69,7 @@ def test_paced_at_b_pace_while_ssd_runnable():
 def test_requests_share_one_paced_budget():
     """Residual ingress: request B's DRAM slices continue in A's paced schedule (paper Fig. 9)."""
     clock = SimClock()
-    coord = Coordinator(Bandwidths(gpu=100 * MB, disk=60 * MB, dram=80 * MB), clock=clock)
+    coord = Coordinator(rates(100 * MB, 60 * MB, 80 * MB), clock=clock)
     with coord.ssd_reads():
         for _ in range(5):
             coord.acquire(MB)  # request A's DRAM part
@@ -73,7 +80,7 @@ def test_requests_share_one_paced_budget():
 
 def test_coordination_off_when_ssd_saturates_ingress():
     clock = SimClock()
-    coord = Coordinator(Bandwidths.gbps(gpu=24, disk=23.9, dram=48), clock=clock)
+    coord = Coordinator(Bandwidths(gpu_gbps=24, disk_gbps_per_drive=23.9, dram_gbps=48), clock=clock)
     assert not coord.pacing_enabled
     with coord.ssd_reads():
         for _ in range(10):
@@ -92,7 +99,7 @@ def test_overlap_mode_never_waits():
 
 def test_idle_path_banks_at_most_one_slice():
     clock = SimClock()
-    coord = Coordinator(Bandwidths(gpu=100 * MB, disk=50 * MB, dram=100 * MB), clock=clock)
+    coord = Coordinator(rates(100 * MB, 50 * MB, 100 * MB), clock=clock)
     with coord.ssd_reads():
         coord.acquire(MB)
         clock.t += 10.0  # DRAM idle for a long time
@@ -103,7 +110,7 @@ def test_idle_path_banks_at_most_one_slice():
 
 
 def test_ssd_end_releases_a_waiting_slice_at_once():
-    coord = Coordinator(Bandwidths(gpu=100.0, disk=99.0, dram=100.0), saturation=1.0)  # pace: 1 byte/s
+    coord = Coordinator(rates(100.0, 99.0, 100.0), saturation=1.0)  # pace: 1 byte/s
     coord.ssd_begin()
     coord.acquire(1000)  # the first slice and one of credit go at once; the next waits ~1000 s
     coord.acquire(1000)
@@ -127,10 +134,10 @@ def test_serial_mode_waits_for_ssd_to_finish():
 
 def test_bandwidth_update_replans():
     clock = SimClock()
-    coord = Coordinator(Bandwidths(gpu=100 * MB, disk=50 * MB, dram=100 * MB), clock=clock)
+    coord = Coordinator(rates(100 * MB, 50 * MB, 100 * MB), clock=clock)
     with coord.ssd_reads():
         coord.acquire(MB)
-        coord.set_bandwidths(Bandwidths(gpu=100 * MB, disk=90 * MB, dram=100 * MB))
+        coord.set_bandwidths(rates(100 * MB, 90 * MB, 100 * MB))
         coord.acquire(MB)
         coord.acquire(MB)
     assert clock.t == pytest.approx(MB / (50 * MB) + MB / (10 * MB))
@@ -138,7 +145,7 @@ def test_bandwidth_update_replans():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="must be > 0"):
-        Bandwidths(gpu=0, disk=1, dram=1)
+        rates(0, 1, 1)
     with pytest.raises(ValueError, match="mode must be one of"):
         Coordinator(paper_bw(), mode="fast")
     with pytest.raises(ValueError, match="saturation"):
@@ -203,7 +210,7 @@ def test_calibration_raises_gpu_estimate_and_takes_measured_disk():
     for _ in range(53):
         monitor.sample_once()  # peak 53 GB/s > 48 configured
     bw = calibrate(paper_bw(), monitor, ssd_only_rx=13e9)
-    assert bw.gpu == 53e9 and bw.disk == 13e9 and bw.dram == 48e9
+    assert bw.gpu_gbps == 53 and bw.disk_gbps == 13 and bw.dram_gbps == 48
     quiet = PCIeMonitor(lambda: (1e9, 0.0))
     quiet.sample_once()
     assert calibrate(paper_bw(), quiet) == paper_bw()  # a quiet window never lowers B_GPU

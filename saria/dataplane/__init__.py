@@ -1,10 +1,21 @@
 """The data plane: moves bytes between GPU, pinned DRAM and NVMe SSD (DESIGN.md, "Data plane").
 
+Transfer engine: :class:`TransferEngine` executes the control plane's reload plans and orders on
+separate paths (DRAM->GPU paced by the :class:`Coordinator`, SSD->GPU, GPU->DRAM, SSD writes).
+Host pool: :class:`HostPool`, pinned host memory in fixed-size slots (the DRAM tier).
+PCIe monitor: :class:`PCIeMonitor` samples NVML's PCIe counters; :func:`calibrate` refines the
+coordinator's bandwidth estimates from them.
+
 SSD store: :class:`SSDStore` keeps opaque objects striped over one preallocated file per drive,
 verified on every read and found again after a restart (``ssd_store``; on-disk format in
 ``ssd_format``; POSIX / kvikio backends and the ``IoOps`` syscall layer in ``ssd_backends``).
 """
 
+from .coordinator import Coordinator, pace_bytes_per_s
+from .engine import Completion, DramObject, LoadJob, LoadResult, TransferEngine
+from .host_pool import HostPool, HostPoolFull
+from .keys import object_key
+from .pcie import PCIeMonitor, calibrate
 from .ssd_backends import IoOps, probe_direct_io
 from .ssd_counters import PathCounters, SSDCounters
 from .ssd_errors import (ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable, ObjectWriteError,
@@ -13,6 +24,8 @@ from .ssd_index import ObjectInfo, PartLocation
 from .ssd_store import SSDStore
 
 __all__ = [
+    "Completion", "Coordinator", "DramObject", "HostPool", "HostPoolFull", "LoadJob", "LoadResult", "PCIeMonitor",
+    "TransferEngine", "calibrate", "object_key", "pace_bytes_per_s",
     "IoOps", "ObjectCorrupt", "ObjectInfo", "ObjectNotFound", "ObjectReadError", "ObjectUnreadable",
     "ObjectWriteError", "PartLocation", "PathCounters", "SSDCounters", "SSDStore", "SSDStoreError",
     "StoreClosed", "StoreConfigError", "StoreFull", "probe_direct_io",

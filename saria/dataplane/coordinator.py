@@ -12,7 +12,8 @@ so when one request's DRAM part is done the paced budget serves the next request
 When SSD reads alone can saturate ingress (B_disk >= ``saturation`` x B_GPU; the paper's two-SSD
 case got 15.8% slower with pacing) coordination switches itself off.
 
-Time is read through a :class:`Clock` so the schedule can be checked exactly in tests.
+Bandwidth estimates are :class:`saria.config.Bandwidths` (GB/s), possibly calibrated by the PCIe
+monitor. Time is read through a :class:`Clock` so the schedule can be checked exactly in tests.
 """
 
 from __future__ import annotations
@@ -23,30 +24,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator, Protocol
 
+from saria.config import Bandwidths
+
 GB = 1e9
 
 
-@dataclass(frozen=True)
-class Bandwidths:
-    """Bandwidth estimates in bytes/s: GPU ingress (PCIe), all SSD reads together, pinned DRAM->GPU."""
-
-    gpu: float
-    disk: float
-    dram: float
-
-    def __post_init__(self):
-        for name in ("gpu", "disk", "dram"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"bandwidth {name} must be > 0 bytes/s, got {getattr(self, name)}")
-
-    @property
-    def pace(self) -> float:
-        """Eq. 4: the DRAM rate while SSD reads are runnable."""
-        return min(self.dram, self.gpu - self.disk)
-
-    @classmethod
-    def gbps(cls, gpu: float, disk: float, dram: float) -> "Bandwidths":
-        return cls(gpu * GB, disk * GB, dram * GB)
+def pace_bytes_per_s(bw: Bandwidths) -> float:
+    """Eq. 4: the DRAM rate while SSD reads are runnable, min(B_DRAM, B_GPU - B_disk), in bytes/s."""
+    return min(bw.dram_gbps, bw.gpu_gbps - bw.disk_gbps) * GB
 
 
 class Clock(Protocol):
@@ -115,7 +100,8 @@ class Coordinator:
     def pacing_enabled(self) -> bool:
         """Coordinated mode and SSD alone does not saturate ingress."""
         bw = self._bw
-        return self.mode == "coordinated" and bw.disk < self.saturation * bw.gpu and bw.pace > 0
+        return (self.mode == "coordinated" and bw.disk_gbps < self.saturation * bw.gpu_gbps
+                and pace_bytes_per_s(bw) > 0)
 
     # --- SSD side --------------------------------------------------------------------------------
 
@@ -169,7 +155,7 @@ class Coordinator:
                     if self._next_release <= now:
                         # A late wake-up keeps up to one slice of credit so oversleeping does not
                         # lower the average rate; an idle path banks no more than that.
-                        interval = nbytes / self._bw.pace
+                        interval = nbytes / pace_bytes_per_s(self._bw)
                         self._next_release = max(self._next_release, now - interval) + interval
                         self.counters.paced_bytes += nbytes
                         self.counters.paced_slices += 1

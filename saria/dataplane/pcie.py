@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from .coordinator import Bandwidths
+from saria.config import Bandwidths
 
 # A source returns (rx_bytes_per_s, tx_bytes_per_s) as seen by the GPU.
 Source = Callable[[], tuple[float, float]]
@@ -139,16 +139,18 @@ def calibrate(configured: Bandwidths, monitor: PCIeMonitor | None, *, ssd_only_r
     * ``B_GPU`` rises to the peak RX throughput NVML saw when that exceeds the estimate by more than
       ``min_gain`` (the link demonstrably carries at least that); it never drops below the
       configured value from a quiet window.
-    * ``B_disk`` becomes ``ssd_only_rx`` when given: the RX rate measured while only SSD reads ran
-      (the transfer engine measures that), which is what the pacing allowance must match.
+    * ``B_disk`` becomes ``ssd_only_rx`` (bytes/s) when given: the RX rate measured while only SSD
+      reads ran (the transfer engine measures that), which is what the pacing allowance must match.
 
     With no monitor (or NVML unavailable) the configured estimates stand.
     """
     if monitor is None or not monitor.available:
         return configured
-    gpu = configured.gpu
-    peak = monitor.peak_rx(window_s)
+    gpu = configured.gpu_gbps
+    peak = monitor.peak_rx(window_s) / 1e9
     if peak > gpu * min_gain:
         gpu = peak
-    disk = configured.disk if ssd_only_rx is None or ssd_only_rx <= 0 else min(ssd_only_rx, gpu)
-    return Bandwidths(gpu=gpu, disk=disk, dram=configured.dram)
+    per_drive = configured.disk_gbps_per_drive
+    if ssd_only_rx is not None and ssd_only_rx > 0:
+        per_drive = min(ssd_only_rx / 1e9, gpu) / configured.drives
+    return replace(configured, gpu_gbps=gpu, disk_gbps_per_drive=per_drive)
