@@ -104,26 +104,29 @@ def tick(cp: ControlPlane, now: float) -> None:
     cp.release(cp.plan([], now), now)
 
 
-def test_counters_survive_eviction_and_metadata_goes_only_after_a_whole_idle_window():
+def test_counters_survive_eviction_and_metadata_goes_only_after_a_whole_quiet_window():
+    """Reclaimed only after a whole window with no reuse and nothing resident."""
     cp = ControlPlane(config("dram-only", dram_chunks=4, metadata_window_s=100.0))
     request(cp, chain("k", 2), 0.0)
     request(cp, chain("k", 2), 10.0)  # R_b = 1
     request(cp, chain("o", 2), 20.0)
-    request(cp, chain("m", 2), 21.0)  # evicts k: E_b = 1, nothing resident
+    request(cp, chain("m", 2), 21.0)  # evicts k: E_b = 1, nothing resident from t = 21 on
     assert (cp.chunk_info("k:1").E_b, cp.chunk_info("k:1").R_b) == (1, 1)
-    tick(cp, 109.0)  # 99 s after k's last reuse: kept
+    tick(cp, 120.0)  # 110 s after the last reuse, but only 99 s with nothing resident: kept
     assert cp.chunk_info("k:0") is not None and cp.chunk_info("k:1") is not None
-    tick(cp, 110.0)  # a whole window: both chunks (child first) reclaimed
+    tick(cp, 121.0)  # a whole quiet window: both chunks (child first) reclaimed
     assert cp.chunk_info("k:0") is None and cp.chunk_info("k:1") is None
     assert cp.counters().nodes_reclaimed == 2
-    tick(cp, 125.0)  # o is past its window too, but still resident: kept
+    tick(cp, 125.0)  # o is past its reuse window, but still resident: kept
     assert cp.chunk_info("o:0").kv.dram == "ready" and cp.chunk_info("o:1").kv.dram == "ready"
-    request(cp, ["p"], 126.0)  # evicts o:0 (LRU); o:1 still holds it as its parent
-    assert cp.chunk_info("o:0").kv.dram == "absent"
-    request(cp, ["q"], 127.0)  # evicts o:1: the whole path goes at once
+    request(cp, ["p"], 126.0)  # evicts o:0 (LRU): nothing resident from 126 on
+    request(cp, ["q"], 127.0)  # evicts o:1
+    tick(cp, 226.5)
+    assert cp.chunk_info("o:0") is not None and cp.chunk_info("o:1") is not None
+    tick(cp, 227.0)  # o:1 goes a window after it lost its copy, and takes its parent along
     assert cp.chunk_info("o:0") is None and cp.chunk_info("o:1") is None
     assert cp.chunk_info("m:0").kv.dram == "ready"  # m is past its window, resident: kept
-    request(cp, chain("k", 2), 128.0)  # a returning context starts over
+    request(cp, chain("k", 2), 228.0)  # a returning context starts over
     assert (cp.chunk_info("k:1").E_b, cp.chunk_info("k:1").R_b) == (0, 0)
     assert cp.audit() == []
 
@@ -132,11 +135,13 @@ def test_reuse_restarts_the_window():
     cp = ControlPlane(config("dram-only", dram_chunks=1, metadata_window_s=100.0))
     request(cp, ["k"], 0.0)
     request(cp, ["o"], 1.0)  # k evicted
-    request(cp, ["k"], 90.0)  # recomputed: window restarts; stored again, evicts o
-    request(cp, ["o"], 91.0)  # o recomputed, k evicted again: E_b = 2
+    request(cp, ["k"], 90.0)  # recomputed at 90: the window restarts; stored again, evicts o
+    request(cp, ["o"], 91.0)  # o recomputed, k evicted again (E_b = 2): quiet from 91 on
     request(cp, ["z"], 150.0)
     assert cp.chunk_info("k").E_b == 2
-    request(cp, ["z"], 190.0)
+    tick(cp, 190.5)
+    assert cp.chunk_info("k").E_b == 2
+    tick(cp, 191.0)
     assert cp.chunk_info("k") is None
 
 

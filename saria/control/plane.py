@@ -129,7 +129,7 @@ class ControlPlane:
             nodes = self._resolve(hashes)
             prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
             # ---- valid: from here on, state changes
-            self._now = now
+            self._now = self._tree.clock = now
             n = prefix.length
             sources = tuple(prefix.kv_sources)
             self._tiers.pin_all(nodes[:n], sources)
@@ -159,7 +159,7 @@ class ControlPlane:
             now = self._check_now(now)
             record = self._live_plan(plan)
             bad, _ = self._read_failures(record, failed)
-            self._now = now
+            self._now = self._tree.clock = now
             batch = OrderBatch()
             self._finish_reads(record, bad, batch, used=False)
             return self._finish(batch, now)
@@ -186,7 +186,7 @@ class ControlPlane:
                 prev = record.nodes[planned - 1] if planned else None
                 nodes = (record.nodes[:planned] if planned else []) + self._resolve(hashes, planned, prev)
             # ---- valid: from here on, state changes
-            self._now = now
+            self._now = self._tree.clock = now
             batch = OrderBatch()
             usable = planned if first_bad >= planned else (0 if self._hybrid else first_bad)
             # Touch first: a node the request uses is then awake, so no drop below reclaims it.
@@ -214,7 +214,7 @@ class ControlPlane:
             if record is None:
                 raise ControlPlaneError(self._why_not_in_flight(order_id))
             failing = self._order_failures(record, failed) if ok else set(record.objects)
-            self._now = now
+            self._now = self._tree.clock = now
             del self._in_flight[order_id]
             batch = OrderBatch()
             if isinstance(record.order, WriteOrder):

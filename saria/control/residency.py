@@ -120,8 +120,8 @@ class Residency:
         self.dram.used -= obj.nbytes
         obj.dram = ABSENT
         batch.dram_drops.append(obj)
-        if ssd == ABSENT and obj.node.dormant:
-            self._tree.reclaim_if_idle(obj.node)
+        if ssd == ABSENT and obj.node.holds_nothing():
+            self._tree.went_idle(obj.node)
 
     def frees_on_eviction(self, obj: CacheObject) -> bool:
         """Whether evicting ``obj`` now gives its slot back at once (no write would hold it)."""
@@ -149,8 +149,8 @@ class Residency:
         self.dram.used -= obj.nbytes
         obj.dram = ABSENT
         batch.dram_drops.append(obj)
-        if obj.ssd == ABSENT and obj.node.dormant:
-            self._tree.reclaim_if_idle(obj.node)
+        if obj.ssd == ABSENT and obj.node.holds_nothing():
+            self._tree.went_idle(obj.node)
 
     def dram_filled(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
         """A store or promotion into these objects' DRAM slots ended; ``failing`` ones failed."""
@@ -192,8 +192,8 @@ class Residency:
         self.ssd.used -= obj.nbytes
         obj.ssd = ABSENT
         batch.ssd_drops.append(obj)
-        if obj.dram == ABSENT and obj.node.dormant:
-            self._tree.reclaim_if_idle(obj.node)
+        if obj.dram == ABSENT and obj.node.holds_nothing():
+            self._tree.went_idle(obj.node)
 
     def ssd_written(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
         """Writes into these objects' SSD slots ended; ``failing`` ones failed (the chunk stays

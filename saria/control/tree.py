@@ -6,10 +6,12 @@ walk one path from the root. A node keeps E_b (DRAM evictions of its kv object),
 that referenced it again) and its last reuse time across residencies, and its objects: ``kv``
 always, ``state`` on checkpoint boundaries of hybrid models.
 
-Metadata is reclaimed by a sliding window: a node untouched (no reuse, no recomputation) for a
-whole window is reclaimed as soon as it also has nothing resident, no pin, nothing in flight and
-no children. Expired nodes that still hold something are parked ("dormant") and reclaimed the
-moment their last copy or child goes; touching one wakes it.
+Metadata is reclaimed by a sliding window: a node is reclaimed once a whole window has passed
+with no reuse or recomputation and nothing resident (no copy, so no pin and nothing in flight),
+and it has no children. ``quiet_since`` is the later of its last reuse and the moment its last
+copy went; the window queue keeps awake nodes in that order. A node whose window passes while it
+still holds something is parked ("dormant") until its last copy goes, which wakes it for one more
+window; one parked only for its children goes with its last child. Touching a node wakes it.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ class Node(CacheObject):
     objects for the allocator and the garbage collector). ``state`` is the separate state object
     on checkpoint boundaries of hybrid models."""
 
-    __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "dormant")
+    __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "dormant",
+                 "quiet_since")
 
     def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int) -> None:
         # CacheObject.__init__ for the kv object, inlined: the hottest allocation of the control plane.
@@ -104,6 +107,7 @@ class Node(CacheObject):
         self.children = 0
         self.state: CacheObject | None = None
         self.dormant = False
+        self.quiet_since = now  # last reuse, recomputation or loss of its last copy
 
     @property
     def kv(self) -> Node:
@@ -140,6 +144,7 @@ class ContextTree:
         self.generation = 0  # bumped whenever a node is created or reclaimed
         self._expiry_floor = -math.inf  # no awake node expires before this time
         self._reclaimed: list[Node] = []  # reclaimed in the current call, see bury()
+        self.clock = -math.inf  # the current call's time, set by the control plane
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -222,7 +227,7 @@ class ContextTree:
         move_to_end = recent.move_to_end
         for node in nodes:
             node.R_b += 1
-            node.last_reuse = now
+            node.last_reuse = node.quiet_since = now
             if node.dormant:
                 node.dormant = False
                 recent[node] = None
@@ -230,24 +235,34 @@ class ContextTree:
                 move_to_end(node)
 
     def expire(self, now: float) -> None:
-        """Reclaim or park every node untouched for a whole window (``last_reuse <= now - window``)."""
+        """Reclaim or park every node quiet for a whole window (``quiet_since <= now - window``)."""
         if now < self._expiry_floor:
             return
         recent = self._recent
         cutoff = now - self._window
         while recent:
             node = next(iter(recent))
-            if node.last_reuse > cutoff:
-                # Touches only move nodes to the end, with later times: a lower bound until then.
-                self._expiry_floor = node.last_reuse + self._window
+            if node.quiet_since > cutoff:
+                # Nodes only move to the end, with later times: a lower bound until then.
+                self._expiry_floor = node.quiet_since + self._window
                 return
             del recent[node]
             node.dormant = True
             self.reclaim_if_idle(node)
         self._expiry_floor = now + self._window
 
+    def went_idle(self, node: Node) -> None:
+        """``node``'s last copy is gone (now = ``clock``): its window restarts, a parked node wakes."""
+        node.quiet_since = self.clock
+        if node.dormant:
+            node.dormant = False
+            self._recent[node] = None
+        else:
+            self._recent.move_to_end(node)
+
     def reclaim_if_idle(self, node: Node) -> None:
-        """Reclaim ``node`` if it is dormant, childless and holds nothing; then its parent likewise."""
+        """Reclaim ``node`` if it is parked, childless and holds nothing; then its parent likewise.
+        (A parked node that holds nothing was parked for its children after a quiet window.)"""
         while node is not None and node.dormant and node.children == 0 and node.holds_nothing():
             del self.nodes[node.key]
             self.generation += 1
