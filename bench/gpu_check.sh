@@ -27,9 +27,22 @@ step() {  # step NAME SECONDS COMMAND...
 
 step doctor 60 "$PY" -m saria.cli doctor
 "$PY" -m saria.cli doctor --json >"$out/doctor.json" 2>/dev/null
+# kvikio is not preinstalled there: wheels carried in .whl/ (see the device notes) are installed
+# into a private target; without them the SSD path uses POSIX and bench_ingress says so.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/saria-site .whl/*.whl \
+    && export PYTHONPATH=/tmp/saria-site:$PYTHONPATH
+fi
 step kernel_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_pages.py \
   tests/test_kernels_state.py tests/test_kernels_checksum.py tests/test_kernels_codegen.py
 step bench_kernels 240 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" --sweep-block
+step dataplane_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_dataplane_engine.py \
+  tests/test_dataplane_host_pool.py tests/test_dataplane_coordinator.py tests/test_ssd_store.py
+# The SSD under test: the VM disk here (O_DIRECT where it allows, else the page cache is dropped).
+mkdir -p "$out/ssd"
+step bench_ingress 300 "$PY" bench/bench_ingress.py --ssd-dir "${SARIA_SSD_DIR:-$out/ssd}" \
+  --png "$out/ingress_timeline.png" --csv "$out/ingress_timeline.csv" --json
+rm -rf "$out/ssd"
 
 if [ ${#failed[@]} -gt 0 ]; then echo "gpu_check: FAILED: ${failed[*]} (logs in $out)"; exit 1; fi
 echo "gpu_check: all steps passed (results in $out)"

@@ -78,3 +78,16 @@ def test_bench_kernels_runs_and_writes_csv(tmp_path):
     assert {r["table"] for r in rows} >= {"qwen3-8b"}
     smoke = [r for r in rows if "interpreter" in r["impl"] or r["device"] == "cuda"]
     assert smoke and all("False" not in r["note"] for r in smoke)
+
+
+def test_bench_ingress_runs_all_modes_and_verifies(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ingress.py"), "--tokens", "1024", "--json",
+                           "--ssd-dir", str(tmp_path), "--png", str(tmp_path / "t.png"), "--csv", str(tmp_path / "t.csv")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["verified"] is True and summary["tokens"] == 1024
+    assert {"serial_s", "overlap_s", "coordinated_s", "dram_only_gbps", "copy_gbps"} <= set(summary)
+    assert all(summary[k] > 0 for k in ("serial_s", "overlap_s", "coordinated_s", "dram_only_gbps", "copy_gbps"))
+    modes = {row["mode"] for row in csv.DictReader((tmp_path / "t.csv").open())}
+    assert modes == {"serial", "overlap", "coordinated"}
