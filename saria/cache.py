@@ -29,24 +29,9 @@ import torch
 
 from saria.config import SariaConfig
 from saria.control import ControlPlane, ObjectKey, Order, ReloadPlan
-from saria.dataplane.coordinator import Coordinator
-from saria.dataplane.engine import Blocks, Completion, LoadJob, TransferEngine
-from saria.dataplane.host_pool import HostPool
-from saria.dataplane.ssd_store import SSDStore
+from saria.dataplane.engine import Blocks, Completion, LoadJob
+from saria.dataplane.setup import open_data_plane, sized_config
 from saria.kernels import PageTable
-
-MAX_SLOT_BYTES = 4 << 20  # host slot = SSD part: 4 MiB moves at full PCIe / NVMe speed
-PAGE = 4096
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def slot_bytes_for(object_sizes: Sequence[int]) -> int:
-    """One slot per object for objects up to 4 MiB (no waste), else 4 MiB slots."""
-    return min(MAX_SLOT_BYTES, _round_up(min(object_sizes), PAGE))
-
 
 class TieredCache:
     """A :class:`~saria.control.ControlPlane` and a :class:`~saria.dataplane.engine.TransferEngine`
@@ -65,45 +50,15 @@ class TieredCache:
                  durable: bool = True, direct: bool | str = "auto", clock: Callable[[], float] = time.monotonic):
         kv_table = PageTable.of(kv_caches)
         state_table = PageTable.of(state_caches) if state_caches is not None else None
-        chunk_tokens = config.chunk.chunk_tokens
-        if block_tokens < 1 or chunk_tokens % block_tokens:
-            raise ValueError(f"chunk_tokens ({chunk_tokens}) must be a whole number of {block_tokens}-token pages")
-        if kv_table.bytes_per_page % block_tokens:
-            raise ValueError(f"a page of {kv_table.bytes_per_page} bytes is not {block_tokens} equal tokens")
-        pages_per_chunk = chunk_tokens // block_tokens
-        state_bytes = state_table.staging_bytes(state_pages) if state_table is not None else 0
-        chunk = dataclasses.replace(config.chunk, kv_bytes_per_token=kv_table.bytes_per_page // block_tokens,
-                                    state_bytes=state_bytes)
-        self.config = config = dataclasses.replace(config, chunk=chunk)
+        self.config = config = sized_config(config, kv_table, block_tokens, state_table, state_pages)
         self.block_tokens = block_tokens
         self.clock = clock
         self.control = ControlPlane(config)
-
-        sizes = [chunk.kv_bytes] + ([state_bytes] if state_bytes else [])
-        slot = slot_bytes_for(sizes)
-        slots_per = [-(-s // slot) for s in sizes]
-        # Objects round up to whole slots: room for as many objects as the control plane can fit.
-        most_objects = config.dram_bytes // min(sizes) + 1
-        dram_slots = max(max(slots_per), -(-config.dram_bytes // slot) + most_objects)
-        self.host_pool = HostPool(dram_slots * slot, slot)
-        paths = list(config.ssd_paths if ssd_paths is None else ssd_paths)
-        self.ssd = None
-        try:
-            if config.ssd_bytes:
-                if not paths:
-                    raise ValueError("the policy uses SSD but no ssd_paths were given (one directory per drive)")
-                parts = -(-config.ssd_bytes // slot) + config.ssd_bytes // min(sizes) + 1
-                per_drive = -(-parts // len(paths)) + max(slots_per)
-                self.ssd = SSDStore(paths, PAGE + per_drive * (PAGE + slot), slot, durable=durable, direct=direct)
-            self.coordinator = Coordinator(config.bandwidth, mode=coordinator_mode)
-            self.engine = TransferEngine(kv_table, host_pool=self.host_pool, coordinator=self.coordinator,
-                                         pages_per_chunk=pages_per_chunk, ssd=self.ssd, state_table=state_table,
-                                         state_pages=state_pages)
-        except BaseException:
-            self.host_pool.close()
-            if self.ssd is not None:
-                self.ssd.close()
-            raise
+        self.data = open_data_plane(config, kv_table, block_tokens=block_tokens, state_table=state_table,
+                                    state_pages=state_pages, ssd_paths=ssd_paths,
+                                    coordinator_mode=coordinator_mode, durable=durable, direct=direct)
+        self.engine, self.host_pool, self.ssd = self.data.engine, self.data.host_pool, self.data.ssd
+        self.coordinator = self.data.coordinator
         self._completions = ThreadPoolExecutor(1, thread_name_prefix="saria-complete")
         self._outstanding: set[Future] = set()
         self._lock = threading.Lock()
@@ -173,11 +128,9 @@ class TieredCache:
         return {"control": dataclasses.asdict(self.control.counters()), "data": self.engine.counters()}
 
     def close(self) -> None:
-        self.engine.close()
+        self.engine.close()  # finishes queued work, whose completions are reported below
         self._completions.shutdown(wait=True)
-        if self.ssd is not None:
-            self.ssd.close()
-        self.host_pool.close()
+        self.data.close()
 
     def __enter__(self) -> "TieredCache":
         return self

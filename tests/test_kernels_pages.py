@@ -289,3 +289,18 @@ def test_concurrent_calls_from_threads():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(job, list(range(8)) * 3))
+
+
+def test_drop_leading_pages_unpacks_only_the_rest():
+    from saria.kernels import drop_leading_pages
+
+    caches = vllm_layers(9, 2, 1, 8, torch.bfloat16, layers=2) + gdn_pages(9, 96, 40, seed=2)
+    ids = _ids(6, 2, 8, 4)
+    staging = pack_pages(caches, ids)
+    rest = drop_leading_pages(staging, caches, 4, 1)
+    assert torch.equal(rest, pack_pages(caches, ids[1:]))
+    fresh = fresh_like(caches)
+    unpack_pages(rest, fresh, ids[1:])
+    assert_round_trip(fresh, caches, ids[1:])
+    with pytest.raises(ValueError, match="skip"):
+        drop_leading_pages(staging, caches, 4, 4)

@@ -34,14 +34,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
 from saria.control.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
     WriteOrder
-from saria.kernels import PageTable, checksum, pack_pages, unpack_pages
+from saria.kernels import PageTable, checksum, drop_leading_pages, pack_pages, unpack_pages
 
 from . import nvtx
 from .coordinator import Coordinator
@@ -122,6 +122,7 @@ class _LoadItem:
     table: PageTable
     blocks: torch.Tensor
     nbytes: int
+    skip: int = 0  # leading pages the engine already holds: not written
 
 
 class LoadJob:
@@ -168,6 +169,10 @@ class LoadJob:
     def done(self) -> bool:
         """All objects issued (and, on CPU, copied). On CUDA the copies may still be running."""
         return self._issued.is_set()
+
+    def ready(self) -> bool:
+        """Every object is in its pages (or failed): issued, and every CUDA event reached. Never blocks."""
+        return self._issued.is_set() and all(event.query() for event in self._events)
 
     def wait(self, timeout: float | None = None) -> LoadResult:
         if not self._issued.wait(timeout):
@@ -298,12 +303,14 @@ class TransferEngine:
     # --- reloads ---------------------------------------------------------------------------------
 
     def load(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], state_blocks: Blocks | None = None, *,
-             timeline: list | None = None) -> LoadJob:
+             skip_pages: int = 0, timeline: list | None = None) -> LoadJob:
         """Start reloading ``plan`` into the pages ``kv_blocks[i]`` (chunk ``i``'s block ids) and,
         for a hybrid plan, ``state_blocks``. Returns at once; DRAM and SSD objects proceed on their
         own paths (one after the other when ``plan.serial``). ``timeline``: if a list, ``wait()``
         fills it with ``(path, seconds since start, bytes)`` per DRAM slice and SSD object (for
-        benchmarks; on CUDA DRAM slices are timed by events, SSD objects by host clock)."""
+        benchmarks; on CUDA DRAM slices are timed by events, SSD objects by host clock).
+        ``skip_pages``: the first chunk's leading pages that must not be written (the engine computed
+        them already and may share them); its block ids still list all of its pages."""
         self._check_open()
         if len(kv_blocks) != plan.num_chunks:
             raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
@@ -311,6 +318,10 @@ class TransferEngine:
         for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
             items.append(_LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, self._ids(KV, chunk, blocks),
                                    self.kv_bytes))
+        if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
+            raise ValueError(f"skip_pages must be in [0, {self.pages_per_chunk}) and needs a chunk, got {skip_pages}")
+        if items:
+            items[0].skip = skip_pages
         if plan.state_chunk is not None:
             index = plan.chunk_hashes.index(plan.state_chunk)
             table, _, nbytes = self._table(STATE)
@@ -371,10 +382,15 @@ class TransferEngine:
                 if job.timeline is not None:
                     job._mark("dram", n, self._record_event("dram"))
             with nvtx.nvtx_range(nvtx.UNPACK):
-                unpack_pages(staging, item.table, item.blocks)
+                self._unpack(item, staging)
             event = self._record_event("dram")
         self._count(dram_to_gpu_bytes=obj.nbytes, dram_to_gpu_seconds=time.perf_counter() - t0)
         return event
+
+    def _unpack(self, item: _LoadItem, staging: torch.Tensor) -> None:
+        if item.skip:
+            staging = drop_leading_pages(staging, item.table, item.blocks.numel(), item.skip)
+        unpack_pages(staging, item.table, item.blocks[item.skip:])
 
     def _submit_ssd_read(self, job: LoadJob, item: _LoadItem) -> None:
         with self._stream("ssd"):
@@ -407,7 +423,7 @@ class TransferEngine:
     def _unpack_ssd_object(self, job: LoadJob, item: _LoadItem, staging: torch.Tensor) -> None:
         try:
             with self._stream("ssd"), nvtx.nvtx_range(nvtx.UNPACK):
-                unpack_pages(staging, item.table, item.blocks)
+                self._unpack(item, staging)
                 event = self._record_event("ssd")
         except Exception as exc:
             self._count(load_failures=1)
@@ -421,7 +437,8 @@ class TransferEngine:
               state_blocks: Mapping[Hashable, Blocks] | None = None) -> "Future[Completion]":
         """Copy the order's objects from their pages into new host slots. On CUDA the copy waits
         for the work queued so far on the caller's current stream (the prefill that computed them).
-        Objects that do not fit in the host pool fail (named in the completion); the rest land."""
+        Objects that do not fit in the host pool fail (named in the completion); the rest land.
+        The pages are no longer read once the future is done."""
         self._check_open()
         if not isinstance(order, (StoreOrder, PromoteOrder)):
             raise ValueError(f"store() takes a StoreOrder or PromoteOrder, got {type(order).__name__}")
@@ -495,9 +512,11 @@ class TransferEngine:
     # --- SSD writes ------------------------------------------------------------------------------
 
     def write(self, order: WriteOrder, kv_blocks: Mapping[Hashable, Blocks] | None = None,
-              state_blocks: Mapping[Hashable, Blocks] | None = None) -> "Future[Completion]":
+              state_blocks: Mapping[Hashable, Blocks] | None = None,
+              packed: threading.Event | None = None) -> "Future[Completion]":
         """Write the order's objects to SSD: from their DRAM slots (``order.source`` DRAM, no copy)
         or packed from their pages (``Tier.GPU``: give the block ids; run it before they are freed).
+        ``packed`` is set once the pages are no longer read (at once for DRAM-source writes).
         """
         self._check_open()
         if self.ssd is None:
@@ -508,6 +527,8 @@ class TransferEngine:
         keys = [ObjectKey(c, KV) for c in order.kv] + [ObjectKey(c, STATE) for c in order.state]
         if order.source is Tier.DRAM:
             futures = [self._write_from_dram(key) for key in keys]
+            if packed is not None:
+                packed.set()
             self._gather_writes(order, keys, futures, result)
         elif order.source is Tier.GPU:
             objects = self._resolve(order, kv_blocks or {}, state_blocks or {})
@@ -518,6 +539,8 @@ class TransferEngine:
                     if ready is not None:
                         torch.cuda.current_stream(self.device).wait_event(ready)
                     futures = [self._write_from_gpu(key, ids) for key, ids in objects]
+                if packed is not None:
+                    packed.set()  # _pack synchronized: the staging holds the bytes
                 self._gather_writes(order, keys, futures, result)
 
             self._offload_pool.submit(pack_and_write)

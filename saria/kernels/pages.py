@@ -182,3 +182,19 @@ def unpack_pages(staging: torch.Tensor, caches: PageTable | Sequence[torch.Tenso
         _launch(table, ids, staging, per_chunk, pack=False)
     elif staging.numel():
         unpack_pages_reference(table, ids, staging, chunks, per_chunk)
+
+
+def drop_leading_pages(staging: torch.Tensor, caches: PageTable | Sequence[torch.Tensor], pages_per_chunk: int,
+                       skip: int) -> torch.Tensor:
+    """One chunk's staging without its first ``skip`` pages in every tensor: the staging that
+    :func:`unpack_pages` expects for the chunk's remaining ``pages_per_chunk - skip`` ids (a copy).
+    Used when the engine already holds the start of a chunk and must not have it overwritten."""
+    table = PageTable.of(caches)
+    if not 0 <= skip < pages_per_chunk:
+        raise ValueError(f"skip must be in [0, {pages_per_chunk}), got {skip}")
+    check_staging(staging.reshape(-1), table, 1, pages_per_chunk, "staging")
+    flat = staging.reshape(-1)
+    if skip == 0:
+        return flat
+    return torch.cat([flat[off * pages_per_chunk + skip * seg.page_bytes:(off + seg.page_bytes) * pages_per_chunk]
+                      for off, seg in zip(table.tensor_offsets, table.segments)])
