@@ -260,8 +260,8 @@ def test_skip_pages_leaves_the_engines_own_leading_pages_alone(engine_parts):
     engine.store(StoreOrder(1, ("m",), (), 0), src).result()
     engine.write(WriteOrder(2, ("n",), (), 0, Tier.GPU, "write-through"), src).result()
     marker = [c[20].clone() for c in caches]  # block 20: the engine's own first page of chunk m
-    for sources in ([Tier.DRAM, Tier.SSD], ):
-        assert engine.load(plan(["m", "n"], sources), [blocks_of(0, 20), blocks_of(1, 20)], skip_pages=1).wait().ok
+    job = engine.load(plan(["m", "n"], [Tier.DRAM, Tier.SSD]), [blocks_of(0, 20), blocks_of(1, 20)], skip_pages=1)
+    assert job.wait().ok
     assert all(torch.equal(m.view(torch.uint8), c[20].view(torch.uint8)) for m, c in zip(marker, caches))
     assert same_pages(caches, 1, 21) and same_pages(caches, 2, 22) and same_pages(caches, 3, 23)
     with pytest.raises(ValueError, match="skip_pages"):
