@@ -1,0 +1,1 @@
+"""Engine integrations: ``saria.integrations.vllm`` (the vLLM KV connector)."""

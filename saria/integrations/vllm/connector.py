@@ -1,0 +1,171 @@
+"""``SariaConnector``: saria as a vLLM v1 KV connector.
+
+    from vllm import LLM
+    llm = LLM(model=..., kv_transfer_config={
+        "kv_connector": "SariaConnector",
+        "kv_connector_module_path": "saria.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"dram_gb": 64, "ssd_paths": ["/mnt/nvme0/saria"], "ssd_gb": 1500},
+    })
+
+vLLM builds one instance per role: in the scheduler process the control plane
+(:class:`~saria.integrations.vllm.scheduler.SariaScheduler`), in each worker the data plane
+(:class:`~saria.integrations.vllm.worker.SariaWorker`). They share only the per-step metadata.
+Options: :mod:`saria.integrations.vllm.settings`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                              KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .metadata import SariaConnectorMetadata
+from .scheduler import SariaScheduler
+from .settings import ConnectorSettings
+from .worker import SariaWorker
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _attention_geometry(kv_cache_config: Any) -> tuple[int, list[str], int]:
+    """(block size, full-attention layer names, KV bytes per token) from vLLM's KV cache config."""
+    layers, block_size, bytes_per_token = [], None, 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"saria: KV cache group with {type(spec).__name__} layers {group.layer_names} is not "
+                             "supported (full-attention models only in this version)")
+        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+            raise ValueError(f"saria: {type(spec).__name__} layers {group.layer_names} are not supported: a "
+                             "sliding-window layer's KV cannot be reused at any prefix length")
+        if block_size not in (None, spec.block_size):
+            raise ValueError(f"saria: attention groups with different block sizes ({block_size}, {spec.block_size})")
+        block_size = spec.block_size
+        layers += list(group.layer_names)
+        bytes_per_token += len(group.layer_names) * spec.page_size_bytes // spec.block_size
+    if not layers:
+        raise ValueError("saria: the model has no attention layers")
+    return block_size, layers, bytes_per_token
+
+
+class SariaStats(KVConnectorStats):
+    """Worker transfer counters for vLLM's connector stats: bytes and seconds per path."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class SariaConnector(KVConnectorBase_V1):
+    """saria's KV connector (module docstring)."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        block_size, layers, bytes_per_token = _attention_geometry(kv_cache_config)
+        self._scheduler: SariaScheduler | None = None
+        self._worker: SariaWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # A cache miss must never fail a request: vLLM reads this right after building us.
+            self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
+            self._scheduler = SariaScheduler(self.settings, block_size=block_size, kv_bytes_per_token=bytes_per_token,
+                                             workers=vllm_config.parallel_config.world_size)
+        else:
+            self._worker = SariaWorker(self.settings, block_size=block_size, num_blocks=kv_cache_config.num_blocks,
+                                       attention_layers=layers)
+        self._stats_seen: dict[str, float] = {}
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss, never an error
+
+    # --- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request is scheduled only once its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves run per request in wait_for_save, after the forward that completed its prompt
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.get_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_error_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.build_worker_meta()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None or self._worker.data is None:
+            return None
+        totals = self._worker.engine.counters()["engine"]
+        delta = {k: v - self._stats_seen.get(k, 0) for k, v in totals.items() if isinstance(v, (int, float))}
+        self._stats_seen = dict(totals)
+        stats = SariaStats(data={k: v for k, v in delta.items() if v})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return SariaStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _meta(self) -> SariaConnectorMetadata:
+        meta: KVConnectorMetadata = self._get_connector_metadata()
+        if not isinstance(meta, SariaConnectorMetadata):
+            raise TypeError(f"saria: unexpected connector metadata {type(meta).__name__}")
+        return meta
+
+    # --- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        tiers = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+        return {tiers[t]: n for t, n in self._scheduler.hit_sources(request, num_external_tokens).items()}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()

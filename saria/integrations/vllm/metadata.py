@@ -1,0 +1,92 @@
+"""What crosses between the connector's two halves, and nothing else: the scheduler's per-step
+metadata (loads to start, orders to run) and the worker's per-step report (loads finished,
+orders completed). Plain picklable dataclasses: the halves may live in different processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from saria.control import ObjectKey, Order, ReloadPlan
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Reload ``plan`` into a request's pages: ``kv_blocks[i]`` are chunk ``i``'s block ids,
+    ``skip_pages`` leading pages of chunk 0 are the engine's own (already computed) and are left
+    alone; ``state_blocks``: where a hybrid plan's GDN state object goes."""
+
+    req_id: str
+    plan: ReloadPlan
+    kv_blocks: tuple[tuple[int, ...], ...]
+    skip_pages: int = 0
+    state_blocks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class OrderBatch:
+    """Orders the control plane returned for one request (or completions' follow-ups, ``req_id``
+    None), with the pages of the chunks they read from HBM."""
+
+    req_id: str | None
+    orders: tuple[Order, ...]
+    kv_blocks: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
+    state_blocks: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class SariaConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    orders: list[OrderBatch] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A reload ended on ``reports`` workers (tensor parallelism: each holds a shard)."""
+
+    req_id: str
+    plan_id: int
+    failed: tuple[ObjectKey, ...]
+    valid_chunks: int
+    reports: int = 1
+
+    def merge(self, other: "LoadReport") -> "LoadReport":
+        """Two workers' reports of one load: it failed where either failed."""
+        return LoadReport(self.req_id, self.plan_id, tuple(dict.fromkeys(self.failed + other.failed)),
+                          min(self.valid_chunks, other.valid_chunks), self.reports + other.reports)
+
+
+@dataclass(frozen=True)
+class CompletionReport:
+    """An order ended on ``reports`` workers."""
+
+    order_id: int
+    ok: bool
+    failed: tuple[ObjectKey, ...] = ()
+    reports: int = 1
+
+    def merge(self, other: "CompletionReport") -> "CompletionReport":
+        """Two workers' reports of one order: it failed where either failed."""
+        return CompletionReport(self.order_id, self.ok and other.ok, tuple(dict.fromkeys(self.failed + other.failed)),
+                                self.reports + other.reports)
+
+
+@dataclass
+class SariaWorkerMetadata(KVConnectorWorkerMetadata):
+    loads: list[LoadReport] = field(default_factory=list)
+    completions: list[CompletionReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Tensor-parallel workers each hold a shard of every object: a load or order failed if it
+        failed on any worker."""
+        if not isinstance(other, SariaWorkerMetadata):
+            return self
+        loads = {r.req_id: r for r in self.loads}
+        for r in other.loads:
+            loads[r.req_id] = loads[r.req_id].merge(r) if r.req_id in loads else r
+        done = {c.order_id: c for c in self.completions}
+        for c in other.completions:
+            done[c.order_id] = done[c.order_id].merge(c) if c.order_id in done else c
+        return SariaWorkerMetadata(list(loads.values()), list(done.values()))

@@ -1,0 +1,250 @@
+"""The connector's scheduler half: saria's control plane inside vLLM's scheduler.
+
+Per request:
+
+1. ``get_num_new_matched_tokens``: plan the request's full chunks (chunk ``i``'s hash is vLLM's
+   block hash of its last block, prefix-chained like vLLM's own) and offer the planned tokens
+   beyond what vLLM computed locally, loaded asynchronously (the request waits for them).
+2. ``update_state_after_alloc``: the load's target blocks are known; a ``LoadSpec`` goes into
+   the next step's metadata.
+3. ``update_connector_output``: the worker reports the load (failed objects, if any) and order
+   completions; completions go to the control plane, whose follow-up drops go to the worker.
+4. ``build_connector_meta``: in the step whose forward completes the request's prompt, commit it
+   (``commit_prefill``, with the load's failures) and send the orders with the blocks of every
+   chunk: the worker runs them after that forward, before the step ends.
+5. ``request_finished``: release a plan never committed (aborted or preempted requests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from saria.control import ControlPlane, DropOrder, ObjectKey, Order, ReloadPlan
+
+from .metadata import CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata
+from .settings import ConnectorSettings
+
+log = logging.getLogger("saria.vllm")
+
+
+@dataclass
+class _Request:
+    request: Any  # vLLM's Request (block_hashes, num_prompt_tokens)
+    plan: ReloadPlan | None = None  # pinned, until committed or released
+    load: LoadSpec | None = None  # to send with the next metadata
+    load_sent: bool = False
+    load_report: LoadReport | None = None
+    computed: int = 0  # tokens computed once the last scheduled step ends
+    block_ids: list[int] = field(default_factory=list)
+    committed: bool = False
+
+    @property
+    def failed(self) -> tuple[ObjectKey, ...]:
+        return self.load_report.failed if self.load_report is not None else ()
+
+
+class SariaScheduler:
+    """Scheduler-side state of the connector (module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings, *, block_size: int, kv_bytes_per_token: int,
+                 state_bytes: int = 0, workers: int = 1, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.config = settings.saria_config(block_size=block_size, kv_bytes_per_token=kv_bytes_per_token,
+                                            state_bytes=state_bytes)
+        self.control = ControlPlane(self.config)
+        self.block_size = block_size
+        self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
+        self.workers = workers
+        self.clock = clock
+        self._requests: dict[str, _Request] = {}
+        self._follow_ups: list[Order] = []  # drops caused by completions and releases
+        self._partial_loads: dict[str, LoadReport] = {}
+        self._partial_orders: dict[int, CompletionReport] = {}
+        self._in_flight: set[int] = set()
+        self._last_log = clock()
+
+    # --- hashing ---------------------------------------------------------------------------------
+
+    def chunk_hashes(self, request: Any, max_tokens: int) -> list[bytes]:
+        """Hashes of the request's full chunks within its first ``max_tokens`` tokens: the vLLM
+        block hash of each chunk's last block (block hashes are prefix-chained)."""
+        k = self.blocks_per_chunk
+        chunks = min(len(request.block_hashes) // k, max(0, max_tokens) // self.config.chunk.chunk_tokens)
+        return [request.block_hashes[(i + 1) * k - 1] for i in range(chunks)]
+
+    # --- vLLM scheduler hooks --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._drop_plan(request.request_id)  # a re-query (e.g. after preemption) plans afresh
+        state = self._requests[request.request_id] = _Request(request)
+        # vLLM must compute at least the prompt's last token itself.
+        hashes = self.chunk_hashes(request, request.num_prompt_tokens - 1)
+        if not hashes:
+            return 0, False
+        plan = self.control.plan(hashes, self.clock())
+        if plan.tokens <= num_computed_tokens:
+            self._follow_ups += self.control.release(plan, self.clock())
+            return 0, False
+        state.plan = plan
+        return plan.tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or state.plan is None or state.load_sent:
+            return
+        if num_external_tokens == 0:  # vLLM will not load (e.g. no room): nothing to pin
+            self._drop_plan(request.request_id)
+            return
+        plan = state.plan
+        chunk_tokens = self.config.chunk.chunk_tokens
+        start = plan.tokens - num_external_tokens  # tokens vLLM holds already
+        first = start // chunk_tokens
+        skip = (start % chunk_tokens) // self.block_size
+        ids = list(blocks.get_block_ids()[0])
+        k = self.blocks_per_chunk
+        sub = dataclasses.replace(plan, chunk_hashes=plan.chunk_hashes[first:], kv_sources=plan.kv_sources[first:])
+        state.load = LoadSpec(request.request_id, sub,
+                              tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, plan.num_chunks)), skip)
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the load by tier (``"dram"`` / ``"ssd"``), for vLLM's hit-source stats."""
+        state = self._requests.get(request.request_id)
+        if state is None or state.plan is None or num_external_tokens <= 0:
+            return {}
+        plan, chunk_tokens = state.plan, self.config.chunk.chunk_tokens
+        start = plan.tokens - num_external_tokens
+        out: dict[str, int] = {}
+        for i, tier in enumerate(plan.kv_sources):
+            tokens = min((i + 1) * chunk_tokens, plan.tokens) - max(i * chunk_tokens, start)
+            if tokens > 0:
+                out[tier.value] = out.get(tier.value, 0) + tokens
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
+        self._track(scheduler_output)
+        meta = SariaConnectorMetadata()
+        for state in self._requests.values():
+            if state.load is not None:
+                meta.loads.append(state.load)
+                state.load, state.load_sent = None, True
+        for req_id, state in self._requests.items():
+            if self._ready_to_commit(state):
+                meta.orders.append(self._commit(req_id, state))
+        if self._follow_ups:
+            meta.orders.append(OrderBatch(None, tuple(self._follow_ups)))
+            self._follow_ups = []
+        for batch in meta.orders:
+            self._in_flight.update(o.order_id for o in batch.orders if _completes(o))
+        self._maybe_log()
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(report, SariaWorkerMetadata):
+            return
+        for load in report.loads:
+            load = self._merge(self._partial_loads, load.req_id, load)
+            if load is not None:
+                state = self._requests.get(load.req_id)
+                if state is not None:
+                    state.load_report = load
+                if load.failed:
+                    log.warning("saria: reload for request %s failed for %d object(s); vLLM recomputes them",
+                                load.req_id, len(load.failed))
+        for done in report.completions:
+            done = self._merge(self._partial_orders, done.order_id, done)
+            if done is not None:
+                self._in_flight.discard(done.order_id)
+                self._follow_ups += self.control.complete(done.order_id, done.ok, self.clock(), failed=done.failed)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """The worker ran every order of a committed request in the step that completed its prompt,
+        so no block is still being read: blocks are freed at once."""
+        self._drop_plan(request.request_id)
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        """Orders not yet sent or not yet completed: the engine should keep stepping."""
+        return bool(self._follow_ups or self._in_flight)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _track(self, out: Any) -> None:
+        """Follow each request's blocks and computed tokens through the scheduler's output."""
+        scheduled = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids += new_ids[0]
+            state.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+        for req_id in out.preempted_req_ids or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.block_ids, state.computed = [], 0
+
+    def _ready_to_commit(self, state: _Request) -> bool:
+        if state.committed or state.computed < state.request.num_prompt_tokens:
+            return False
+        return not state.load_sent or state.load_report is not None
+
+    def _commit(self, req_id: str, state: _Request) -> OrderBatch:
+        request = state.request
+        hashes = self.chunk_hashes(request, request.num_prompt_tokens)
+        orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed)
+        state.plan, state.committed = None, True
+        k = self.blocks_per_chunk
+        blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
+        return OrderBatch(req_id, tuple(orders), blocks)
+
+    def _drop_plan(self, req_id: str) -> None:
+        state = self._requests.get(req_id)
+        if state is not None and state.plan is not None and not state.committed:
+            self._follow_ups += self.control.release(state.plan, self.clock(), failed=state.failed)
+            state.plan = None
+
+    def _merge(self, partial: dict, key: Any, report: LoadReport | CompletionReport) -> Any:
+        """Combine the reports of all workers; the combined report once every worker has sent one."""
+        if key in partial:
+            report = partial.pop(key).merge(report)
+        if report.reports >= self.workers:
+            return report
+        partial[key] = report
+        return None
+
+    def _maybe_log(self) -> None:
+        interval = self.settings.log_interval_s
+        now = self.clock()
+        if interval and now - self._last_log >= interval:
+            self._last_log = now
+            log.info("saria: %s", summary_line(self.control))
+
+
+def _completes(order: Order) -> bool:
+    """Orders that report back (drops do not)."""
+    return not isinstance(order, DropOrder)
+
+
+def summary_line(control: ControlPlane) -> str:
+    c = control.counters()
+    refs = max(1, c.references)
+    return (f"{c.requests} requests, hits DRAM {c.hits_dram_chunks} / SSD {c.hits_ssd_chunks} of {c.references} "
+            f"chunks ({(c.hits_dram_chunks + c.hits_ssd_chunks) / refs:.1%}), read "
+            f"{c.hits_dram_bytes / 2**30:.2f} GiB DRAM + {c.ssd_bytes_read / 2**30:.2f} GiB SSD, SSD writes "
+            f"{c.ssd_writes} ({c.ssd_bytes_written / 2**30:.2f} GiB), admissions eviction {c.admissions_eviction} / "
+            f"reuse {c.admissions_reuse} / prewrite {c.admissions_prewrite}, promotions {c.promotions}")

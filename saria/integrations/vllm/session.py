@@ -1,0 +1,259 @@
+"""Multi-turn agent sessions through real vLLM, with or without saria: what the demo and the
+connector tests run.
+
+* :func:`build_model` writes a small model with real random weights (transformers ``from_config``
+  + ``save_pretrained``): a Qwen3 dense model or a Qwen3-Next hybrid (GDN) model. Real weights
+  matter: wrong KV then changes tokens and logprobs, which the comparisons check.
+* :func:`trace_session` turns one session of an agent trace (``hash_ids`` of 64-token blocks) into
+  token-id prompts that share prefixes exactly as the trace's requests do.
+* :func:`run_session` runs the prompts turn after turn through one ``vllm.LLM`` and returns each
+  turn's tokens, logprobs, reused tokens by tier and time to first token.
+
+vLLM keeps process-wide state, so each run belongs in a process of its own:
+``python -m saria.integrations.vllm.session SPEC.json OUT.json`` runs :func:`run_session` with the
+spec's arguments and writes the results (``VLLM_*`` variables are set before vLLM is imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+VOCAB = 4096
+BLOCK_TOKENS_IN_TRACE = 64  # the agent traces' block size
+
+
+# --- models --------------------------------------------------------------------------------------
+
+def build_model(path: str | Path, kind: str = "dense", *, seed: int = 0, layers: int = 4) -> Path:
+    """Save a small model with random bf16 weights at ``path``: ``dense`` (Qwen3: ``layers``
+    full-attention layers) or ``hybrid`` (Qwen3-Next: GDN layers with head dim 128 and a
+    full-attention layer every second one). ``tie_word_embeddings=False`` as the real models."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    if kind == "dense":
+        from transformers import Qwen3Config
+
+        config = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+                             tie_word_embeddings=False, torch_dtype="bfloat16", rope_theta=10000.0)
+    elif kind == "hybrid":
+        from transformers import Qwen3NextConfig
+
+        config = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                                 linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=2,
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                 shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                                 max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16")
+    else:
+        raise ValueError(f"model kind must be 'dense' or 'hybrid', got {kind!r}")
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    with torch.no_grad():  # random init is tiny for some tensors: make every layer matter
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+# --- prompts from a trace -------------------------------------------------------------------------
+
+def block_tokens(hash_id: int, n: int = BLOCK_TOKENS_IN_TRACE) -> list[int]:
+    """The same pseudo-random tokens for the same trace block, in every prompt that holds it."""
+    rng = random.Random(hash_id * 7919 + 17)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def trace_session(path: str | Path, *, turns: int = 12, max_tokens: int = 4000, session: str | None = None
+                  ) -> list[list[int]]:
+    """Prompts of one session of a ``session_id`` + ``hash_ids`` JSON Lines trace: the first
+    session with at least ``turns`` non-empty requests (or ``session``), each prompt rebuilt from
+    its blocks and cut to its ``input_length`` (at most ``max_tokens``)."""
+    by_session: dict[str, list[dict]] = {}
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if record["input_length"] > 0 and record["hash_ids"]:
+                    by_session.setdefault(str(record["session_id"]), []).append(record)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{line_no}: not an agent trace record ({exc})") from None
+    if session is not None:
+        if session not in by_session:
+            raise ValueError(f"session {session!r} is not in {path}")
+        records = by_session[session]
+    else:
+        long_enough = [r for r in by_session.values() if len(r) >= turns]
+        if not long_enough:
+            raise ValueError(f"{path} has no session with {turns} non-empty requests")
+        records = long_enough[0]
+    prompts = []
+    for record in sorted(records, key=lambda r: r["timestamp"])[:turns]:
+        tokens = [t for h in record["hash_ids"] for t in block_tokens(int(h))]
+        prompts.append(tokens[:min(record["input_length"], max_tokens)])
+    return prompts
+
+
+def synthetic_session(turns: int = 12, *, system_tokens: int = 768, step_tokens: int = 160, seed: int = 0
+                      ) -> list[list[int]]:
+    """An agent loop: a fixed system prompt, then each turn appends the last tool call and result."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(system_tokens)]
+    prompts = []
+    for _ in range(turns):
+        prompt = prompt + [rng.randrange(1, VOCAB) for _ in range(step_tokens)]
+        prompts.append(list(prompt))
+    return prompts
+
+
+# --- running a session ----------------------------------------------------------------------------
+
+@dataclass
+class TurnResult:
+    prompt_tokens: int
+    cached_tokens: int  # reused (vLLM's num_cached_tokens: saria's loads, or its own prefix cache)
+    dram_tokens: int  # of those, loaded from saria's DRAM tier
+    ssd_tokens: int  # of those, loaded from saria's SSD tier
+    output_tokens: list[int]
+    logprobs: list[float]
+    ttft_s: float
+
+
+@dataclass
+class SessionResult:
+    turns: list[TurnResult]
+    control: dict[str, Any] = field(default_factory=dict)  # saria's control-plane counters (in-process)
+    worker: dict[str, Any] = field(default_factory=dict)  # saria's data-plane counters (in-process)
+    seconds: float = 0.0
+
+
+def _connectors(llm: Any) -> tuple[Any | None, Any | None]:
+    """(scheduler-side, worker-side) SariaConnector when the engine runs in this process."""
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    except AttributeError:  # multiprocess engine: the connectors live in the engine process
+        return None, None
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return scheduler, (get_kv_transfer_group() if has_kv_transfer_group() else None)
+
+
+def corrupt_ssd(paths: list[str]) -> int:
+    """Flip one byte in the payload of every committed SSD part under ``paths`` (test fault)."""
+    from saria.dataplane.ssd_format import FILE_NAME, Geometry, SuperBlock, decode_header
+
+    flipped = 0
+    for directory in paths:
+        file = Path(directory) / FILE_NAME
+        fd = os.open(file, os.O_RDWR)
+        try:
+            sb = SuperBlock.decode(os.pread(fd, 4096, 0))
+            geometry = Geometry(sb.part_bytes, sb.slots)
+            for slot in range(sb.slots):
+                if decode_header(os.pread(fd, 4096, geometry.header_offset(slot))) is None:
+                    continue
+                offset = geometry.payload_offset(slot) + 100
+                byte = os.pread(fd, 1, offset)
+                os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+                flipped += 1
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return flipped
+
+
+def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
+                block_size: int = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
+                progress: bool = False) -> SessionResult:
+    """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
+    ``extra_config``: saria's connector options, or None for plain vLLM (prefix caching off in both,
+    so every reused token is saria's). ``corrupt_before``: turns before which every SSD object is
+    corrupted on disk."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {}
+    if extra_config is not None:
+        kwargs["kv_transfer_config"] = {"kv_connector": "SariaConnector",
+                                        "kv_connector_module_path": "saria.integrations.vllm",
+                                        "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", block_size=block_size,
+              max_model_len=max_model_len, enable_prefix_caching=False, disable_log_stats=False, seed=0, **kwargs)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
+    scheduler_side, worker_side = _connectors(llm) if extra_config is not None else (None, None)
+    scheduler = getattr(scheduler_side, "_scheduler", None)
+    result = SessionResult([])
+    start = time.perf_counter()
+    for turn, prompt in enumerate(prompts):
+        if turn in corrupt_before and extra_config is not None:
+            corrupt_ssd(extra_config.get("ssd_paths", []))
+        before = scheduler.control.counters() if scheduler else None
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - t0
+        completion = out.outputs[0]
+        after = scheduler.control.counters() if scheduler else None
+        chunk = scheduler.config.chunk.chunk_tokens if scheduler else 0
+        dram = (after.hits_dram_chunks - before.hits_dram_chunks) * chunk if scheduler else 0
+        ssd = (after.hits_ssd_chunks - before.hits_ssd_chunks) * chunk if scheduler else 0
+        ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
+        result.turns.append(TurnResult(
+            len(prompt), out.num_cached_tokens or 0, dram, ssd, list(completion.token_ids),
+            [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
+            ttft if ttft > 0 else wall))
+        if progress:
+            t = result.turns[-1]
+            print(f"  turn {turn + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, {t.cached_tokens:>5} reused "
+                  f"(DRAM {t.dram_tokens}, SSD {t.ssd_tokens}), TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
+    result.seconds = time.perf_counter() - start
+    if scheduler is not None:
+        result.control = asdict(scheduler.control.counters())
+    worker = getattr(worker_side, "_worker", None)
+    if worker is not None and worker.data is not None:
+        result.worker = worker.engine.counters()
+    return result
+
+
+def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: float = 900) -> dict:
+    """:func:`run_session` in a fresh Python process (vLLM's process-wide state stays there)."""
+    with tempfile.TemporaryDirectory(prefix="saria-session-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        env.pop("TRITON_INTERPRET", None)
+        proc = subprocess.run([sys.executable, "-m", "saria.integrations.vllm.session", str(spec_path), str(out_path)],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM session failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        return json.loads(out_path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m saria.integrations.vllm.session SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    result = run_session(**spec)
+    Path(argv[1]).write_text(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
