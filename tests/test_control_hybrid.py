@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from control_cases import HYBRID, chain, config, drain, request, writes_of, written_chunks
 
-from saria.control import ControlPlane, ObjectKey, StoreOrder, Tier
+import pytest
+
+from saria.config import ChunkSpec
+from saria.control import ControlPlane, ControlPlaneError, ObjectKey, StoreOrder, Tier
 
 EVERY = HYBRID.checkpoint_chunks  # 4 chunks of 1024 tokens per 4096-token checkpoint
 
@@ -103,3 +106,21 @@ def test_evicting_a_chunk_with_its_checkpoint_counts_one_eviction():
     assert (info.kv.dram, info.state.dram) == ("absent", "absent")
     assert [cp.chunk_info(h).E_b for h in chain("h", 4)] == [1, 1, 1, 1]
     assert cp.counters().dram_evictions >= 5
+
+
+def test_only_the_checkpoints_prefill_left_readable_are_stored():
+    """vLLM keeps a GDN state only where a scheduler step ended: commit says which survived."""
+    every_chunk = ChunkSpec.for_model("qwen3-next-80b-a3b", chunk_tokens=1024, checkpoint_tokens=1024)
+    cp = ControlPlane(config(chunk=every_chunk, dram_chunks=40))
+    hashes = chain("s", 6)
+    orders = cp.commit_prefill(hashes, 0.0, plan=cp.plan(hashes, 0.0), states=[3])
+    stored_states = [c for o in orders if isinstance(o, StoreOrder) for c in o.state]
+    assert stored_states == [hashes[3]]
+    drain(cp, orders, 0.0)
+    plan = cp.plan(hashes + ["s:extra"], 1.0)
+    assert plan.num_chunks == 4 and plan.state_chunk == hashes[3]  # cut back to the stored checkpoint
+    cp.release(plan, 1.0)
+    before = cp.usage()
+    with pytest.raises(ControlPlaneError, match="outside"):
+        cp.commit_prefill(hashes, 2.0, states=[6])
+    assert cp.usage() == before

@@ -165,15 +165,25 @@ class ControlPlane:
             return self._finish(batch, now)
 
     def commit_prefill(self, chunk_hashes: Sequence[Hashable], now: float, plan: ReloadPlan | int | None = None,
-                       failed: Iterable[Hashable | ObjectKey] = ()) -> list[Order]:
+                       failed: Iterable[Hashable | ObjectKey] = (), states: Iterable[int] | None = None
+                       ) -> list[Order]:
         """After prefill: account the request, store its new KV in DRAM, write what admission and
         the policy call for, promote SSD hits, prewrite; release ``plan`` (which must be a live
         plan whose chunks begin ``chunk_hashes``). ``failed`` as in :meth:`release`; chunks from
         the first failed read on (for hybrid models, the whole plan) count as recomputed.
+        ``states`` (hybrid models): the indices of the chunks whose state objects prefill left
+        readable, when only some checkpoints survive (vLLM keeps a GDN state only where a scheduler
+        step ended); None: every checkpoint the prefill computed.
         Returns the orders to execute, in a safe order."""
         with self._lock:
             now = self._check_now(now)
             hashes = self._check_hashes(chunk_hashes)
+            if states is not None:
+                states = frozenset(states)
+                bad_index = [i for i in states if not isinstance(i, int) or not 0 <= i < len(hashes)]
+                if bad_index:
+                    raise ControlPlaneError(f"states names chunk indices {sorted(map(str, bad_index))} outside the "
+                                            f"{len(hashes)} committed chunks")
             record = None if plan is None else self._live_plan(plan)
             planned = 0 if record is None else len(record.plan.chunk_hashes)
             if planned and hashes[:planned] != record.plan.chunk_hashes:
@@ -193,7 +203,7 @@ class ControlPlane:
             self._account(hashes, nodes, record, usable, now)
             if record is not None:
                 self._finish_reads(record, bad, batch, used=True)
-            self._store_and_write(nodes, record, usable, batch)
+            self._store_and_write(nodes, record, usable, batch, states)
             if usable and self._ratio > 0.0 and self._store_new:
                 self._promote(record, usable, now, batch)
             if self._prewrite_depth:
@@ -312,15 +322,16 @@ class ControlPlane:
                 state.evidence.last_reuse = now
 
     def _store_and_write(self, nodes: list[Node], record: _PlanRecord | None, usable: int,
-                         batch: OrderBatch) -> None:
+                         batch: OrderBatch, states: frozenset[int] | None = None) -> None:
         """New KV (every object prefill computed) enters DRAM; write-through and reuse-path writes.
 
-        In HBM after prefill: every kv object of the request, the state objects of computed chunks,
-        and the plan's state object if the plan was used. A write reads HBM (``Tier.GPU``) unless
-        the object has a readable DRAM copy."""
+        In HBM after prefill: every kv object of the request, the state objects of computed chunks
+        (those in ``states`` when given), and the plan's state object if the plan was used. A write
+        reads HBM (``Tier.GPU``) unless the object has a readable DRAM copy."""
         tiers = self._tiers
         if self._hybrid:
-            computed = [obj for node in nodes[usable:] for obj in node.objects]
+            computed = [obj for i, node in enumerate(nodes[usable:], usable) for obj in node.objects
+                        if obj is node.kv or states is None or i in states]
         else:
             computed = nodes[usable:]  # a node is its kv object, and has no other
         if self._store_new:
@@ -348,7 +359,8 @@ class ControlPlane:
                     continue
                 if obj.dram == READY or obj.dram == DRAINING:
                     tiers.write(obj, DRAM, "reuse", batch)
-                elif obj is node.kv or i >= usable or obj is loaded_state:
+                elif obj is node.kv or obj is loaded_state or (
+                        i >= usable and (states is None or i in states)):
                     tiers.write(obj, GPU, "reuse", batch)
 
     def _promote(self, record: _PlanRecord, usable: int, now: float, batch: OrderBatch) -> None:
