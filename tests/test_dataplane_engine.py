@@ -266,3 +266,23 @@ def test_skip_pages_leaves_the_engines_own_leading_pages_alone(engine_parts):
     assert same_pages(caches, 1, 21) and same_pages(caches, 2, 22) and same_pages(caches, 3, 23)
     with pytest.raises(ValueError, match="skip_pages"):
         engine.load(plan(["m"], [Tier.DRAM]), [blocks_of(0, 20)], skip_pages=2)
+
+
+def test_prepacked_state_is_stored_and_a_missing_one_fails(tmp_path):
+    from saria.kernels import pack_pages
+
+    fa = layers()
+    gdn = gdn_pages(NB, 768, 600, seed=3)
+    with HostPool(16 * SLOT, SLOT) as pool:
+        engine = TransferEngine(PageTable(fa), host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
+                                pages_per_chunk=PAGES, state_table=PageTable(gdn))
+        snapshot = pack_pages(gdn, torch.tensor([7]))  # captured earlier; page 7 changes afterwards
+        gdn[0][7].fill_(1)
+        done = engine.store(StoreOrder(1, ("a",), ("a", "b"), 0), {"a": blocks_of(0)},
+                            prepacked={ObjectKey("a", "state"): snapshot}).result()
+        assert done.ok and done.failed == (ObjectKey("b", "state"),)
+        stored = engine.dram_object("a", "state")
+        assert torch.equal(pool.views(stored.slots, stored.nbytes)[0], snapshot)
+        with pytest.raises(ValueError, match="prepacked"):
+            engine.store(StoreOrder(2, (), ("c",), 0), {}, prepacked={ObjectKey("c", "state"): snapshot[:-1]})
+        engine.close()

@@ -434,15 +434,18 @@ class TransferEngine:
     # --- GPU -> DRAM: store and promote ----------------------------------------------------------
 
     def store(self, order: StoreOrder | PromoteOrder, kv_blocks: Mapping[Hashable, Blocks],
-              state_blocks: Mapping[Hashable, Blocks] | None = None) -> "Future[Completion]":
+              state_blocks: Mapping[Hashable, Blocks] | None = None,
+              prepacked: Mapping[ObjectKey, torch.Tensor] | None = None) -> "Future[Completion]":
         """Copy the order's objects from their pages into new host slots. On CUDA the copy waits
         for the work queued so far on the caller's current stream (the prefill that computed them).
         Objects that do not fit in the host pool fail (named in the completion); the rest land.
-        The pages are no longer read once the future is done."""
+        The pages are no longer read once the future is done. ``prepacked``: objects whose bytes
+        were packed earlier (a GDN state captured when a step ended on its boundary), used as is;
+        an object found neither there nor in the block maps fails."""
         self._check_open()
         if not isinstance(order, (StoreOrder, PromoteOrder)):
             raise ValueError(f"store() takes a StoreOrder or PromoteOrder, got {type(order).__name__}")
-        objects = self._resolve(order, kv_blocks, state_blocks or {})
+        objects = self._resolve(order, kv_blocks, state_blocks or {}, prepacked or {})
         ready = self._caller_event()
         return self._offload_pool.submit(self._run_store, order, objects, ready)
 
@@ -453,33 +456,50 @@ class TransferEngine:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _resolve(self, order: Order, kv_blocks: Mapping[Hashable, Blocks],
-                 state_blocks: Mapping[Hashable, Blocks]) -> list[tuple[ObjectKey, torch.Tensor]]:
+    def _resolve(self, order: Order, kv_blocks: Mapping[Hashable, Blocks], state_blocks: Mapping[Hashable, Blocks],
+                 prepacked: Mapping[ObjectKey, torch.Tensor]) -> list[tuple[ObjectKey, torch.Tensor | None,
+                                                                             torch.Tensor | None]]:
+        """(key, block ids, prepacked staging) per object of ``order``: exactly one of the two is
+        set, or neither when the caller has no copy of a prepacked-only object (it then fails)."""
         out = []
-        for chunk in order.kv:
-            out.append((ObjectKey(chunk, KV), self._ids(KV, chunk, kv_blocks.get(chunk))))
-        for chunk in order.state:
-            out.append((ObjectKey(chunk, STATE), self._ids(STATE, chunk, state_blocks.get(chunk))))
+        for kind, chunks, blocks in ((KV, order.kv, kv_blocks), (STATE, order.state, state_blocks)):
+            for chunk in chunks:
+                key = ObjectKey(chunk, kind)
+                staging = prepacked.get(key)
+                if staging is not None:
+                    _, _, nbytes = self._table(kind)
+                    if staging.dtype != torch.uint8 or staging.numel() != nbytes or staging.device != self.device:
+                        raise ValueError(f"prepacked {key} must be {nbytes} uint8 bytes on {self.device}")
+                    out.append((key, None, staging))
+                elif chunk in blocks or not prepacked:
+                    out.append((key, self._ids(kind, chunk, blocks.get(chunk)), None))
+                else:
+                    out.append((key, None, None))
         return out
 
-    def _pack(self, key: ObjectKey, ids: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """Pack an object into GPU staging and checksum it part by part (one part = one host slot)."""
-        table, _, _ = self._table(key.kind)
-        with nvtx.nvtx_range(nvtx.PACK):
-            staging = pack_pages(table, ids)
+    def _pack(self, key: ObjectKey, ids: torch.Tensor | None,
+              staging: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Pack an object into GPU staging (unless given packed) and checksum it part by part
+        (one part = one host slot)."""
+        if staging is None:
+            if ids is None:
+                raise LookupError(f"{key}: neither its pages nor a packed copy were given")
+            table, _, _ = self._table(key.kind)
+            with nvtx.nvtx_range(nvtx.PACK):
+                staging = pack_pages(table, ids)
         part = self.host_pool.slot_bytes
         sums = tuple(checksum(staging[o:o + part]) for o in range(0, staging.numel(), part))
         return staging, sums
 
-    def _run_store(self, order: Order, objects: list[tuple[ObjectKey, torch.Tensor]], ready) -> Completion:
+    def _run_store(self, order: Order, objects: list, ready) -> Completion:
         failed = []
         with self._stream("offload"):
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
-            for key, ids in objects:
+            for key, ids, packed in objects:
                 t0 = time.perf_counter()
                 try:
-                    staging, sums = self._pack(key, ids)
+                    staging, sums = self._pack(key, ids, packed)
                     slots = self.host_pool.allocate(self.host_pool.slots_for(staging.numel()))
                 except HostPoolFull as exc:
                     log.warning("host pool full: %s not stored (%s)", key, exc)
@@ -513,10 +533,12 @@ class TransferEngine:
 
     def write(self, order: WriteOrder, kv_blocks: Mapping[Hashable, Blocks] | None = None,
               state_blocks: Mapping[Hashable, Blocks] | None = None,
-              packed: threading.Event | None = None) -> "Future[Completion]":
+              packed: threading.Event | None = None,
+              prepacked: Mapping[ObjectKey, torch.Tensor] | None = None) -> "Future[Completion]":
         """Write the order's objects to SSD: from their DRAM slots (``order.source`` DRAM, no copy)
         or packed from their pages (``Tier.GPU``: give the block ids; run it before they are freed).
         ``packed`` is set once the pages are no longer read (at once for DRAM-source writes).
+        ``prepacked`` as in :meth:`store`.
         """
         self._check_open()
         if self.ssd is None:
@@ -531,14 +553,14 @@ class TransferEngine:
                 packed.set()
             self._gather_writes(order, keys, futures, result)
         elif order.source is Tier.GPU:
-            objects = self._resolve(order, kv_blocks or {}, state_blocks or {})
+            objects = self._resolve(order, kv_blocks or {}, state_blocks or {}, prepacked or {})
             ready = self._caller_event()
 
             def pack_and_write():
                 with self._stream("offload"):
                     if ready is not None:
                         torch.cuda.current_stream(self.device).wait_event(ready)
-                    futures = [self._write_from_gpu(key, ids) for key, ids in objects]
+                    futures = [self._write_from_gpu(key, ids, staging) for key, ids, staging in objects]
                 if packed is not None:
                     packed.set()  # _pack synchronized: the staging holds the bytes
                 self._gather_writes(order, keys, futures, result)
@@ -559,9 +581,10 @@ class TransferEngine:
         except Exception as exc:  # store full, closed
             return exc
 
-    def _write_from_gpu(self, key: ObjectKey, ids: torch.Tensor) -> Future | BaseException:
+    def _write_from_gpu(self, key: ObjectKey, ids: torch.Tensor | None,
+                        staging: torch.Tensor | None) -> Future | BaseException:
         try:
-            staging, sums = self._pack(key, ids)
+            staging, sums = self._pack(key, ids, staging)
             # the store holds the staging tensor until the write is done
             return self.ssd.write(object_key(key.chunk, key.kind), staging, sums)
         except Exception as exc:
