@@ -19,10 +19,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole, KVConnectorWorkerMetadata)
+                                                              KVConnectorRole, KVConnectorTransferResults,
+                                                              KVConnectorWorkerMetadata, SupportsHMA)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .geometry import engine_geometry
 
 from .metadata import SariaConnectorMetadata
 from .scheduler import SariaScheduler
@@ -31,27 +33,6 @@ from .worker import SariaWorker
 
 if TYPE_CHECKING:
     import torch
-
-
-def _attention_geometry(kv_cache_config: Any) -> tuple[int, list[str], int]:
-    """(block size, full-attention layer names, KV bytes per token) from vLLM's KV cache config."""
-    layers, block_size, bytes_per_token = [], None, 0
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if not isinstance(spec, AttentionSpec):
-            raise ValueError(f"saria: KV cache group with {type(spec).__name__} layers {group.layer_names} is not "
-                             "supported (full-attention models only in this version)")
-        if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
-            raise ValueError(f"saria: {type(spec).__name__} layers {group.layer_names} are not supported: a "
-                             "sliding-window layer's KV cannot be reused at any prefix length")
-        if block_size not in (None, spec.block_size):
-            raise ValueError(f"saria: attention groups with different block sizes ({block_size}, {spec.block_size})")
-        block_size = spec.block_size
-        layers += list(group.layer_names)
-        bytes_per_token += len(group.layer_names) * spec.page_size_bytes // spec.block_size
-    if not layers:
-        raise ValueError("saria: the model has no attention layers")
-    return block_size, layers, bytes_per_token
 
 
 class SariaStats(KVConnectorStats):
@@ -72,25 +53,24 @@ class SariaStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-class SariaConnector(KVConnectorBase_V1):
-    """saria's KV connector (module docstring)."""
+class SariaConnector(KVConnectorBase_V1, SupportsHMA):
+    """saria's KV connector (module docstring). Supports vLLM's hybrid allocator (``SupportsHMA``):
+    a hybrid (GDN) model's states are saved and restored with its attention pages."""
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        block_size, layers, bytes_per_token = _attention_geometry(kv_cache_config)
+        geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
         self._scheduler: SariaScheduler | None = None
         self._worker: SariaWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             # A cache miss must never fail a request: vLLM reads this right after building us.
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
-            self._scheduler = SariaScheduler(self.settings, block_size=block_size, kv_bytes_per_token=bytes_per_token,
-                                             workers=vllm_config.parallel_config.world_size)
+            self._scheduler = SariaScheduler(self.settings, geometry, workers=vllm_config.parallel_config.world_size)
         else:
-            self._worker = SariaWorker(self.settings, block_size=block_size, num_blocks=kv_cache_config.num_blocks,
-                                       attention_layers=layers)
+            self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks)
         self._stats_seen: dict[str, float] = {}
 
     @property
@@ -115,7 +95,12 @@ class SariaConnector(KVConnectorBase_V1):
         self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.get_finished() or None
+        return None, self._worker.get_finished(finished_req_ids) or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        _, finished_recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=set(finished_recving or ()),
+                                          failed_recving=self._worker.take_failed_requests())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_error_blocks()
@@ -166,6 +151,10 @@ class SariaConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

@@ -28,17 +28,28 @@ class LoadSpec:
 @dataclass(frozen=True)
 class OrderBatch:
     """Orders the control plane returned for one request (or completions' follow-ups, ``req_id``
-    None), with the pages of the chunks they read from HBM."""
+    None), with the pages of the chunks they read from HBM. A request's state objects come from
+    the GDN states the worker captured for it (:class:`StateCapture`)."""
 
     req_id: str | None
     orders: tuple[Order, ...]
     kv_blocks: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
-    state_blocks: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StateCapture:
+    """After this step's forward, copy the GDN state in ``block`` (the request's state at the end of
+    chunk ``chunk``, a boundary where the step ended) aside for the request's commit."""
+
+    req_id: str
+    chunk: Hashable
+    block: int
 
 
 @dataclass
 class SariaConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    captures: list[StateCapture] = field(default_factory=list)
     orders: list[OrderBatch] = field(default_factory=list)
 
 

@@ -25,7 +25,9 @@ from typing import Any, Callable
 
 from saria.control import ControlPlane, DropOrder, ObjectKey, Order, ReloadPlan
 
-from .metadata import CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata
+from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata,
+                       StateCapture)
+from .geometry import EngineGeometry
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
@@ -39,7 +41,9 @@ class _Request:
     load_sent: bool = False
     load_report: LoadReport | None = None
     computed: int = 0  # tokens computed once the last scheduled step ends
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # full-attention group
+    state_block_ids: list[int] = field(default_factory=list)  # GDN group (hybrid models)
+    captured: set[int] = field(default_factory=set)  # chunk indices whose GDN state the worker holds
     committed: bool = False
 
     @property
@@ -50,11 +54,13 @@ class _Request:
 class SariaScheduler:
     """Scheduler-side state of the connector (module docstring)."""
 
-    def __init__(self, settings: ConnectorSettings, *, block_size: int, kv_bytes_per_token: int,
-                 state_bytes: int = 0, workers: int = 1, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, workers: int = 1,
+                 clock: Callable[[], float] = time.monotonic):
         self.settings = settings
-        self.config = settings.saria_config(block_size=block_size, kv_bytes_per_token=kv_bytes_per_token,
-                                            state_bytes=state_bytes)
+        self.geometry = geometry
+        block_size = geometry.block_size
+        self.config = settings.saria_config(block_size=block_size, kv_bytes_per_token=geometry.kv_bytes_per_token,
+                                            state_bytes=geometry.state_bytes)
         self.control = ControlPlane(self.config)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
@@ -104,11 +110,18 @@ class SariaScheduler:
         start = plan.tokens - num_external_tokens  # tokens vLLM holds already
         first = start // chunk_tokens
         skip = (start % chunk_tokens) // self.block_size
-        ids = list(blocks.get_block_ids()[0])
+        groups = blocks.get_block_ids()
+        ids = list(groups[self.geometry.attention_group])
         k = self.blocks_per_chunk
         sub = dataclasses.replace(plan, chunk_hashes=plan.chunk_hashes[first:], kv_sources=plan.kv_sources[first:])
+        state_blocks = None
+        if plan.state_chunk is not None:
+            # vLLM resumes a GDN layer from the state in the block of the last block boundary reached.
+            state_blocks = (groups[self.geometry.state_group][plan.tokens // self.block_size - 1],)
+            state.captured.add(plan.num_chunks - 1)  # the worker keeps the loaded state for promotion
         state.load = LoadSpec(request.request_id, sub,
-                              tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, plan.num_chunks)), skip)
+                              tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, plan.num_chunks)), skip,
+                              state_blocks)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the load by tier (``"dram"`` / ``"ssd"``), for vLLM's hit-source stats."""
@@ -131,6 +144,8 @@ class SariaScheduler:
             if state.load is not None:
                 meta.loads.append(state.load)
                 state.load, state.load_sent = None, True
+        if self.geometry.hybrid:
+            meta.captures = self._captures(scheduler_output)
         for req_id, state in self._requests.items():
             if self._ready_to_commit(state):
                 meta.orders.append(self._commit(req_id, state))
@@ -152,6 +167,8 @@ class SariaScheduler:
                 state = self._requests.get(load.req_id)
                 if state is not None:
                     state.load_report = load
+                    if load.failed and state.plan is not None and state.plan.state_chunk is not None:
+                        state.captured.discard(state.plan.num_chunks - 1)  # no loaded state to keep
                 if load.failed:
                     log.warning("saria: reload for request %s failed for %d object(s); vLLM recomputes them",
                                 load.req_id, len(load.failed))
@@ -177,10 +194,12 @@ class SariaScheduler:
     def _track(self, out: Any) -> None:
         """Follow each request's blocks and computed tokens through the scheduler's output."""
         scheduled = out.num_scheduled_tokens
+        fa, gdn = self.geometry.attention_group, self.geometry.state_group
         for new in out.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                state.block_ids = list(new.block_ids[fa]) if new.block_ids else []
+                state.state_block_ids = list(new.block_ids[gdn]) if new.block_ids and gdn is not None else []
                 state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -189,14 +208,46 @@ class SariaScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = list(new_ids[fa]) if new_ids else []
+                state.state_block_ids = list(new_ids[gdn]) if new_ids and gdn is not None else []
             elif new_ids:
-                state.block_ids += new_ids[0]
+                state.block_ids += new_ids[fa]
+                if gdn is not None:
+                    state.state_block_ids += new_ids[gdn]
             state.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
         for req_id in out.preempted_req_ids or ():
             state = self._requests.get(req_id)
             if state is not None:
-                state.block_ids, state.computed = [], 0
+                state.block_ids, state.state_block_ids, state.computed = [], [], 0
+                state.captured.clear()
+
+    def _captures(self, out: Any) -> list[StateCapture]:
+        """GDN states to copy aside after this step: where a request's step ends on a chunk
+        boundary that is a checkpoint (a multiple of ``checkpoint_tokens``) or its prompt's last
+        chunk boundary. vLLM keeps the state at block boundary ``b`` in GDN block ``b - 1``."""
+        captures = []
+        chunk_tokens = self.config.chunk.chunk_tokens
+        for req_id in out.num_scheduled_tokens:
+            state = self._requests.get(req_id)
+            if state is None or state.committed:
+                continue
+            end = state.computed
+            last = state.request.num_prompt_tokens // chunk_tokens * chunk_tokens
+            if end == 0 or end % chunk_tokens or end > last:
+                continue
+            if end != last and end % self.settings.checkpoint_tokens:
+                continue
+            index = end // chunk_tokens - 1
+            hashes = self.chunk_hashes(state.request, end)
+            block_index = end // self.block_size - 1
+            if len(hashes) <= index or block_index >= len(state.state_block_ids):
+                continue
+            block = state.state_block_ids[block_index]
+            if block == 0:  # vLLM's null block: no state kept there
+                continue
+            captures.append(StateCapture(req_id, hashes[index], block))
+            state.captured.add(index)
+        return captures
 
     def _ready_to_commit(self, state: _Request) -> bool:
         if state.committed or state.computed < state.request.num_prompt_tokens:
@@ -206,7 +257,8 @@ class SariaScheduler:
     def _commit(self, req_id: str, state: _Request) -> OrderBatch:
         request = state.request
         hashes = self.chunk_hashes(request, request.num_prompt_tokens)
-        orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed)
+        states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
+        orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states)
         state.plan, state.committed = None, True
         k = self.blocks_per_chunk
         blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}

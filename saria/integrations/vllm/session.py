@@ -178,12 +178,16 @@ def corrupt_ssd(paths: list[str]) -> int:
 
 
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
-                block_size: int = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
-                progress: bool = False) -> SessionResult:
+                block_size: int | None = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
+                prefix_caching: bool = False, reset_prefix_cache: bool = True, progress: bool = False
+                ) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
-    ``extra_config``: saria's connector options, or None for plain vLLM (prefix caching off in both,
-    so every reused token is saria's). ``corrupt_before``: turns before which every SSD object is
-    corrupted on disk."""
+    ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
+    off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
+    every turn (unless ``reset_prefix_cache`` is False: the reference a hybrid model's reloads must
+    match, since a GDN state computed in other step splits differs in its last bits): either way
+    every reused token is saria's. ``corrupt_before``: turns before which
+    every SSD object is corrupted on disk. ``block_size`` None: vLLM's choice (hybrid models)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -192,8 +196,10 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         kwargs["kv_transfer_config"] = {"kv_connector": "SariaConnector",
                                         "kv_connector_module_path": "saria.integrations.vllm",
                                         "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", block_size=block_size,
-              max_model_len=max_model_len, enable_prefix_caching=False, disable_log_stats=False, seed=0, **kwargs)
+    if block_size is not None:
+        kwargs["block_size"] = block_size
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+              enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, **kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
     scheduler_side, worker_side = _connectors(llm) if extra_config is not None else (None, None)
     scheduler = getattr(scheduler_side, "_scheduler", None)
@@ -202,6 +208,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     for turn, prompt in enumerate(prompts):
         if turn in corrupt_before and extra_config is not None:
             corrupt_ssd(extra_config.get("ssd_paths", []))
+        if prefix_caching and reset_prefix_cache:
+            llm.reset_prefix_cache()
         before = scheduler.control.counters() if scheduler else None
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]

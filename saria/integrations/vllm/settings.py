@@ -12,8 +12,9 @@ key                           meaning (default)
 ``dram_gb`` / ``dram_bytes``  DRAM tier size (8 GiB)
 ``ssd_paths``                 one directory per NVMe drive; empty: no SSD tier (``[]``)
 ``ssd_gb`` / ``ssd_bytes``    SSD tier size over all drives (64 GiB when ``ssd_paths`` is set)
-``chunk_tokens``              tokens per cached chunk, a multiple of the block size (512; 1024 hybrid)
-``checkpoint_tokens``         hybrid models: tokens between GDN state checkpoints (16384)
+``chunk_tokens``              tokens per cached chunk, a multiple of the block size (512; hybrid: one block)
+``checkpoint_tokens``         hybrid models: tokens between kept GDN state checkpoints, besides the one at
+                              each prompt's last chunk boundary (16384)
 ``b_gpu_gbps``,               bandwidth estimates for Eq. 4 pacing and r* (48, 20 per drive, 48)
 ``b_disk_gbps``,
 ``b_dram_gbps``
@@ -114,15 +115,28 @@ class ConnectorSettings:
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
                    log_interval_s=float(log_interval), on_load_failure=on_load_failure)
 
-    def saria_config(self, *, block_size: int, kv_bytes_per_token: int, state_bytes: int = 0) -> SariaConfig:
-        """The control plane's configuration for an engine with these page geometries."""
-        chunk_tokens = self.chunk_tokens or (1024 if state_bytes else 512)
+    def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
+        """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only
+        at block boundaries where a step ended) and 512 tokens (whole blocks) for dense ones."""
+        chunk_tokens = self.chunk_tokens or (block_size if hybrid else max(1, round(512 / block_size)) * block_size)
         if chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size ({block_size})")
+        if hybrid and self.checkpoint_tokens % chunk_tokens:
+            raise ValueError(f"checkpoint_tokens ({self.checkpoint_tokens}) must be a multiple of chunk_tokens "
+                             f"({chunk_tokens})")
+        return chunk_tokens
+
+    def saria_config(self, *, block_size: int, kv_bytes_per_token: int, state_bytes: int = 0) -> SariaConfig:
+        """The control plane's configuration for an engine with these page geometries. For hybrid
+        models every chunk may carry a state object; which ones exist is decided per request (the
+        connector captures states at ``checkpoint_tokens`` multiples and at each prompt's last
+        chunk boundary)."""
+        chunk_tokens = self.chunk_tokens_for(block_size, bool(state_bytes))
         policy = Policy.preset(self.policy, **self.policy_overrides)
         if not self.ssd_paths and policy.use_ssd:
             policy = dataclasses.replace(policy, use_ssd=False)  # no drives: no SSD tier
         return SariaConfig(dram=Capacity(nbytes=self.dram_bytes), ssd=Capacity(nbytes=self.ssd_bytes),
                            chunk=ChunkSpec(chunk_tokens=chunk_tokens, kv_bytes_per_token=kv_bytes_per_token,
-                                           state_bytes=state_bytes, checkpoint_tokens=self.checkpoint_tokens),
+                                           state_bytes=state_bytes,
+                                           checkpoint_tokens=chunk_tokens),
                            bandwidth=self.bandwidth, policy=policy, ssd_paths=self.ssd_paths)
