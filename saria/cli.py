@@ -21,6 +21,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def _cmd_roundtrip(args: argparse.Namespace) -> int:
+    from saria import roundtrip
+
+    return roundtrip.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="saria",
@@ -37,16 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory to probe for O_DIRECT (the SSD store's drive path; default: the system temp dir)")
     p.set_defaults(func=_cmd_doctor)
 
-    p = sub.add_parser("demo", help="run the main job: doctor, then a kernel round trip on a Qwen3-8B layout",
-                       description="Print the doctor report, then pack chunks of a Qwen3-8B-shaped paged KV cache "
-                                   "(36 layers, 8 KV heads, head dim 128, bf16, 16-token pages) into staging, "
-                                   "checksum them, unpack into a fresh cache and verify every byte, with the Triton "
-                                   "kernels (compiled on CUDA, interpreted on CPU) and the torch reference.")
+    from saria import demo  # light: vLLM is imported only by the session subprocesses
+
+    p = sub.add_parser("demo", help="run the main job: a multi-turn agent session through vLLM with saria",
+                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(p)
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("roundtrip", help="pack / checksum / unpack a Qwen3-8B-shaped paged cache, verified",
+                       description="Pack chunks of a Qwen3-8B-shaped paged KV cache (36 layers, 8 KV heads, head dim "
+                                   "128, bf16, 16-token pages) into staging, checksum them, unpack into a fresh cache "
+                                   "and verify every byte, with the Triton kernels (compiled on CUDA, interpreted on "
+                                   "CPU) and the torch reference.")
     p.add_argument("--chunks", type=int, default=None,
                    help="chunks to pack in one call (default 2 on CUDA, 1 on CPU where the interpreter is slow)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk (default 512, 32 pages)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    p.set_defaults(func=_cmd_demo)
+    p.set_defaults(func=_cmd_roundtrip)
     return parser
 
 

@@ -1,114 +1,138 @@
-"""``saria demo``: the doctor report, then a verified kernel round trip on a Qwen3-8B layout.
+"""``saria demo``: the main job. A multi-turn agent session through real vLLM with saria.
 
-Packs a batch of 512-token chunks of a Qwen3-8B-shaped paged KV cache into staging, checksums each
-chunk, unpacks into a fresh zeroed cache and checks every byte, with the Triton kernels and with
-the torch reference, and checks that both produced the same staging bytes.
+1. Build a small Qwen3 model with real random weights (in a temp dir).
+2. Rebuild one session of ``../shared/traces/agent_magentic_one.jsonl`` as token prompts sharing
+   prefixes exactly as the trace's requests do (or generate an agent loop if the trace is absent).
+3. Run the turns through vLLM with saria: DRAM and SSD tiers in a temp dir, DRAM sized below the
+   session's working set so some turns reload from SSD. Per turn: prompt tokens, tokens reused and
+   from which tier, time to first token.
+4. Run the same turns through plain vLLM (no cache) and compare every output token and logprob.
+5. Replay the session's chunk sequence through the control plane under ``full-duplicate``: the
+   SSD bytes that write-everything caching would have written, next to saria's.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import os
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "agent_magentic_one.jsonl"
+CHUNK_TOKENS = 64  # the agent traces' block: prompts share prefixes in 64-token steps
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # the demo model: 4 layers, K+V, 2 KV heads, head dim 64, bf16
 
 
-def _prepare_backend() -> None:
-    """Without CUDA the Triton kernels run under the interpreter, which must be chosen before
-    saria.kernels is imported."""
-    import torch
-
-    if not torch.cuda.is_available() and "saria.kernels" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def chunk_hashes(prompt: list[int], chunk_tokens: int) -> list[bytes]:
+    """Prefix-chained hashes of a prompt's full chunks (as vLLM's block hashes are chained)."""
+    out, h = [], b""
+    for i in range(len(prompt) // chunk_tokens):
+        h = hashlib.sha256(h + str(prompt[i * chunk_tokens:(i + 1) * chunk_tokens]).encode()).digest()
+        out.append(h)
+    return out
 
 
-def _pages_match(fresh, original, touched) -> bool:
-    """Touched pages equal byte for byte (NaN bit patterns included), untouched pages still zero."""
-    import torch
+def full_duplicate_writes(prompts: list[list[int]], dram_bytes: int, ssd_bytes: int) -> int:
+    """SSD bytes the control plane writes for these turns under the full-duplicate preset."""
+    from saria.config import Capacity, ChunkSpec, SariaConfig
+    from saria.control import ControlPlane, DropOrder
 
-    f, o = fresh.view(torch.uint8), original.view(torch.uint8)
-    return torch.equal(f[touched], o[touched]) and not f[~touched].any()
-
-
-def run(chunks: int | None, chunk_tokens: int, block_size: int = 16) -> dict:
-    import torch
-
-    from saria.kernels import PageTable, checksum, pack_pages, resolve_backend, unpack_pages
-    from saria.layouts import dense_layer_caches, zeros_like_caches
-    from saria.models import get_model
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if chunks is None:
-        chunks = 2 if device.type == "cuda" else 1  # the interpreter moves ~10 MB/s
-    if chunks < 1:
-        raise ValueError(f"--chunks must be >= 1, got {chunks}")
-    if chunk_tokens < block_size or chunk_tokens % block_size:
-        raise ValueError(f"--chunk-tokens must be a positive multiple of the {block_size}-token page, got {chunk_tokens}")
-    spec = get_model("qwen3-8b")
-    pages = chunk_tokens // block_size
-    num_blocks = 2 * chunks * pages  # half the pages stay untouched: the round trip must not write them
-    caches = dense_layer_caches(spec, num_blocks, block_size, device=device, seed=1)
-    table = PageTable(caches)
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randperm(num_blocks, generator=gen)[:chunks * pages].view(chunks, pages)
-    touched = torch.zeros(num_blocks, dtype=torch.bool)
-    touched[ids.reshape(-1)] = True
-
-    result = {"model": spec.name, "device": str(device), "layers": spec.fa_layers, "block_size": block_size,
-              "chunks": chunks, "chunk_tokens": chunk_tokens, "chunk_bytes": table.staging_bytes(pages),
-              "backends": {}}
-    staged = {}
-    for requested in ("triton", "torch"):
-        backend = resolve_backend(requested, device)
-        label = backend + (" (interpreter)" if backend == "triton" and device.type == "cpu" else "")
-        print(f"  {label:<22} packing {chunks} x {chunk_tokens} tokens x {spec.fa_layers} layers ...",
-              end="", flush=True)
-        _sync(device)
-        t0 = time.perf_counter()
-        staging = pack_pages(table, ids, backend=backend)
-        _sync(device)
-        t_pack = time.perf_counter() - t0
-        sums = [checksum(staging[c], backend=backend) for c in range(chunks)]
-        fresh = zeros_like_caches(caches)
-        _sync(device)
-        t0 = time.perf_counter()
-        unpack_pages(staging, fresh, ids, backend=backend)
-        _sync(device)
-        t_unpack = time.perf_counter() - t0
-        ok = all(_pages_match(f, c, touched.to(device)) for f, c in zip(fresh, caches))
-        nbytes = staging.numel()
-        print(f" {nbytes / 2**20:.1f} MiB, pack {nbytes / t_pack / 1e9:.2f} GB/s, "
-              f"unpack {nbytes / t_unpack / 1e9:.2f} GB/s, round trip {'exact' if ok else 'WRONG'}")
-        result["backends"][label] = {"bytes": nbytes, "pack_s": t_pack, "unpack_s": t_unpack,
-                                     "checksums": [f"{s:016x}" for s in sums], "round_trip_exact": ok}
-        staged[label] = staging
-    first, second = staged.values()
-    result["backends_agree"] = bool(torch.equal(first, second))
-    result["ok"] = result["backends_agree"] and all(b["round_trip_exact"] for b in result["backends"].values())
-    return result
+    config = SariaConfig.preset("full-duplicate", dram=Capacity(nbytes=dram_bytes), ssd=Capacity(nbytes=ssd_bytes),
+                                chunk=ChunkSpec(chunk_tokens=CHUNK_TOKENS, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                                                checkpoint_tokens=CHUNK_TOKENS))
+    cp = ControlPlane(config)
+    for now, prompt in enumerate(prompts):
+        plan = cp.plan(chunk_hashes(prompt, CHUNK_TOKENS)[:(len(prompt) - 1) // CHUNK_TOKENS], float(now))
+        orders = cp.commit_prefill(chunk_hashes(prompt, CHUNK_TOKENS), float(now), plan=plan)
+        while orders:
+            orders = [f for o in orders if not isinstance(o, DropOrder) for f in cp.complete(o.order_id, True, now)]
+    return cp.counters().ssd_bytes_written
 
 
 def main(args: argparse.Namespace) -> int:
-    _prepare_backend()
     from saria import doctor
+    from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session, trace_session
 
-    print("== saria doctor")
-    print(doctor.render(doctor.collect()))
-    print(f"\n== kernel round trip: Qwen3-8B layout, chunks of {args.chunk_tokens} tokens")
-    result = run(args.chunks, args.chunk_tokens)
-    for label, b in result["backends"].items():
-        print(f"  {label:<22} chunk checksums: {', '.join(b['checksums'])}")
-    print(f"  staging identical across backends: {result['backends_agree']}")
-    print("demo: OK" if result["ok"] else "demo: FAILED (bytes differ)")
+    if args.turns < 2:
+        raise ValueError(f"--turns must be >= 2, got {args.turns}")
+    report = doctor.collect()
+    device = report["kernel_backend"]
+    print(f"saria {report['saria']}: torch {report['torch']['version']}, kernels {device['backend']} on "
+          f"{device['device']}, storage {report['storage_backend']}")
+    trace = Path(args.trace)
+    if trace.exists():
+        prompts = trace_session(trace, turns=args.turns, max_tokens=args.max_prompt_tokens)
+        source = f"{trace.name} (first session with {args.turns} requests)"
+    else:
+        prompts = synthetic_session(args.turns)
+        source = f"a generated agent loop ({trace} not found)"
+    print(f"session: {len(prompts)} turns from {source}, {sum(map(len, prompts))} prompt tokens")
+
+    with tempfile.TemporaryDirectory(prefix="saria-demo-") as tmp:
+        tmp = Path(tmp)
+        model = str(build_model(tmp / "model", "dense"))
+        (tmp / "ssd").mkdir()
+        dram_bytes = args.dram_chunks * CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+        ssd_bytes = 256 << 20
+        config = {"chunk_tokens": CHUNK_TOKENS, "dram_bytes": dram_bytes, "ssd_paths": [str(tmp / "ssd")],
+                  "ssd_bytes": ssd_bytes, "policy": args.policy, "log_interval_s": 0}
+        spec = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens}
+        print(f"\n[1/2] vLLM + saria ({args.policy}): DRAM {dram_bytes >> 10} KiB ({args.dram_chunks} chunks of "
+              f"{CHUNK_TOKENS} tokens), SSD in {tmp / 'ssd'}", flush=True)
+        t0 = time.perf_counter()
+        saria = run_in_subprocess(dict(spec, extra_config=config), echo="")
+        print(f"      {time.perf_counter() - t0:.0f} s (engine start included)")
+        print("[2/2] the same turns through plain vLLM (recompute everything), to compare outputs", flush=True)
+        t0 = time.perf_counter()
+        plain = run_in_subprocess(spec)
+        print(f"      {time.perf_counter() - t0:.0f} s")
+
+    turns, base = saria["turns"], plain["turns"]
+    match = all(a["output_tokens"] == b["output_tokens"] and a["logprobs"] == b["logprobs"] for a, b in zip(turns, base))
+    control = saria["control"]
+    duplicate = full_duplicate_writes(prompts, dram_bytes, ssd_bytes)
+    hit = sum(t["cached_tokens"] for t in turns)
+    result = {
+        "requests": len(turns),
+        "hit_tokens": hit,
+        "dram_hit_tokens": sum(t["dram_tokens"] for t in turns),
+        "ssd_hit_tokens": sum(t["ssd_tokens"] for t in turns),
+        "ssd_write_bytes": control["ssd_bytes_written"],
+        "outputs_match_recompute": match,
+        "full_duplicate_write_bytes": duplicate,
+        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+        "ttft_ms_saria": [round(t["ttft_s"] * 1e3, 1) for t in turns],
+        "ttft_ms_recompute": [round(t["ttft_s"] * 1e3, 1) for t in base],
+    }
+    print(f"\nreused {hit} of {result['prompt_tokens']} prompt tokens: {result['dram_hit_tokens']} from DRAM, "
+          f"{result['ssd_hit_tokens']} from SSD")
+    print(f"SSD writes: saria {control['ssd_bytes_written'] / 2**20:.2f} MiB ({control['ssd_writes']} objects: "
+          f"{control['admissions_eviction']} at eviction, {control['admissions_reuse']} on reuse, "
+          f"{control['admissions_prewrite']} prewritten) vs full-duplicate {duplicate / 2**20:.2f} MiB")
+    print(f"outputs identical to recomputation (every token and logprob): {match}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if result["ok"] else 1
+        print(f"wrote {args.json}")
+    return 0 if match else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="agent trace with session_id and hash_ids "
+                   "(default ../shared/traces/agent_magentic_one.jsonl; a generated session if absent)")
+    p.add_argument("--turns", type=int, default=12, help="turns of the session to run (default 12)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per turn (default 8)")
+    p.add_argument("--max-prompt-tokens", type=int, default=3000, help="prompts are cut to this length (3000)")
+    p.add_argument("--dram-chunks", type=int, default=8,
+                   help="DRAM tier size in 64-token chunks (default 8: below the session's working set)")
+    p.add_argument("--policy", default="saria", help="policy preset (default saria)")
+    p.add_argument("--json", metavar="PATH", help="write the summary as JSON to PATH")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

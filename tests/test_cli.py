@@ -21,7 +21,7 @@ def saria(*args, timeout=300):
 def test_help_lists_commands():
     proc = saria("--help")
     assert proc.returncode == 0
-    assert "doctor" in proc.stdout and "demo" in proc.stdout
+    assert all(c in proc.stdout for c in ("doctor", "demo", "roundtrip"))
 
 
 def test_doctor_json_reports_backends():
@@ -45,11 +45,11 @@ def test_doctor_text():
         assert row in proc.stdout
 
 
-def test_demo_round_trip(tmp_path):
-    out = tmp_path / "demo.json"
-    proc = saria("demo", "--chunk-tokens", "64", "--json", str(out))
+def test_kernel_round_trip(tmp_path):
+    out = tmp_path / "roundtrip.json"
+    proc = saria("roundtrip", "--chunk-tokens", "64", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "demo: OK" in proc.stdout
+    assert "roundtrip: OK" in proc.stdout
     result = json.loads(out.read_text())
     assert result["ok"] and result["backends_agree"]
     assert result["chunk_bytes"] == 36 * 4 * 16 * 2 * 8 * 128 * 2  # 36 layers x 4 pages of 16 tokens
@@ -58,10 +58,11 @@ def test_demo_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["demo", "--chunk-tokens", "100"], "multiple of the 16-token page"),
-    (["demo", "--chunks", "0"], "--chunks must be >= 1"),
+    (["roundtrip", "--chunk-tokens", "100"], "multiple of the 16-token page"),
+    (["roundtrip", "--chunks", "0"], "--chunks must be >= 1"),
+    (["demo", "--turns", "1"], "--turns must be >= 2"),
 ])
-def test_demo_bad_arguments(args, message):
+def test_bad_arguments(args, message):
     proc = saria(*args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -22,6 +22,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -237,18 +238,37 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     return result
 
 
-def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: float = 900) -> dict:
-    """:func:`run_session` in a fresh Python process (vLLM's process-wide state stays there)."""
+def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: float = 900,
+                      echo: str | None = None) -> dict:
+    """:func:`run_session` in a fresh Python process (vLLM's process-wide state stays there).
+    ``echo``: print the child's per-turn progress lines as they come, prefixed with ``echo``."""
     with tempfile.TemporaryDirectory(prefix="saria-session-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(json.dumps(dict(spec, progress=echo is not None)))
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
-                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        env.pop("TRITON_INTERPRET", None)
-        proc = subprocess.run([sys.executable, "-m", "saria.integrations.vllm.session", str(spec_path), str(out_path)],
-                              env=env, capture_output=True, text=True, timeout=timeout)
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
+        env.pop("TRITON_INTERPRET", None)  # the worker runs the torch reference kernels on CPU
+        log_path = Path(tmp) / "log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "saria.integrations.vllm.session", str(spec_path),
+                                     str(out_path)], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+            lines = []
+            watchdog = threading.Timer(timeout, proc.kill)
+            watchdog.start()
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    if echo is not None and line.startswith("  turn"):
+                        print(echo + line.strip(), flush=True)
+                proc.wait()
+            finally:
+                timed_out = not watchdog.is_alive()
+                watchdog.cancel()
+            if timed_out:
+                raise TimeoutError(f"vLLM session still running after {timeout} s: killed")
         if proc.returncode != 0:
-            raise RuntimeError(f"vLLM session failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            raise RuntimeError(f"vLLM session failed (exit {proc.returncode}):\n{''.join(lines)[-3000:]}\n"
+                               f"{log_path.read_text()[-6000:]}")
         return json.loads(out_path.read_text())
 
 

