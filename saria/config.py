@@ -256,14 +256,16 @@ class WriteBudget:
     cache capacity), i.e. ``dwpd * capacity / 86,400`` bytes per second. With ``auto`` the control
     plane runs :class:`saria.control.governor.EnduranceGovernor`: every ``interval_s`` seconds (of
     the caller's clock) it compares the recent write rate (averaged over ``window_s``) with the
-    budget and moves theta_E one step, within ``[theta_min, theta_max]``. Off (the default), the
-    budget is only a yardstick (``saria replay`` reports writes against it)."""
+    budget, corrected by the surplus or deficit so far paid back over ``payback_s``, and scales a
+    fractional theta_E within ``[theta_min, theta_max]``. Off (the default), the budget is only a yardstick (``saria replay``
+    reports writes against it)."""
 
     dwpd: float = 1.0
     capacity_bytes: int | None = None
     auto: bool = False
-    interval_s: float = 60.0
-    window_s: float = 1800.0
+    interval_s: float = 900.0
+    window_s: float = 10_800.0
+    payback_s: float = 10_800.0
     theta_min: int = 1
     theta_max: int = 16
 
@@ -274,6 +276,7 @@ class WriteBudget:
         _check_bool("WriteBudget", "auto", self.auto)
         _check_float("WriteBudget", "interval_s", self.interval_s, 0.0, strict=True)
         _check_float("WriteBudget", "window_s", self.window_s, 0.0, strict=True)
+        _check_float("WriteBudget", "payback_s", self.payback_s, 0.0, strict=True)
         _check_int("WriteBudget", "theta_min", self.theta_min, 1)
         _check_int("WriteBudget", "theta_max", self.theta_max, self.theta_min)
 

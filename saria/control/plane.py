@@ -119,9 +119,12 @@ class ControlPlane:
         self._now = -math.inf
         self._plans: dict[int, _PlanRecord] = {}
         self._in_flight: dict[int, _InFlight] = {}
-        self._governor = (EnduranceGovernor.from_config(config.write_budget, config.write_budget_bytes_per_s,
-                                                        policy.theta_E)
-                          if config.write_budget.auto else None)
+        self._governor = None
+        if config.write_budget.auto:  # theta_E becomes fractional, moved by the governor
+            self._governor = EnduranceGovernor.from_config(config.write_budget, config.write_budget_bytes_per_s,
+                                                           policy.theta_E)
+            self._admission.dither = True
+            self._admission.theta_E = self._governor.theta_E
 
     # ============================================================================== public API
     def plan(self, chunk_hashes: Sequence[Hashable], now: float) -> ReloadPlan:

@@ -157,6 +157,10 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
     g.add_argument("--window-hours", type=_positive_float, default=12.0, metavar="H",
                    help="session-start window of re-windowed arrivals (default 12, the paper's lower load)")
     g.add_argument("--seed", type=int, default=0, help="seed of the session starts (default 0)")
+    g.add_argument("--truncate-hours", type=_positive_float, default=None, metavar="H",
+                   help="replay only requests arriving within H hours of the first (the paper truncates at 24); "
+                        "the write budget then covers exactly H hours (default: everything, first arrival to "
+                        "last event)")
     g = p.add_argument_group("SSD endurance")
     g.add_argument("--dwpd", type=_positive_float, default=1.0, required=budget_required,
                    help="rated drive writes per day" + ("" if budget_required else " (default 1)"))
@@ -184,7 +188,7 @@ def _experiment(args: argparse.Namespace, auto: bool = False) -> Experiment:
     if len(trace.skipped) > 10:
         print(f"skipped {len(trace.skipped) - 10} more malformed lines", file=sys.stderr)
     settings = ReplaySettings(inflight=args.inflight, prefill_tps=args.prefill_tps, loading=args.loading,
-                              disk_write_gbps=args.b_disk_write)
+                              disk_write_gbps=args.b_disk_write, truncate_hours=args.truncate_hours)
     return Experiment(trace, args.trace, _base(args, auto), settings, arrivals=args.arrivals,
                       window_hours=args.window_hours, seed=args.seed, workers=args.jobs, progress=not args.no_progress)
 
@@ -246,8 +250,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     for run in runs:
         if run.governor_history is not None:
             thetas = [theta for _, theta in run.governor_history]
-            print(f"governor {run.name}: theta_E {thetas[0]} -> {thetas[-1]} (range {min(thetas)}-{max(thetas)}, "
-                  f"{len(thetas) - 1} changes over {run.duration_s / 3600:,.1f} h)")
+            print(f"governor {run.name}: theta_E {thetas[0]:g} -> {thetas[-1]:.2f}, time-weighted mean "
+                  f"{run.governor_mean_theta:.2f}, range {min(thetas):.2f}-{max(thetas):.2f}, "
+                  f"{len(thetas) - 1} changes over {run.duration_s / 3600:,.1f} h")
     _queueing_note(exp, runs)
     if args.json:
         write_json(args.json, args.trace, exp.config_dict(runs), results)

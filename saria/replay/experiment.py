@@ -127,13 +127,14 @@ class Experiment:
         for run in runs:
             policy = asdict(run.config.policy)
             policy.pop("name")
-            entry = {"policy": policy, "replayed_seconds": run.duration_s,
-                     "write_budget_bytes": run.config.write_budget_bytes_per_s * run.duration_s,
-                     "governor": run.config.write_budget.auto}
+            entry = {"policy": policy, "replayed_seconds": run.duration_s, "budget_seconds": run.budget_s,
+                     "write_budget_bytes": run.config.write_budget_bytes_per_s * run.budget_s,
+                     "truncated_requests": run.truncated, "governor": run.config.write_budget.auto}
             if run.governor_history is not None:
                 thetas = [theta for _, theta in run.governor_history]
                 entry["governor_theta_E"] = {"first": thetas[0], "last": thetas[-1], "min": min(thetas),
-                                             "max": max(thetas), "changes": len(thetas) - 1}
+                                             "max": max(thetas), "mean": run.governor_mean_theta,
+                                             "changes": len(thetas) - 1}
             policies[run.name] = entry
         return {
             "trace": {"format": trace.fmt, "requests": len(trace.requests), "block_tokens": trace.block_tokens,
@@ -148,6 +149,7 @@ class Experiment:
             "bandwidth_gbps": asdict(base.bandwidth), "loading": self.settings.loading,
             "disk_write_gbps_per_drive": self.settings.disk_write_gbps or base.bandwidth.disk_gbps_per_drive,
             "inflight": self.settings.inflight, "prefill_tps": self.settings.prefill_tps,
+            "truncate_hours": self.settings.truncate_hours,
             "arrivals": {"mode": schedule.mode, "window_hours": self.window_hours if schedule.mode == "rewindow" else None,
                          "sessions": len(schedule.sessions) if schedule.mode == "rewindow" else None,
                          "inferred_sessions": schedule.inferred_sessions, "seed": self.seed},

@@ -10,7 +10,8 @@
 * Transfer times count requests that reloaded something; TTFT counts every request.
 * ``normalized_writes``: SSD bytes written over the configured SSD cache capacity (paper's
   normalized writes); ``write_budget_ratio``: SSD bytes written over the endurance budget of the
-  replayed duration, ``dwpd x capacity x duration / 1 day`` (first arrival to last event).
+  replayed duration, ``dwpd x capacity x duration / 1 day`` (first arrival to last event, or the
+  truncation horizon).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def summarize(run: PolicyRun) -> dict:
     ttfts = [t * 1e3 for t in run.ttft_s if not math.isnan(t)]
     char_mean, char_bad = char(run.hit_chunks, run.achievable_chunks)
     ssd_capacity = config.ssd_bytes
-    budget = config.write_budget_bytes_per_s * run.duration_s
+    budget = config.write_budget_bytes_per_s * run.budget_s
     result = {
         "policy": run.name,
         "ssd_write_bytes": c.ssd_bytes_written,

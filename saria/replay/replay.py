@@ -45,12 +45,16 @@ _COMPLETE, _COMMIT, _ARRIVE = 0, 1, 2  # same-time order
 class ReplaySettings:
     """How the replay models the server: ``inflight`` requests at once (loading or computing),
     ``prefill_tps`` computed prompt tokens per second, the ``loading`` mode of plans that do not ask
-    for serial loading, and the SSD write bandwidth per drive (``None``: the read bandwidth)."""
+    for serial loading, and the SSD write bandwidth per drive (``None``: the read bandwidth).
+    ``truncate_hours`` (the paper truncates at 24 h): requests arriving that long after the first
+    one are not replayed (nor the rest of their sessions), and the write budget covers exactly that
+    long; ``None``: everything is replayed and the budget covers first arrival to last event."""
 
     inflight: int = 4
     prefill_tps: float = 6500.0
     loading: str = "coordinated"
     disk_write_gbps: float | None = None
+    truncate_hours: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) or self.inflight < 1:
@@ -63,13 +67,17 @@ class ReplaySettings:
         if self.disk_write_gbps is not None and not (math.isfinite(self.disk_write_gbps)
                                                      and self.disk_write_gbps > 0):
             raise ValueError(f"--b-disk-write must be > 0, got {self.disk_write_gbps!r}")
+        if self.truncate_hours is not None and not (math.isfinite(self.truncate_hours) and self.truncate_hours > 0):
+            raise ValueError(f"--truncate-hours must be > 0, got {self.truncate_hours!r}")
 
 
 @dataclass
 class PolicyRun:
     """What one policy's replay produced. Per-request lists are indexed like ``trace.requests``:
     ``arrival_s`` on the replay clock, ``transfer_s`` (NaN for a request that reloaded nothing),
-    ``ttft_s`` (arrival to the end of prefill), plan hits and achievable hits in chunks."""
+    ``ttft_s`` (arrival to the end of prefill), plan hits and achievable hits in chunks (NaN / 0
+    for requests cut by truncation). ``budget_s``: the time the write budget covers; ``truncated``:
+    requests not replayed."""
 
     name: str
     config: SariaConfig
@@ -81,12 +89,26 @@ class PolicyRun:
     achievable_chunks: list[int]
     start_s: float
     end_s: float
-    governor_history: list[tuple[float, int]] | None = None
+    budget_s: float
+    truncated: int = 0
+    governor_history: list[tuple[float, float]] | None = None
     audit: list[str] | None = None
 
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
+
+    @property
+    def governor_mean_theta(self) -> float | None:
+        """The governor's theta_E averaged over time, or None without a governor."""
+        history = self.governor_history
+        if not history:
+            return None
+        ends = [t for t, _ in history[1:]] + [self.end_s]
+        span = self.end_s - history[0][0]
+        if span <= 0:
+            return history[-1][1]
+        return sum(theta * (end - t) for (t, theta), end in zip(history, ends)) / span
 
 
 def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
@@ -122,6 +144,8 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
     heapq.heapify(events)
     push, pop = heapq.heappush, heapq.heappop
     start = min((s.start_s for s in sessions), default=0.0)
+    horizon = math.inf if settings.truncate_hours is None else start + settings.truncate_hours * 3600.0
+    truncated = 0
     waiting: deque = deque()
     free = settings.inflight
     ingress_free = compute_free = offload_free = write_free = -math.inf
@@ -159,6 +183,11 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
             done += 1
             if progress is not None and not done & 255:
                 progress(256)
+        elif now >= horizon:  # an arrival past the truncation: it and the rest of its session are cut
+            cut = len(sessions[a].requests) - b
+            truncated += cut
+            if progress is not None:
+                progress(cut)
         else:
             waiting.append((now, a, b))
         while free and waiting:
@@ -192,5 +221,6 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
     if progress is not None and done & 255:
         progress(done & 255)
     governor = cp.governor
-    return PolicyRun(name, config, cp.counters(), arrival, transfer, ttft, hits, achievable, start, now,
-                     None if governor is None else list(governor.history), cp.audit() if audit else None)
+    budget_s = now - start if settings.truncate_hours is None else settings.truncate_hours * 3600.0
+    return PolicyRun(name, config, cp.counters(), arrival, transfer, ttft, hits, achievable, start, now, budget_s,
+                     truncated, None if governor is None else list(governor.history), cp.audit() if audit else None)
