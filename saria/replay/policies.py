@@ -41,8 +41,11 @@ class BaseSettings:
     write_budget: WriteBudget = WriteBudget()
 
     def chunk(self) -> ChunkSpec:
+        """The chunk geometry (a dense model has no checkpoints, so any chunk size goes)."""
         spec = get_model(self.model)
-        return ChunkSpec.for_model(spec, self.chunk_tokens, self.checkpoint_tokens)
+        chunk_tokens = self.chunk_tokens or (1024 if spec.hybrid else 512)
+        checkpoint = self.checkpoint_tokens if spec.hybrid else chunk_tokens
+        return ChunkSpec.for_model(spec, chunk_tokens, checkpoint)
 
 
 def _value(raw: str) -> object:
