@@ -257,8 +257,8 @@ class WriteBudget:
     plane runs :class:`saria.control.governor.EnduranceGovernor`: every ``interval_s`` seconds (of
     the caller's clock) it compares the recent write rate (averaged over ``window_s``) with the
     budget, corrected by the surplus or deficit so far paid back over ``payback_s``, and scales a
-    fractional theta_E within ``[theta_min, theta_max]``. Off (the default), the budget is only a yardstick (``saria replay``
-    reports writes against it)."""
+    fractional theta_E within ``[theta_min, theta_max]``. Off (the default), the budget is only a
+    yardstick (``saria replay`` reports writes against it)."""
 
     dwpd: float = 1.0
     capacity_bytes: int | None = None

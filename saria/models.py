@@ -2,9 +2,9 @@
 
 Numbers come from each model's published ``config.json`` on its model card; the source is noted
 beside each entry. Entries named ``*-paper`` are the SARIA paper's scaled-down configurations (no
-released checkpoint): their layer counts are the paper's, their per-layer shapes are assumed from the
-released model they shrink, as each source says. Byte counts are per token for full-attention (FA) KV and per checkpoint for a
-GDN layer's recurrent state.
+released checkpoint): their layer counts are the paper's, their per-layer shapes are assumed from
+the released model they shrink, as each source says. Byte counts are per token for full-attention
+(FA) KV and per checkpoint for a GDN layer's recurrent state.
 """
 
 from __future__ import annotations

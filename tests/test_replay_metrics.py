@@ -162,3 +162,31 @@ def test_hybrid_plans_and_achievable_hits_end_on_a_checkpoint():
     assert result.achievable_chunks == [0, 2] and result.hit_chunks == [0, 2]  # 3 known, cut back to 2
     assert result.transfer_s[1] == pytest.approx((2 * chunk.kv_bytes + chunk.state_bytes) / (48 * GB))
     assert result.ttft_s[1] == pytest.approx(result.transfer_s[1] + 3 * 1024 / 6500)
+
+
+def test_model_footprints():
+    assert get_model("qwen3-8b").kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
+    hybrid = get_model("qwen3.5-9b")
+    assert (hybrid.fa_layers, hybrid.gdn_layers, hybrid.kv_bytes_per_token) == (8, 24, 8 * 2 * 4 * 256 * 2)
+    temporal = 32 * 128 * 128 * 4  # [HV, V, K] fp32
+    conv = 3 * (2 * 16 * 128 + 32 * 128) * 2  # [kernel - 1, conv_dim] bf16
+    assert hybrid.state_bytes == 24 * (temporal + conv)
+    assert get_model("qwen3-1.7b-paper").fa_layers == 20
+    small = get_model("qwen3.5-5.6b-paper")
+    assert (small.fa_layers, small.gdn_layers, small.state_bytes) == (5, 15, 15 * (temporal + conv))
+    for name in ("qwen3.5-9b", "qwen3-1.7b-paper", "qwen3.5-5.6b-paper"):
+        assert get_model(name).source
+
+
+def test_progress_counts_every_request_once_truncated_or_not():
+    requests = [Request(float(i), 2 * 512 + 1, 0, (i * 10, i * 10 + 1, i * 10 + 2)) for i in range(600)]
+    for hours, replayed in ((None, 600), (300 / 3600, 300)):
+        counted = []
+        trace = Trace("p", tuple(requests), 512, "synthetic")
+        chunks = [chunk_keys(r, 512, 512) for r in trace.requests]
+        result = replay("p", trace, chunks, make_schedule(trace, "recorded"), config(),
+                        ReplaySettings(truncate_hours=hours), counted.append)
+        assert sum(counted) == 600 and result.truncated == 600 - replayed
+        assert sum(not math.isnan(t) for t in result.ttft_s) == replayed
+        if hours:
+            assert result.budget_s == 300.0

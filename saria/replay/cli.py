@@ -147,7 +147,8 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
     g.add_argument("--prefill-tps", type=_positive_float, default=6500.0, metavar="TOKENS/s",
                    help="prefill speed: the logical clock advances this many computed tokens per second "
                         "(default 6500, the paper's)")
-    g.add_argument("--inflight", type=_positive_int, default=4, help="requests loading or computing at once (default 4)")
+    g.add_argument("--inflight", type=_positive_int, default=4,
+                   help="requests loading or computing at once (default 4)")
     g = p.add_argument_group("arrivals")
     g.add_argument("--arrivals", choices=ARRIVAL_MODES, default="auto",
                    help="recorded: the trace's timestamps; rewindow: keep each session's requests and gaps, draw "
@@ -203,8 +204,8 @@ def _describe(exp: Experiment) -> str:
                f"{exp.window_hours:g} h, seed {exp.seed}")
     else:
         how = f"as recorded over {trace.span_s:,.0f} s"
-    return (f"trace {exp.trace_name}: {len(trace.requests):,} requests ({trace.fmt}, {trace.block_tokens}-token blocks), "
-            f"{refs:,} chunk references; arrivals {how}\n"
+    return (f"trace {exp.trace_name}: {len(trace.requests):,} requests ({trace.fmt}, "
+            f"{trace.block_tokens}-token blocks), {refs:,} chunk references; arrivals {how}\n"
             f"model {base.model}: {chunk.chunk_tokens}-token chunks of {chunk.kv_bytes / 2**20:,.1f} MiB"
             + (f" + {chunk.state_bytes / 2**20:,.1f} MiB GDN checkpoint every {chunk.checkpoint_tokens:,} tokens"
                if chunk.hybrid else "")

@@ -33,8 +33,8 @@ def open_trace(spec: str, *, fmt: str = "auto", block_tokens: int | None = None,
             raise TraceError(f"{spec!r} is both a file and a synthetic trace spec; pass ./{spec} for the file")
         trace = synthesize(parse_synth_spec(spec))
         if block_tokens is not None and block_tokens != trace.block_tokens:
-            raise TraceError(f"the synthetic trace's blocks are {trace.block_tokens} tokens (set synth:block_tokens=N), "
-                             f"not --block-tokens {block_tokens}")
+            raise TraceError(f"the synthetic trace's blocks are {trace.block_tokens} tokens "
+                             f"(set synth:block_tokens=N), not --block-tokens {block_tokens}")
         return trace
     return load_trace(spec, block_tokens=block_tokens, time_unit=time_unit, fmt=fmt, skip_bad_lines=skip_bad_lines,
                       check_units=check_units)
@@ -150,7 +150,8 @@ class Experiment:
             "disk_write_gbps_per_drive": self.settings.disk_write_gbps or base.bandwidth.disk_gbps_per_drive,
             "inflight": self.settings.inflight, "prefill_tps": self.settings.prefill_tps,
             "truncate_hours": self.settings.truncate_hours,
-            "arrivals": {"mode": schedule.mode, "window_hours": self.window_hours if schedule.mode == "rewindow" else None,
+            "arrivals": {"mode": schedule.mode,
+                         "window_hours": self.window_hours if schedule.mode == "rewindow" else None,
                          "sessions": len(schedule.sessions) if schedule.mode == "rewindow" else None,
                          "inferred_sessions": schedule.inferred_sessions, "seed": self.seed},
             "write_budget": {"dwpd": base.write_budget.dwpd,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -98,6 +99,17 @@ def _bar(total: int, desc: str, progress: bool):
         return None
     from tqdm import tqdm
 
-    # disable=None: shown only when stderr is a terminal.
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=None, dynamic_ncols=True,
-                mininterval=0.5)
+    if not sys.stderr.isatty():  # a bar only on a terminal: logs and pipes get the results alone
+        return None
+    # shutil falls back to 80 columns where the terminal reports none (some pseudo-terminals).
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=0.5, ascii=_ascii_only(),
+                ncols=shutil.get_terminal_size().columns)
+
+
+def _ascii_only() -> bool:
+    """Whether stderr cannot print tqdm's block characters (tqdm would silently give up)."""
+    try:
+        "\u2588".encode(sys.stderr.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return True
+    return False

@@ -64,7 +64,8 @@ class SessionStats:
                 raise ValueError(f"synthetic trace: {name} must be >= 0, got {value!r}")
         if self.interval_median_s > self.interval_s:
             raise ValueError(f"synthetic trace: interval_median_s ({self.interval_median_s:g}) must not exceed "
-                             f"interval_s ({self.interval_s:g}): the gaps are lognormal, whose median is below its mean")
+                             f"interval_s ({self.interval_s:g}): the gaps are lognormal, whose median is below "
+                             f"its mean")
         if self.requests_per_session < 1:
             raise ValueError(f"synthetic trace: requests_per_session must be >= 1, got {self.requests_per_session}")
         if self.prompt_tokens < self.first_prompt_tokens + self.shared_prefix_tokens and self.requests_per_session > 1:
