@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     results, runs = exp.run([Point(p, parse_policy(p)) for p in policies])
     done = time.perf_counter()
     for record in results:
-        print(f"{record['policy']:>16}: CHAR {record['char_mean']:.1%}, writes {record['ssd_write_bytes'] / 2**30:,.0f} "
-              f"GiB, hit ratio {record['hit_ratio']:.1%}")
+        print(f"{record['policy']:>16}: CHAR {record['char_mean']:.1%}, "
+              f"writes {record['ssd_write_bytes'] / 2**30:,.0f} GiB, hit ratio {record['hit_ratio']:.1%}")
     print(json.dumps({"requests": len(trace.requests), "policies": len(policies), "jobs": exp.workers or "auto",
                       "load_s": round(loaded - start, 3), "replay_s": round(done - loaded, 3),
                       "total_s": round(done - start, 3),

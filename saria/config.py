@@ -5,12 +5,13 @@ field), no torch. The control plane reads :class:`SariaConfig`; the data plane a
 same object.
 
 ```python
-from saria.config import Capacity, Policy, SariaConfig
+from saria.config import Capacity, Policy, SariaConfig, WriteBudget
 
 cfg = SariaConfig()                                    # saria defaults: DRAM 1M, SSD 10M tokens, Qwen3-8B
 cfg = SariaConfig.for_model("qwen3-next-80b-a3b")      # hybrid: 1024-token chunks, GDN state objects
 cfg = SariaConfig(policy=Policy.preset("full-duplicate", p_tau_s=30.0))
 cfg = SariaConfig(dram=Capacity(nbytes=64 << 30), ssd=Capacity(tokens=0))
+cfg = SariaConfig(write_budget=WriteBudget(dwpd=1.0, auto=True))  # governor: theta_E tracks 1 DWPD
 ```
 
 Capacities are in full-attention token equivalents (``tokens``, as the paper budgets them: one
