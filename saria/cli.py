@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk (default 512, 32 pages)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.set_defaults(func=_cmd_roundtrip)
+
+    from saria.replay.cli import add_commands as add_replay_commands  # replay, sweep, tune, synth
+
+    add_replay_commands(sub)
     return parser
 
 

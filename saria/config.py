@@ -5,12 +5,13 @@ field), no torch. The control plane reads :class:`SariaConfig`; the data plane a
 same object.
 
 ```python
-from saria.config import Capacity, Policy, SariaConfig
+from saria.config import Capacity, Policy, SariaConfig, WriteBudget
 
 cfg = SariaConfig()                                    # saria defaults: DRAM 1M, SSD 10M tokens, Qwen3-8B
 cfg = SariaConfig.for_model("qwen3-next-80b-a3b")      # hybrid: 1024-token chunks, GDN state objects
 cfg = SariaConfig(policy=Policy.preset("full-duplicate", p_tau_s=30.0))
 cfg = SariaConfig(dram=Capacity(nbytes=64 << 30), ssd=Capacity(tokens=0))
+cfg = SariaConfig(write_budget=WriteBudget(dwpd=1.0, auto=True))  # governor: theta_E tracks 1 DWPD
 ```
 
 Capacities are in full-attention token equivalents (``tokens``, as the paper budgets them: one
@@ -27,7 +28,8 @@ from typing import Any, Mapping
 
 from saria.models import ModelSpec, get_model
 
-__all__ = ["Bandwidths", "Capacity", "ChunkSpec", "LOOKUP_MODES", "POLICY_PRESETS", "Policy", "SariaConfig"]
+__all__ = ["Bandwidths", "Capacity", "ChunkSpec", "LOOKUP_MODES", "POLICY_PRESETS", "Policy", "SariaConfig",
+           "WriteBudget"]
 
 # Qwen3-8B (saria.models): 36 full-attention layers x K and V x 8 KV heads x head dim 128 x bf16.
 QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 2 * 8 * 128 * 2
@@ -248,6 +250,44 @@ POLICY_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
 
 
 @dataclass(frozen=True)
+class WriteBudget:
+    """The SSD endurance budget (paper §2.2) and the online governor that can hold it.
+
+    The budget is ``dwpd`` drive writes per day of ``capacity_bytes`` (``None``: the configured SSD
+    cache capacity), i.e. ``dwpd * capacity / 86,400`` bytes per second. With ``auto`` the control
+    plane runs :class:`saria.control.governor.EnduranceGovernor`: every ``interval_s`` seconds (of
+    the caller's clock) it compares the recent write rate (averaged over ``window_s``) with the
+    budget, corrected by the surplus or deficit so far paid back over ``payback_s``, and scales a
+    fractional theta_E within ``[theta_min, theta_max]``. Off (the default), the budget is only a
+    yardstick (``saria replay`` reports writes against it)."""
+
+    dwpd: float = 1.0
+    capacity_bytes: int | None = None
+    auto: bool = False
+    interval_s: float = 900.0
+    window_s: float = 10_800.0
+    payback_s: float = 10_800.0
+    theta_min: int = 1
+    theta_max: int = 16
+
+    def __post_init__(self) -> None:
+        _check_float("WriteBudget", "dwpd", self.dwpd, 0.0, strict=True)
+        if self.capacity_bytes is not None:
+            _check_int("WriteBudget", "capacity_bytes", self.capacity_bytes, 1)
+        _check_bool("WriteBudget", "auto", self.auto)
+        _check_float("WriteBudget", "interval_s", self.interval_s, 0.0, strict=True)
+        _check_float("WriteBudget", "window_s", self.window_s, 0.0, strict=True)
+        _check_float("WriteBudget", "payback_s", self.payback_s, 0.0, strict=True)
+        _check_int("WriteBudget", "theta_min", self.theta_min, 1)
+        _check_int("WriteBudget", "theta_max", self.theta_max, self.theta_min)
+
+    def bytes_per_s(self, ssd_capacity_bytes: int) -> float:
+        """The budget's write rate, with ``ssd_capacity_bytes`` standing in for ``capacity_bytes=None``."""
+        capacity = self.capacity_bytes if self.capacity_bytes is not None else ssd_capacity_bytes
+        return self.dwpd * capacity / 86_400.0
+
+
+@dataclass(frozen=True)
 class SariaConfig:
     """The one configuration object: tier capacities, chunk geometry, bandwidths, policy, SSD paths."""
 
@@ -257,14 +297,21 @@ class SariaConfig:
     bandwidth: Bandwidths = Bandwidths()
     policy: Policy = Policy()
     ssd_paths: tuple[str, ...] = ()
+    write_budget: WriteBudget = WriteBudget()
 
     def __post_init__(self) -> None:
         for name, kind in (("dram", Capacity), ("ssd", Capacity), ("chunk", ChunkSpec),
-                           ("bandwidth", Bandwidths), ("policy", Policy)):
+                           ("bandwidth", Bandwidths), ("policy", Policy), ("write_budget", WriteBudget)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"SariaConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if not isinstance(self.ssd_paths, tuple) or not all(isinstance(p, str) for p in self.ssd_paths):
             raise ValueError(f"SariaConfig.ssd_paths must be a tuple of str, got {self.ssd_paths!r}")
+        if self.write_budget.auto:
+            policy = self.policy
+            if policy.theta_E is None or policy.admit_all or not policy.use_ssd or self.ssd_bytes == 0:
+                raise ValueError(f"SariaConfig.write_budget.auto governs theta_E, so it needs eviction-based "
+                                 f"admission and an SSD tier; policy {policy.name!r} has theta_E={policy.theta_E}, "
+                                 f"admit_all={policy.admit_all}, SSD {self.ssd_bytes} bytes")
 
     @classmethod
     def for_model(cls, model: str | ModelSpec, *, chunk_tokens: int | None = None,
@@ -289,6 +336,13 @@ class SariaConfig:
     def ssd_bytes(self) -> int:
         """SSD capacity in bytes (0 when the policy disables SSD)."""
         return self.ssd.in_bytes(self.chunk.kv_bytes_per_token) if self.policy.use_ssd else 0
+
+    @property
+    def write_budget_bytes_per_s(self) -> float:
+        """The endurance budget's write rate: ``write_budget.dwpd`` drive writes per day of
+        ``write_budget.capacity_bytes``, or of the configured SSD capacity (even when the policy
+        disables SSD, so that every policy of a comparison is measured against one budget)."""
+        return self.write_budget.bytes_per_s(self.ssd.in_bytes(self.chunk.kv_bytes_per_token))
 
     @property
     def promotion_ratio(self) -> float:

@@ -1,8 +1,10 @@
 """KV footprints of the models saria is measured on, as plain data (no torch: control and replay use it).
 
 Numbers come from each model's published ``config.json`` on its model card; the source is noted
-beside each entry. Byte counts are per token for full-attention (FA) KV and per checkpoint for a
-GDN layer's recurrent state.
+beside each entry. Entries named ``*-paper`` are the SARIA paper's scaled-down configurations (no
+released checkpoint): their layer counts are the paper's, their per-layer shapes are assumed from
+the released model they shrink, as each source says. Byte counts are per token for full-attention
+(FA) KV and per checkpoint for a GDN layer's recurrent state.
 """
 
 from __future__ import annotations
@@ -91,6 +93,27 @@ MODELS: dict[str, ModelSpec] = {
                 "num_key_value_heads 2, head_dim 256, linear_num_value_heads 32, linear_num_key_heads 16, "
                 "linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4; "
                 "GDN temporal state fp32 as vLLM keeps it")),
+    # The paper's hybrid model (§5.1: "Qwen3.5-9B with 8 full-attention and 24 gated-delta-network layers").
+    "qwen3.5-9b": ModelSpec(
+        "qwen3.5-9b", fa_layers=8, kv_heads=4, head_dim=256,
+        gdn_layers=24, gdn_value_heads=32, gdn_key_heads=16, gdn_key_dim=128, gdn_value_dim=128,
+        gdn_conv_kernel=4,
+        source=("Qwen/Qwen3.5-9B model card and text_config: 32 layers, full_attention_interval 4 "
+                "(8 gated-attention + 24 Gated DeltaNet), num_key_value_heads 4, head_dim 256, "
+                "linear_num_value_heads 32, linear_num_key_heads 16, linear key/value head dim 128, "
+                "linear_conv_kernel_dim 4, mamba_ssm_dtype float32; bf16 KV and conv state")),
+    # The paper's scaled-down A30 models (§5.1): not released checkpoints, so their per-layer shapes
+    # are assumed to be those of the released model they shrink (stated in each source).
+    "qwen3-1.7b-paper": ModelSpec(
+        "qwen3-1.7b-paper", fa_layers=20, kv_heads=8, head_dim=128,
+        source=("SARIA paper §5.1: 'Qwen3-1.7B with 20 full-attention layers' (scaled down for a 24-GB A30); "
+                "per-layer shape assumed from Qwen/Qwen3-1.7B config.json: 8 KV heads, head_dim 128, bf16")),
+    "qwen3.5-5.6b-paper": ModelSpec(
+        "qwen3.5-5.6b-paper", fa_layers=5, kv_heads=4, head_dim=256,
+        gdn_layers=15, gdn_value_heads=32, gdn_key_heads=16, gdn_key_dim=128, gdn_value_dim=128,
+        gdn_conv_kernel=4,
+        source=("SARIA paper §5.1: 'Qwen3.5-5.6B with 5 full-attention and 15 GDN layers' (scaled down for a "
+                "24-GB A30); per-layer shapes assumed from qwen3.5-9b above")),
 }
 
 

@@ -38,6 +38,9 @@ Request lifecycle::
 * ``release(plan, now, failed=()) -> list[Order]``: unpin a plan that will not be committed.
 * ``counters() -> Counters``, ``usage() -> Usage``, ``chunk_info(hash) -> ChunkInfo | None``,
   ``audit() -> list[str]`` (every internal invariant, for tests).
+* ``governor -> EnduranceGovernor | None``: with ``config.write_budget.auto`` the control plane
+  moves theta_E online to hold SSD writes at the DWPD budget (``governor.py``); it updates it at
+  the end of every call from the time passed in and the completed write bytes.
 
 Notes for callers:
 
@@ -58,15 +61,18 @@ naming objects the plan or order does not have, non-finite ``now``) raises
 
 Modules, one job each: ``tree`` (context tree, evidence, metadata window), ``admission`` (Eq. 1),
 ``residency`` (tier capacity, LRU, eviction, pins, copy states), ``planner`` (reload prefix and
-sources), ``promotion`` (Eqs. 2-3), ``orders`` (plans and orders), ``counters``, ``plane``
+sources), ``promotion`` (Eqs. 2-3), ``governor`` (theta_E against a write budget), ``orders``
+(plans and orders), ``counters``, ``plane``
 (the :class:`ControlPlane` that runs a request through them).
 """
 
 from saria.control.counters import Counters
+from saria.control.governor import EnduranceGovernor
 from saria.control.orders import (ControlPlaneError, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan,
                                   StoreOrder, Tier, WriteOrder)
 from saria.control.plane import ChunkInfo, ControlPlane, CopyInfo, Usage
 from saria.control.promotion import promotion_target
 
-__all__ = ["ChunkInfo", "ControlPlane", "ControlPlaneError", "CopyInfo", "Counters", "DropOrder", "ObjectKey",
-           "Order", "PromoteOrder", "ReloadPlan", "StoreOrder", "Tier", "Usage", "WriteOrder", "promotion_target"]
+__all__ = ["ChunkInfo", "ControlPlane", "ControlPlaneError", "CopyInfo", "Counters", "DropOrder", "EnduranceGovernor",
+           "ObjectKey", "Order", "PromoteOrder", "ReloadPlan", "StoreOrder", "Tier", "Usage", "WriteOrder",
+           "promotion_target"]

@@ -3,30 +3,59 @@
 Evaluated on a chunk's evidence (shared by all its objects with unified metadata), so a GDN
 checkpoint is admitted exactly when its chunk is. A disabled branch (``None``) never fires;
 ``admit_all`` (full duplicate caching) admits everything; without an SSD tier nothing is admitted.
+
+Fractional theta_E (``dither``, set by the endurance governor): a chunk is admitted by eviction
+when ``E_b + u_b >= theta_E``, with ``u_b`` in [0, 1) a fixed pseudo-random fraction of the chunk's
+hash. For an integer theta_E this is exactly ``E_b >= theta_E``; theta_E = 2.4 admits every chunk
+with ``E_b >= 3`` and the 60 % of chunks with ``E_b = 2`` whose ``u_b >= 0.4``, so writes move
+smoothly between E2 and E3. (A state object with its own evidence, under per-object metadata, has
+no hash of its own: ``u = 0``.)
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 from saria.config import Policy
-from saria.control.tree import CacheObject, Evidence
+from saria.control.tree import CacheObject, Evidence, Node
+
+_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads consecutive integer ids over [0, 1)
+_MASK = (1 << 64) - 1
+
+
+def chunk_fraction(evidence: Evidence | Node) -> float:
+    """``u_b``: a fraction in [0, 1) fixed by the chunk's hash (the same in every process)."""
+    key = getattr(evidence, "key", None)
+    if key is None:
+        return 0.0
+    if isinstance(key, int):
+        return ((key * _GOLDEN) & _MASK) / 2.0**64
+    data = key if isinstance(key, bytes) else (key if isinstance(key, str) else repr(key)).encode()
+    return zlib.crc32(data) / 2.0**32
 
 
 class Admission:
-    __slots__ = ("theta_E", "theta_R", "admit_all", "enabled")
+    __slots__ = ("theta_E", "theta_R", "admit_all", "enabled", "dither")
 
     def __init__(self, policy: Policy, ssd_capacity: int) -> None:
         self.theta_E = math.inf if policy.theta_E is None else policy.theta_E
         self.theta_R = math.inf if policy.theta_R is None else policy.theta_R
         self.admit_all = policy.admit_all
         self.enabled = ssd_capacity > 0
+        self.dither = False
 
     def admitted(self, evidence: Evidence, extra_evictions: int = 0) -> bool:
         """Eq. 1 on ``evidence``, counting ``extra_evictions`` more evictions (prewrite asks with 1:
         would the chunk qualify at its next eviction?)."""
-        return self.enabled and (self.admit_all or evidence.E_b + extra_evictions >= self.theta_E
-                                 or evidence.R_b >= self.theta_R)
+        if not self.enabled:
+            return False
+        if self.admit_all or evidence.R_b >= self.theta_R:
+            return True
+        evictions = evidence.E_b + extra_evictions
+        if self.dither:
+            return evictions + chunk_fraction(evidence) >= self.theta_E
+        return evictions >= self.theta_E
 
     def at_next_eviction(self, objs: list[CacheObject]) -> list[CacheObject]:
         """Those of ``objs`` that Eq. 1 admits with one more eviction (``E_b + eviction_step``):
@@ -35,6 +64,8 @@ class Admission:
             return []
         if self.admit_all:
             return list(objs)
+        if self.dither:
+            return [obj for obj in objs if self.admitted(obj.evidence, obj.eviction_step)]
         theta_E, theta_R = self.theta_E, self.theta_R
         return [obj for obj in objs
                 if obj.evidence.E_b + obj.eviction_step >= theta_E or obj.evidence.R_b >= theta_R]

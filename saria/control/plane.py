@@ -15,6 +15,7 @@ from saria.config import SariaConfig
 from saria.control.admission import Admission
 from saria.control.audit import audit
 from saria.control.counters import Counters
+from saria.control.governor import EnduranceGovernor
 from saria.control.orders import (DRAM, GPU, KV, SSD, ControlPlaneError, DropOrder, ObjectKey, Order,
                                   PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder)
 from saria.control.planner import find_prefix
@@ -118,6 +119,12 @@ class ControlPlane:
         self._now = -math.inf
         self._plans: dict[int, _PlanRecord] = {}
         self._in_flight: dict[int, _InFlight] = {}
+        self._governor = None
+        if config.write_budget.auto:  # theta_E becomes fractional, moved by the governor
+            self._governor = EnduranceGovernor.from_config(config.write_budget, config.write_budget_bytes_per_s,
+                                                           policy.theta_E)
+            self._admission.dither = True
+            self._admission.theta_E = self._governor.theta_E
 
     # ============================================================================== public API
     def plan(self, chunk_hashes: Sequence[Hashable], now: float) -> ReloadPlan:
@@ -236,6 +243,12 @@ class ControlPlane:
                     self._counters.promotions_failed += len(failing)
                 self._tiers.dram_filled(record.objects, failing, batch)
             return self._finish(batch, now)
+
+    @property
+    def governor(self) -> EnduranceGovernor | None:
+        """The endurance governor moving theta_E (``config.write_budget.auto``), or None. Read its
+        ``theta_E``, ``rate`` and ``history``; the control plane alone updates it."""
+        return self._governor
 
     def counters(self) -> Counters:
         """A snapshot of the counters."""
@@ -420,8 +433,11 @@ class ControlPlane:
 
     # =============================================================================== bookkeeping
     def _finish(self, batch: OrderBatch, now: float) -> list[Order]:
-        """End of a mutating call: expire metadata, build the orders, free reclaimed nodes."""
+        """End of a mutating call: expire metadata, let the governor (if any) set theta_E for the
+        next calls, build the orders, free reclaimed nodes."""
         self._tree.expire(now)
+        if self._governor is not None:
+            self._admission.theta_E = self._governor.update(now, self._counters.ssd_bytes_written)
         orders = self._emit(batch)
         self._tree.bury()
         return orders

@@ -1,0 +1,418 @@
+"""``saria replay``, ``saria sweep``, ``saria tune`` and ``saria synth``: argument parsing and output.
+
+``saria.cli`` registers these commands with :func:`add_commands`; everything they do lives in
+the ``saria.replay`` modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from saria.config import POLICY_PRESETS, Bandwidths, WriteBudget
+from saria.models import MODELS
+from saria.replay.arrivals import ARRIVAL_MODES
+from saria.replay.experiment import Experiment, Point, open_trace
+from saria.replay.policies import BaseSettings, parse_policy
+from saria.replay.replay import ReplaySettings
+from saria.replay.report import PlotUnavailable, format_table, plot_results, plot_tradeoffs, write_csv, write_json
+from saria.replay.synth import SessionStats, synthesize
+from saria.replay.timing import LOADING_MODES
+
+__all__ = ["add_commands", "parse_size"]
+
+DEFAULT_POLICIES = ("saria", "full-duplicate", "dram-only", "lmcache-plus")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40, "pib": 2**50}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1.92TB``, ``800GiB``, ``3.84e12`` (decimal units for TB/GB/..., binary for
+    TiB/GiB/...)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 3.84TB, 800GiB, 1e12)")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least one byte, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _tokens(text: str) -> int:
+    """A token count >= 0, accepting 1,000,000 / 1_000_000 / 1e6 / 1M / 500K."""
+    raw = text.strip().replace(",", "").replace("_", "")
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(raw[-1:].lower(), 1)
+    if scale != 1:
+        raw = raw[:-1]
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole token count >= 0: {text!r}")
+    return int(value)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _list(kind):
+    """Comma-separated values of ``kind``; ``none`` for None."""
+
+    def parse(text: str) -> tuple:
+        out = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            if item.lower() in ("none", "off"):
+                out.append(None)
+                continue
+            try:
+                out.append(kind(item))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"bad value {item!r} in {text!r}") from None
+        if not out:
+            raise argparse.ArgumentTypeError(f"empty list: {text!r}")
+        return tuple(out)
+
+    return parse
+
+
+# ========================================================================================= arguments
+def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) -> None:
+    p.add_argument("trace", metavar="TRACE",
+                   help="Mooncake JSON Lines (timestamp ms, input_length, output_length, hash_ids, optional "
+                        "session_id), TraceLab rounds JSON Lines, or synth[:key=value,...] for the synthetic "
+                        "agent-session generator (paper §5.1 TraceLab statistics; keys: "
+                        + ", ".join(f.name for f in fields(SessionStats)) + ")")
+    g = p.add_argument_group("trace")
+    g.add_argument("--format", choices=("auto", "mooncake", "tracelab"), default="auto",
+                   help="trace format (default: from the first record)")
+    g.add_argument("--block-tokens", type=_positive_int, default=None, metavar="N",
+                   help="tokens per trace block: 512 for Mooncake traces, 64 for ../shared/traces/agent_*; default: "
+                        "inferred from hash_ids lengths (each request has ceil(input_length / N)); for TraceLab the "
+                        "reconstruction's block size (default 64)")
+    g.add_argument("--time-unit", choices=("ms", "s"), default="ms",
+                   help="unit of Mooncake timestamps (default ms, as the format specifies); arrivals that only make "
+                        "sense in the other unit are an error that says so")
+    g.add_argument("--no-time-check", action="store_true", help="skip the timestamp unit checks")
+    g.add_argument("--skip-bad-lines", action="store_true",
+                   help="load every well-formed line and report the malformed ones (default: any malformed line is "
+                        "an error listing them all by line number)")
+    g = p.add_argument_group("model and cache")
+    g.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b",
+                   help="KV footprint (saria.models; sources noted there). Default qwen3-8b")
+    g.add_argument("--dram-tokens", type=_tokens, default=1_000_000, metavar="N",
+                   help="DRAM cache capacity in full-attention tokens (default 1M, the paper's)")
+    g.add_argument("--ssd-tokens", type=_tokens, default=10_000_000, metavar="N",
+                   help="SSD cache capacity in full-attention tokens (default 10M, the paper's)")
+    g.add_argument("--chunk-tokens", type=_positive_int, default=None, metavar="N",
+                   help="tokens per cached chunk, a multiple of the trace block (default 512; 1024 for hybrid models)")
+    g.add_argument("--checkpoint-tokens", type=_positive_int, default=16_384, metavar="N",
+                   help="hybrid models: a GDN checkpoint every N tokens (default 16384)")
+    g = p.add_argument_group("model of time")
+    g.add_argument("--b-gpu", type=_positive_float, default=48.0, metavar="GB/s", help="GPU ingress (default 48)")
+    g.add_argument("--b-disk", type=_positive_float, default=20.0, metavar="GB/s",
+                   help="SSD read bandwidth per drive, GDS (default 20)")
+    g.add_argument("--drives", type=_positive_int, default=1, help="SSDs objects are striped over (default 1)")
+    g.add_argument("--b-dram", type=_positive_float, default=48.0, metavar="GB/s",
+                   help="DRAM -> GPU copies, and GPU -> DRAM stores and promotions (default 48)")
+    g.add_argument("--b-disk-write", type=_positive_float, default=None, metavar="GB/s",
+                   help="SSD write bandwidth per drive (default: --b-disk)")
+    g.add_argument("--loading", choices=LOADING_MODES, default="coordinated",
+                   help="how a plan's DRAM and SSD parts share ingress: coordinated (Eq. 4, default), overlap "
+                        "(uncoordinated), serial, or ideal; plans of serial-loading policies (lmcache-plus) load "
+                        "serially whatever this says")
+    g.add_argument("--prefill-tps", type=_positive_float, default=6500.0, metavar="TOKENS/s",
+                   help="prefill speed: the logical clock advances this many computed tokens per second "
+                        "(default 6500, the paper's)")
+    g.add_argument("--inflight", type=_positive_int, default=4,
+                   help="requests loading or computing at once (default 4)")
+    g = p.add_argument_group("arrivals")
+    g.add_argument("--arrivals", choices=ARRIVAL_MODES, default="auto",
+                   help="recorded: the trace's timestamps; rewindow: keep each session's requests and gaps, draw "
+                        "session starts with Gamma(k=1) gaps within --window-hours (sessions inferred by prefix "
+                        "chaining when the trace has no session ids); auto (default): rewindow when the trace "
+                        "has session ids, else recorded")
+    g.add_argument("--window-hours", type=_positive_float, default=12.0, metavar="H",
+                   help="session-start window of re-windowed arrivals (default 12, the paper's lower load)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the session starts (default 0)")
+    g.add_argument("--truncate-hours", type=_positive_float, default=None, metavar="H",
+                   help="replay only requests arriving within H hours of the first (the paper truncates at 24); "
+                        "the write budget then covers exactly H hours (default: everything, first arrival to "
+                        "last event)")
+    g = p.add_argument_group("SSD endurance")
+    g.add_argument("--dwpd", type=_positive_float, default=1.0, required=budget_required,
+                   help="rated drive writes per day" + ("" if budget_required else " (default 1)"))
+    g.add_argument("--ssd-capacity", type=parse_size, default=None, required=budget_required, metavar="SIZE",
+                   help="capacity the endurance budget is rated on, e.g. 3.84TB or 800GiB"
+                        + ("" if budget_required else " (default: the SSD cache capacity, --ssd-tokens)"))
+    g = p.add_argument_group("execution")
+    g.add_argument("--jobs", type=_positive_int, default=None,
+                   help="replays run at once in separate processes (default: one per CPU)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal anyway)")
+
+
+def _base(args: argparse.Namespace, auto: bool = False) -> BaseSettings:
+    budget = WriteBudget(dwpd=args.dwpd, capacity_bytes=args.ssd_capacity, auto=auto)
+    return BaseSettings(model=args.model, dram_tokens=args.dram_tokens, ssd_tokens=args.ssd_tokens,
+                        chunk_tokens=args.chunk_tokens, checkpoint_tokens=args.checkpoint_tokens,
+                        bandwidth=Bandwidths(args.b_gpu, args.b_disk, args.drives, args.b_dram), write_budget=budget)
+
+
+def _experiment(args: argparse.Namespace, auto: bool = False) -> Experiment:
+    trace = open_trace(args.trace, fmt=args.format, block_tokens=args.block_tokens, time_unit=args.time_unit,
+                       skip_bad_lines=args.skip_bad_lines, check_units=not args.no_time_check)
+    for line in trace.skipped[:10]:
+        print(f"skipped {line}", file=sys.stderr)
+    if len(trace.skipped) > 10:
+        print(f"skipped {len(trace.skipped) - 10} more malformed lines", file=sys.stderr)
+    settings = ReplaySettings(inflight=args.inflight, prefill_tps=args.prefill_tps, loading=args.loading,
+                              disk_write_gbps=args.b_disk_write, truncate_hours=args.truncate_hours)
+    return Experiment(trace, args.trace, _base(args, auto), settings, arrivals=args.arrivals,
+                      window_hours=args.window_hours, seed=args.seed, workers=args.jobs, progress=not args.no_progress)
+
+
+def _describe(exp: Experiment) -> str:
+    trace, base, chunk = exp.trace, exp.base, exp.base.chunk()
+    schedule = exp.schedule(None)
+    refs = sum(len(c) for c in exp.chunks)
+    if schedule.mode == "rewindow":
+        how = (f"re-windowed: {len(schedule.sessions):,} sessions"
+               f"{' (inferred by prefix chaining)' if schedule.inferred_sessions else ''} starting within "
+               f"{exp.window_hours:g} h, seed {exp.seed}")
+    else:
+        how = f"as recorded over {trace.span_s:,.0f} s"
+    return (f"trace {exp.trace_name}: {len(trace.requests):,} requests ({trace.fmt}, "
+            f"{trace.block_tokens}-token blocks), {refs:,} chunk references; arrivals {how}\n"
+            f"model {base.model}: {chunk.chunk_tokens}-token chunks of {chunk.kv_bytes / 2**20:,.1f} MiB"
+            + (f" + {chunk.state_bytes / 2**20:,.1f} MiB GDN checkpoint every {chunk.checkpoint_tokens:,} tokens"
+               if chunk.hybrid else "")
+            + f"; DRAM {base.dram_tokens:,} tokens, SSD {base.ssd_tokens:,} tokens\n"
+            f"time: GPU {base.bandwidth.gpu_gbps:g} / SSD {base.bandwidth.disk_gbps_per_drive:g} x "
+            f"{base.bandwidth.drives} / DRAM {base.bandwidth.dram_gbps:g} GB/s, {exp.settings.loading} loading, "
+            f"{exp.settings.inflight} in flight, prefill {exp.settings.prefill_tps:,.0f} tokens/s")
+
+
+def _report_plot(draw, path: str, command: str) -> None:
+    try:
+        draw()
+        print(f"wrote {path}")
+    except PlotUnavailable as exc:
+        print(f"saria {command}: --plot {path} skipped: {exc}", file=sys.stderr)
+
+
+def _queueing_note(exp: Experiment, runs) -> None:
+    """Recorded arrivals that the modeled server cannot keep up with: say so."""
+    if exp.schedule(None).mode != "recorded" or exp.trace.span_s <= 0:
+        return
+    worst = max(runs, key=lambda run: run.duration_s)
+    if worst.duration_s > 1.5 * exp.trace.span_s:
+        print(f"note: the modeled server cannot keep up with the recorded arrivals ({worst.name} needs "
+              f"{worst.duration_s:,.0f} s for a {exp.trace.span_s:,.0f} s trace), so TTFT is mostly queueing; "
+              f"raise --prefill-tps or --inflight, or use --arrivals rewindow", file=sys.stderr)
+
+
+# ============================================================================================ replay
+def _cmd_replay(args: argparse.Namespace) -> int:
+    specs = [parse_policy(p) for p in (args.policy or DEFAULT_POLICIES)]
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"a policy is listed twice: {labels}")
+    exp = _experiment(args, auto=args.write_budget == "auto")
+    configs = [exp.config_for(spec) for spec in specs]
+    if args.write_budget == "auto" and not any(c.write_budget.auto for c in configs):
+        raise ValueError("--write-budget auto: none of the policies has eviction-based admission to govern "
+                         "(saria, zero-promotion, full-promotion do)")
+    print(_describe(exp))
+    results, runs = exp.run([Point(spec.label, config) for spec, config in zip(specs, configs)])
+    print(format_table(results))
+    for run in runs:
+        if run.governor_history is not None:
+            thetas = [theta for _, theta in run.governor_history]
+            print(f"governor {run.name}: theta_E {thetas[0]:g} -> {thetas[-1]:.2f}, time-weighted mean "
+                  f"{run.governor_mean_theta:.2f}, range {min(thetas):.2f}-{max(thetas):.2f}, "
+                  f"{len(thetas) - 1} changes over {run.duration_s / 3600:,.1f} h")
+    _queueing_note(exp, runs)
+    if args.json:
+        write_json(args.json, args.trace, exp.config_dict(runs), results)
+        print(f"wrote {args.json}")
+    if args.csv:
+        write_csv(args.csv, results)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        _report_plot(lambda: plot_results(args.plot, results, f"{args.trace}: {exp.base.model}"), args.plot, "replay")
+    return 0
+
+
+# ============================================================================================= sweep
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from saria.replay.sweep import SweepGrid, run_sweep
+
+    base = parse_policy(args.policy)
+    grid = SweepGrid(args.theta_e or (), args.theta_r or (), args.r or (), args.windows or ())
+    if not any((grid.theta_E, grid.theta_R, grid.r, grid.window_hours)):
+        raise ValueError("nothing to sweep: give --theta-e, --theta-r, --r and/or --windows")
+    references = [parse_policy(p) for p in (args.reference or ["full-duplicate"]) if p != "none"]
+    exp = _experiment(args)
+    print(_describe(exp))
+    rows = run_sweep(exp, base, grid, references)
+    print(format_table(rows))
+    if args.csv:
+        write_csv(args.csv, rows)
+        print(f"wrote {args.csv}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"trace": args.trace, "config": exp.config_dict([]), "rows": rows},
+                                              indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        _report_plot(lambda: plot_tradeoffs(args.plot, rows, f"{args.trace}: {exp.base.model} sweep"), args.plot,
+                     "sweep")
+    return 0
+
+
+# ============================================================================================== tune
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from saria.replay.tune import DEFAULT_THETA_E, DEFAULT_THETA_R, tune
+
+    base = parse_policy(args.policy)
+    exp = _experiment(args)
+    print(_describe(exp))
+    budget = exp.base.write_budget
+    print(f"budget: {budget.dwpd:g} DWPD on {budget.capacity_bytes / 1e12:,.3f} TB = "
+          f"{budget.dwpd * budget.capacity_bytes / 86_400 / 1e6:,.1f} MB/s over the replayed duration")
+    result = tune(exp, base, theta_E=args.theta_e or DEFAULT_THETA_E, theta_R=args.theta_r or DEFAULT_THETA_R,
+                  objective=args.objective)
+    print(f"{'theta_E':>7} {'theta_R':>7} {'writes GiB':>11} {'budget':>7} {'CHAR':>7} {'P25 bad':>7} "
+          f"{'TTFT ms':>9}  fits")
+    for row in result.rows:
+        print(f"{row['theta_E']:>7} {row['theta_R']:>7} {row['ssd_write_bytes'] / 2**30:>11,.1f} "
+              f"{row['write_budget_ratio']:>7.3f} {_pct(row['char_mean']):>7} {_pct(row['char_p25_bad']):>7} "
+              f"{row['ttft_ms_mean']:>9,.1f}  {'yes' if row['feasible'] else 'no'}")
+    best = result.best
+    print(f"best within budget: theta_E={best['theta_E']} theta_R={best['theta_R']}: CHAR {_pct(best['char_mean'])} "
+          f"(P25 bad {_pct(best['char_p25_bad'])}), {best['write_budget_ratio']:.3f} of the budget")
+    print(f"use: --policy {result.spec}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"trace": args.trace, "config": exp.config_dict([]),
+                                               "best": best, "spec": result.spec, "probes": result.rows},
+                                              indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    if args.csv:
+        write_csv(args.csv, result.rows)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def _pct(value) -> str:
+    return "-" if value is None or value != value else f"{value:.1%}"
+
+
+# ============================================================================================= synth
+def _cmd_synth(args: argparse.Namespace) -> int:
+    stats = SessionStats(**{f.name: getattr(args, f.name) for f in fields(SessionStats)})
+    trace = synthesize(stats)
+    with open(args.out, "w") as f:
+        for r in trace.requests:
+            f.write(json.dumps({"timestamp": round(r.arrival_s * 1000.0, 3), "session_id": r.session,
+                                "input_length": r.input_tokens, "output_length": r.output_tokens,
+                                "hash_ids": list(r.blocks)}) + "\n")
+    sessions = len({r.session for r in trace.requests})
+    mean = sum(r.input_tokens for r in trace.requests) / len(trace.requests)
+    print(f"wrote {args.out}: {len(trace.requests):,} requests in {sessions} sessions "
+          f"({len(trace.requests) / sessions:.1f} per session), mean prompt {mean:,.0f} tokens, "
+          f"{stats.block_tokens}-token blocks")
+    return 0
+
+
+# ========================================================================================== register
+def add_commands(sub) -> None:
+    """Add replay, sweep, tune and synth to the ``saria`` command's subparsers."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    policies = ", ".join(POLICY_PRESETS)
+    p = sub.add_parser(
+        "replay", help="replay a trace through the control plane under several policies, side by side",
+        description="Replay a request trace through saria's control plane (a real ControlPlane per policy) on a "
+                    "logical clock, modelling transfers from the bandwidths and prefill at --prefill-tps, and "
+                    "print SSD writes and reads, CHAR (cache hit achievement rate, mean and P25 bad), hit "
+                    "ratio, transfer time and TTFT per policy. Policies: " + policies + "; override fields as "
+                    "NAME:key=value,... (e.g. saria:theta_E=3,theta_R=none, full-duplicate:r=0.5), and "
+                    "write_budget=auto runs the endurance governor for that policy.")
+    _add_common(p)
+    p.add_argument("--policy", action="append", metavar="NAME",
+                   help=f"a policy to replay (repeat for several; default: {', '.join(DEFAULT_POLICIES)})")
+    p.add_argument("--write-budget", choices=("off", "auto"), default="off",
+                   help="auto: the endurance governor moves theta_E online to hold writes at --dwpd on "
+                        "--ssd-capacity, for every policy with eviction-based admission")
+    p.add_argument("--json", metavar="PATH", help="write {trace, config, results} as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write one CSV row per policy")
+    p.add_argument("--plot", metavar="PATH", help="draw the comparison (PNG; needs matplotlib: saria[plot])")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser(
+        "sweep", help="sweep theta_E / theta_R / r / session-start window: the write / CHAR / TTFT trade-off",
+        description="Replay one policy over the product of the given threshold, promotion-ratio and window "
+                    "lists (plus reference policies), print and write the results, and plot normalized SSD writes "
+                    "against CHAR P25 bad and TTFT (paper Figures 10, 11, 13).")
+    _add_common(p)
+    p.add_argument("--policy", default="saria", metavar="NAME", help="the policy swept (default saria)")
+    p.add_argument("--theta-e", type=_list(int), metavar="LIST", help="theta_E values, e.g. 1,2,3,4,6 (none: off)")
+    p.add_argument("--theta-r", type=_list(int), metavar="LIST", help="theta_R values, e.g. 4,8,16,none")
+    p.add_argument("--r", type=_list(float), metavar="LIST", help="promotion ratios, e.g. 0,0.5,1 (none: r*)")
+    p.add_argument("--windows", type=_list(float), metavar="HOURS",
+                   help="session-start windows in hours, e.g. 0.1667,0.3333,0.5,0.6667 (needs re-windowed arrivals)")
+    p.add_argument("--reference", action="append", metavar="NAME",
+                   help="reference policies replayed alongside (default full-duplicate; none for no reference)")
+    p.add_argument("--csv", metavar="PATH", help="write one CSV row per replay")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--plot", metavar="PATH", help="draw the trade-off plot (PNG; needs matplotlib: saria[plot])")
+    p.set_defaults(func=_cmd_sweep)
+
+    p = sub.add_parser(
+        "tune", help="the theta_E / theta_R that meet an SSD write budget with the best CHAR",
+        description="Search admission thresholds for the best CHAR whose SSD writes stay within --dwpd drive "
+                    "writes per day of --ssd-capacity over the replayed duration (binary search over theta_E "
+                    "for each theta_R, each probe a replay).")
+    _add_common(p, budget_required=True)
+    p.add_argument("--policy", default="saria", metavar="NAME", help="the policy tuned (default saria)")
+    p.add_argument("--theta-e", type=_list(int), metavar="LIST",
+                   help="theta_E ladder, ascending (default 1,2,3,4,5,6,8,10,12,16,none)")
+    p.add_argument("--theta-r", type=_list(int), metavar="LIST", help="theta_R candidates (default none,4,8,16,32)")
+    p.add_argument("--objective", choices=("char_mean", "char_p25_bad"), default="char_mean",
+                   help="what 'best' maximizes (default char_mean)")
+    p.add_argument("--json", metavar="PATH", help="write the probes and the answer as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write one CSV row per probe")
+    p.set_defaults(func=_cmd_tune)
+
+    p = sub.add_parser(
+        "synth", help="write a synthetic agent-session trace (paper §5.1 TraceLab statistics) as Mooncake JSONL",
+        description="Generate agent sessions (defaults: the paper's 350 TraceLab sessions, 18.4 requests per "
+                    "session, 83.7K prompt tokens per request, 112.1 s mean gap) and write them in the Mooncake "
+                    "format with session ids. `saria replay synth:key=value,...` replays one without a file.",
+        formatter_class=fmt)
+    p.add_argument("out", metavar="OUT", help="the JSONL file to write")
+    for f in fields(SessionStats):
+        kind = int if f.type in ("int", int) else float
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default)
+    p.set_defaults(func=_cmd_synth)

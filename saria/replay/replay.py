@@ -1,0 +1,226 @@
+"""The discrete-event replay: a trace's requests through a real :class:`~saria.control.ControlPlane`.
+
+Per request, on the logical clock (seconds):
+
+1. it arrives (``Schedule``: recorded, or a session's successor ``gap`` after its predecessor
+   completed) and waits in a FIFO queue for one of ``inflight`` slots;
+2. on getting one, ``plan(chunks, now)`` gives its reusable prefix; the plan's load
+   (:func:`~saria.replay.timing.transfer_seconds`) waits for the shared GPU ingress (one plan loads
+   at a time, FIFO), then prefill computes the tokens not reloaded at ``prefill_tps`` on the GPU
+   (one prefill at a time, FIFO, overlapping other requests' loads);
+3. at the end of prefill (its first token: TTFT = queueing + transfer + prefill)
+   ``commit_prefill``; the orders it returns run on their own FIFO lanes (stores and promotions
+   GPU->DRAM at ``B_DRAM``, SSD writes at the drives' write bandwidth) and are completed
+   (``complete``) when they end, so DRAM slots held for writes, promotions not yet readable and
+   writes not yet persisted are what the control plane really sees at each moment.
+
+Alongside, an unlimited-capacity cache (the set of every chunk committed so far) gives each
+request's achievable hits for CHAR: the longest prefix of its chunks already computed when it is
+planned (for a hybrid model cut back to a checkpoint boundary, as the planner cuts real plans).
+
+Events at the same moment run completions first, then commits (freeing slots), then arrivals.
+Deterministic: same inputs, same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
+
+from saria.config import SariaConfig
+from saria.control import ControlPlane, Counters, DropOrder, WriteOrder
+from saria.replay.arrivals import Schedule
+from saria.replay.timing import GB, LOADING_MODES, transfer_seconds
+from saria.replay.traces import Trace
+
+__all__ = ["PolicyRun", "ReplaySettings", "replay"]
+
+_COMPLETE, _COMMIT, _ARRIVE = 0, 1, 2  # same-time order
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """How the replay models the server: ``inflight`` requests at once (loading or computing),
+    ``prefill_tps`` computed prompt tokens per second, the ``loading`` mode of plans that do not ask
+    for serial loading, and the SSD write bandwidth per drive (``None``: the read bandwidth).
+    ``truncate_hours`` (the paper truncates at 24 h): requests arriving that long after the first
+    one are not replayed (nor the rest of their sessions), and the write budget covers exactly that
+    long; ``None``: everything is replayed and the budget covers first arrival to last event."""
+
+    inflight: int = 4
+    prefill_tps: float = 6500.0
+    loading: str = "coordinated"
+    disk_write_gbps: float | None = None
+    truncate_hours: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) or self.inflight < 1:
+            raise ValueError(f"--inflight must be an integer >= 1, got {self.inflight!r}")
+        if not (isinstance(self.prefill_tps, (int, float)) and math.isfinite(self.prefill_tps)
+                and self.prefill_tps > 0):
+            raise ValueError(f"--prefill-tps must be > 0, got {self.prefill_tps!r}")
+        if self.loading not in LOADING_MODES:
+            raise ValueError(f"--loading must be one of {', '.join(LOADING_MODES)}, got {self.loading!r}")
+        if self.disk_write_gbps is not None and not (math.isfinite(self.disk_write_gbps)
+                                                     and self.disk_write_gbps > 0):
+            raise ValueError(f"--b-disk-write must be > 0, got {self.disk_write_gbps!r}")
+        if self.truncate_hours is not None and not (math.isfinite(self.truncate_hours) and self.truncate_hours > 0):
+            raise ValueError(f"--truncate-hours must be > 0, got {self.truncate_hours!r}")
+
+
+@dataclass
+class PolicyRun:
+    """What one policy's replay produced. Per-request lists are indexed like ``trace.requests``:
+    ``arrival_s`` on the replay clock, ``transfer_s`` (NaN for a request that reloaded nothing),
+    ``ttft_s`` (arrival to the end of prefill), plan hits and achievable hits in chunks (NaN / 0
+    for requests cut by truncation). ``budget_s``: the time the write budget covers; ``truncated``:
+    requests not replayed."""
+
+    name: str
+    config: SariaConfig
+    counters: Counters
+    arrival_s: list[float]
+    transfer_s: list[float]
+    ttft_s: list[float]
+    hit_chunks: list[int]
+    achievable_chunks: list[int]
+    start_s: float
+    end_s: float
+    budget_s: float
+    truncated: int = 0
+    governor_history: list[tuple[float, float]] | None = None
+    audit: list[str] | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def governor_mean_theta(self) -> float | None:
+        """The governor's theta_E averaged over time, or None without a governor."""
+        history = self.governor_history
+        if not history:
+            return None
+        ends = [t for t, _ in history[1:]] + [self.end_s]
+        span = self.end_s - history[0][0]
+        if span <= 0:
+            return history[-1][1]
+        return sum(theta * (end - t) for (t, theta), end in zip(history, ends)) / span
+
+
+def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
+           config: SariaConfig, settings: ReplaySettings = ReplaySettings(),
+           progress: Callable[[int], None] | None = None, audit: bool = False) -> PolicyRun:
+    """Replay ``trace`` (``chunks[i]``: request i's chunk hashes) on ``schedule`` through a fresh
+    control plane built from ``config``. ``progress(n)`` is called as requests complete; ``audit``
+    checks the control plane's invariants at the end (``PolicyRun.audit``, O(chunks))."""
+    cp = ControlPlane(config)
+    plan_request, commit, complete = cp.plan, cp.commit_prefill, cp.complete
+    requests = trace.requests
+    sessions = schedule.sessions
+    n = len(requests)
+    bw = config.bandwidth
+    mode = settings.loading
+    tps = settings.prefill_tps
+    offload_rate = bw.dram_gbps * GB
+    write_rate = (settings.disk_write_gbps or bw.disk_gbps_per_drive) * bw.drives * GB
+    every = config.chunk.checkpoint_chunks if config.chunk.hybrid else 1
+
+    arrival = [math.nan] * n
+    transfer = [math.nan] * n
+    ttft = [math.nan] * n
+    hits = [0] * n
+    achievable = [0] * n
+    seen: set = set()  # the unlimited-capacity cache: every chunk committed so far
+
+    events: list[tuple] = []
+    seq = 0
+    for index, session in enumerate(sessions):
+        events.append((session.start_s, _ARRIVE, seq, index, 0))
+        seq += 1
+    heapq.heapify(events)
+    push, pop = heapq.heappush, heapq.heappop
+    start = min((s.start_s for s in sessions), default=0.0)
+    horizon = math.inf if settings.truncate_hours is None else start + settings.truncate_hours * 3600.0
+    truncated = 0
+    waiting: deque = deque()
+    free = settings.inflight
+    ingress_free = compute_free = offload_free = write_free = -math.inf
+    done = 0
+    now = start
+
+    while events:
+        now, kind, _, a, b = pop(events)
+        if kind == _COMPLETE:
+            complete(a, True, now)  # returns only drops: nothing to schedule
+            continue
+        if kind == _COMMIT:
+            request_index, plan = a
+            keys = chunks[request_index]
+            orders = commit(keys, now, plan=plan)
+            for order in orders:
+                kind_ = type(order)
+                if kind_ is DropOrder:
+                    continue
+                if kind_ is WriteOrder:
+                    write_free = max(now, write_free) + order.nbytes / write_rate
+                    end = write_free
+                else:  # StoreOrder, PromoteOrder: GPU -> DRAM
+                    offload_free = max(now, offload_free) + order.nbytes / offload_rate
+                    end = offload_free
+                push(events, (end, _COMPLETE, seq, order.order_id, None))
+                seq += 1
+            seen.update(keys)
+            free += 1
+            session_index, position = b
+            session = sessions[session_index]
+            if position + 1 < len(session.requests):
+                push(events, (now + session.gaps_s[position], _ARRIVE, seq, session_index, position + 1))
+                seq += 1
+            done += 1
+            if progress is not None and not done & 255:
+                progress(256)
+        elif now >= horizon:  # an arrival past the truncation: it and the rest of its session are cut
+            cut = len(sessions[a].requests) - b
+            truncated += cut
+            if progress is not None:
+                progress(cut)
+        else:
+            waiting.append((now, a, b))
+        while free and waiting:
+            arrived, session_index, position = waiting.popleft()
+            free -= 1
+            request_index = sessions[session_index].requests[position]
+            arrival[request_index] = arrived
+            keys = chunks[request_index]
+            plan = plan_request(keys, now)
+            # Achievable with unlimited capacity: the committed prefix (the seen set is prefix-closed).
+            lo, hi = 0, len(keys)
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if keys[mid - 1] in seen:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            achievable[request_index] = lo - lo % every
+            hits[request_index] = plan.num_chunks
+            if plan.num_chunks:
+                seconds = transfer_seconds(plan.dram_bytes, plan.ssd_bytes, bw, "serial" if plan.serial else mode)
+                loaded = max(now, ingress_free) + seconds
+                ingress_free = loaded
+                transfer[request_index] = seconds
+            else:
+                loaded = now
+            compute_free = max(loaded, compute_free) + max(0, requests[request_index].input_tokens - plan.tokens) / tps
+            ttft[request_index] = compute_free - arrived
+            push(events, (compute_free, _COMMIT, seq, (request_index, plan), (session_index, position)))
+            seq += 1
+    if progress is not None and done & 255:
+        progress(done & 255)
+    governor = cp.governor
+    budget_s = now - start if settings.truncate_hours is None else settings.truncate_hours * 3600.0
+    return PolicyRun(name, config, cp.counters(), arrival, transfer, ttft, hits, achievable, start, now, budget_s,
+                     truncated, None if governor is None else list(governor.history), cp.audit() if audit else None)
