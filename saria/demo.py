@@ -107,6 +107,10 @@ def main(args: argparse.Namespace) -> int:
         "ttft_ms_saria": [round(t["ttft_s"] * 1e3, 1) for t in turns],
         "ttft_ms_recompute": [round(t["ttft_s"] * 1e3, 1) for t in base],
     }
+    print(f"\n{'turn':>4} {'prompt':>7} {'reused':>7} {'DRAM':>6} {'SSD':>6} {'TTFT saria':>11} {'TTFT recompute':>15}")
+    for i, (t, b) in enumerate(zip(turns, base), 1):
+        print(f"{i:>4} {t['prompt_tokens']:>7} {t['cached_tokens']:>7} {t['dram_tokens']:>6} {t['ssd_tokens']:>6} "
+              f"{t['ttft_s'] * 1e3:>8.1f} ms {b['ttft_s'] * 1e3:>12.1f} ms")
     print(f"\nreused {hit} of {result['prompt_tokens']} prompt tokens: {result['dram_hit_tokens']} from DRAM, "
           f"{result['ssd_hit_tokens']} from SSD")
     print(f"SSD writes: saria {control['ssd_bytes_written'] / 2**20:.2f} MiB ({control['ssd_writes']} objects: "
