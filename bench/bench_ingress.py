@@ -182,7 +182,7 @@ def plot(png, runs, device_label):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"(no PNG: matplotlib is not installed; pip install 'saria[plot]')")
+        print("(no PNG: matplotlib is not installed; pip install 'saria[plot]')")
         return
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), sharex=True)
     for ax, (name, (seconds, timeline)) in zip(axes, runs.items()):

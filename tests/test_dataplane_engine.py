@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from kernel_cases import DEVICE, fresh_like, gdn_pages, vllm_layers
+from kernel_cases import fresh_like, gdn_pages, vllm_layers
 from saria.cache import TieredCache
 from saria.config import Capacity, ChunkSpec, SariaConfig
-from saria.control import DropOrder, ObjectKey, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
+from saria.control import DropOrder, ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, object_key
 from saria.dataplane.ssd_format import Geometry
 from saria.kernels import PageTable
