@@ -145,6 +145,29 @@ def test_reuse_restarts_the_window():
     assert cp.chunk_info("k") is None
 
 
+def test_window_queue_stays_bounded_and_exact_under_many_touches():
+    """Every touch appends a window-queue entry; stale ones are compacted away, and the window still
+    runs from each chunk's last touch."""
+    cp = ControlPlane(config("dram-only", dram_chunks=4, metadata_window_s=100.0))
+    for i in range(3000):  # two chunks touched 3,000 times each: 6,000 entries for 2 nodes
+        request(cp, ["a", "b"], i * 0.01)
+        assert cp.audit() == [] if i % 500 == 0 else True
+    request(cp, ["c"], 29.995)
+    queue = cp._tree._queue
+    assert len(queue) <= 4 * len(cp._tree) + 4096 + 3
+    assert cp.audit() == []
+    request(cp, ["x"], 60.0)  # DRAM full: a, b, c, x
+    request(cp, ["y"], 61.0)  # evicts a: nothing of a resident from 61 on
+    request(cp, ["z"], 62.0)  # evicts b
+    tick(cp, 161.0)  # a whole window since a lost its copy, but b (its child) holds it
+    assert cp.chunk_info("a") is not None and cp.chunk_info("b") is not None
+    tick(cp, 161.5)
+    assert cp.chunk_info("b") is not None
+    tick(cp, 162.0)  # b's window: b goes, and takes its parent along
+    assert cp.chunk_info("b") is None and cp.chunk_info("a") is None
+    assert cp.chunk_info("c").kv.dram == "ready"  # past its window but resident: kept
+    assert cp.audit() == []
+
 def test_hit_bytes_count_every_object_read():
     cp = ControlPlane(config(dram_chunks=64, chunk=HYBRID))
     request(cp, chain("h", 4), 0.0)

@@ -28,6 +28,7 @@ def audit(cp: ControlPlane) -> list[str]:
         for obj in flight.objects:
             in_flight.setdefault(id(obj), []).append(type(flight.order).__name__)
     used = {DRAM: 0, SSD: 0}
+    queued = tree.queue_entries()
     children: dict[int, int] = {}
     for key, node in tree.nodes.items():
         if node.key != key:
@@ -36,8 +37,9 @@ def audit(cp: ControlPlane) -> list[str]:
             if tree.nodes.get(node.parent.key) is not node.parent:
                 problems.append(f"{node!r}: parent {node.parent!r} is not in the tree")
             children[id(node.parent)] = children.get(id(node.parent), 0) + 1
-        if not tree.is_tracked(node):
-            problems.append(f"{node!r}: neither awake nor dormant (or both)")
+        entries = queued.pop(id(node), 0)
+        if node.queued != entries:
+            problems.append(f"{node!r}: counts {node.queued} window-queue entries, the queue holds {entries}")
         if (node.state is not None) != (tree.is_boundary(node.depth) and cp.config.chunk.hybrid):
             problems.append(f"{node!r}: state object presence does not match the checkpoint boundaries")
         for obj in node.objects:
@@ -68,6 +70,8 @@ def audit(cp: ControlPlane) -> list[str]:
             problems.append(f"{node!r}: child count {node.children}, actual {children.get(id(node), 0)}")
         if node.dormant and node.children == 0 and node.holds_nothing():
             problems.append(f"{node!r}: dormant and idle but not reclaimed")
+    if queued:
+        problems.append(f"window queue: {sum(queued.values())} entries of {len(queued)} nodes not in the tree")
     for tier in (tiers.dram, tiers.ssd):
         if tier.used != used[tier.tier]:
             problems.append(f"{tier.tier}: used {tier.used} bytes, copies hold {used[tier.tier]}")

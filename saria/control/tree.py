@@ -12,13 +12,20 @@ and it has no children. ``quiet_since`` is the later of its last reuse and the m
 copy went; the window queue keeps awake nodes in that order. A node whose window passes while it
 still holds something is parked ("dormant") until its last copy goes, which wakes it for one more
 window; one parked only for its children goes with its last child. Touching a node wakes it.
+
+The window queue is a deque with lazy deletion: touching a node appends it again (no search, no
+hash table of every node to keep in order) and counts its entries in ``node.queued``; an entry is
+the node's current one when it is its last (``queued`` falls to 1 as older ones leave), and
+older entries are dropped when they reach the head. Current entries are in ``quiet_since`` order,
+the order an ordered set moved-to-end on every touch would keep. A node is dormant exactly when
+it has no entry (``queued == 0``). The queue is compacted when it holds more than a few entries
+per node, so stale entries cost a bounded few bytes per node and amortised O(1) time per touch.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from itertools import repeat
+from collections import deque
 from typing import Hashable, Sequence
 
 from saria.config import ChunkSpec
@@ -31,6 +38,11 @@ FILLING = 1   # slot reserved, an order is filling it; not readable
 READY = 2     # readable; in the tier's LRU unless pinned by a plan
 DRAINING = 3  # DRAM only: evicted, slot held while its SSD write is in flight or a plan pins it; readable
 BAD = 4       # SSD only: a read failed; slot held until no plan pins it; not readable
+
+# The window queue is compacted when it holds more than _COMPACT_FACTOR entries per node (plus
+# _COMPACT_SLACK): 8 bytes an entry, against some 300 bytes a node takes anyway.
+_COMPACT_FACTOR = 4
+_COMPACT_SLACK = 4096
 
 STATUS_NAMES = {ABSENT: "absent", FILLING: "filling", READY: "ready", DRAINING: "draining", BAD: "bad"}
 
@@ -84,7 +96,7 @@ class Node(CacheObject):
     objects for the allocator and the garbage collector). ``state`` is the separate state object
     on checkpoint boundaries of hybrid models."""
 
-    __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "dormant",
+    __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "queued",
                  "quiet_since")
 
     def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int) -> None:
@@ -106,8 +118,13 @@ class Node(CacheObject):
         self.depth = 0 if parent is None else parent.depth + 1
         self.children = 0
         self.state: CacheObject | None = None
-        self.dormant = False
+        self.queued = 1  # entries in the window queue (extend() appends the first); 0: dormant
         self.quiet_since = now  # last reuse, recomputation or loss of its last copy
+
+    @property
+    def dormant(self) -> bool:
+        """Parked: a whole window passed while it still held something (or had children)."""
+        return self.queued == 0
 
     @property
     def kv(self) -> Node:
@@ -134,7 +151,8 @@ class ContextTree:
 
     def __init__(self, chunk: ChunkSpec, window_s: float, unified_metadata: bool, counters: Counters) -> None:
         self.nodes: dict[Hashable, Node] = {}
-        self._recent: OrderedDict[Node, None] = OrderedDict()  # awake nodes, least recently touched first
+        # Awake nodes, least recently touched first, with stale entries (see the module docstring).
+        self._queue: deque[Node] = deque()
         self._window = window_s
         self._kv_bytes = chunk.kv_bytes
         self._state_bytes = chunk.state_bytes
@@ -215,59 +233,69 @@ class ContextTree:
         for node in made[:-1]:  # each new node's only child is the next one of the chain
             node.children = 1
         self.nodes.update(zip(keys, made))
-        self._recent.update(zip(made, repeat(None)))
+        self._queue += made  # Node() counted the entry: queued = 1
         self.generation += 1
         self._counters.nodes_created += len(made)
         return made
 
     def reuse(self, nodes: list[Node], now: float) -> None:
         """These known chunks were referenced again (reused or recomputed) now: R_b goes up and
-        their metadata window restarts."""
-        recent = self._recent
-        move_to_end = recent.move_to_end
+        their metadata window restarts (a parked node wakes)."""
         for node in nodes:
             node.R_b += 1
             node.last_reuse = node.quiet_since = now
-            if node.dormant:
-                node.dormant = False
-                recent[node] = None
-            else:
-                move_to_end(node)
+            node.queued += 1
+        self._queue += nodes
 
     def expire(self, now: float) -> None:
         """Reclaim or park every node quiet for a whole window (``quiet_since <= now - window``)."""
+        queue = self._queue
+        if len(queue) > _COMPACT_FACTOR * len(self.nodes) + _COMPACT_SLACK:
+            self._compact()
         if now < self._expiry_floor:
             return
-        recent = self._recent
         cutoff = now - self._window
-        while recent:
-            node = next(iter(recent))
+        popleft = queue.popleft
+        while queue:
+            node = queue[0]
+            if node.queued > 1:  # a stale entry: the node was touched again since
+                node.queued -= 1
+                popleft()
+                continue
             if node.quiet_since > cutoff:
-                # Nodes only move to the end, with later times: a lower bound until then.
+                # Current entries are in quiet_since order: a lower bound until then.
                 self._expiry_floor = node.quiet_since + self._window
                 return
-            del recent[node]
-            node.dormant = True
+            popleft()
+            node.queued = 0  # parked
             self.reclaim_if_idle(node)
         self._expiry_floor = now + self._window
+
+    def _compact(self) -> None:
+        """Drop every stale entry of the window queue, keeping current ones in order."""
+        kept = []
+        append = kept.append
+        for node in self._queue:
+            node.queued -= 1
+            if node.queued == 0:  # its last entry
+                append(node)
+        for node in kept:
+            node.queued = 1
+        self._queue = deque(kept)
 
     def went_idle(self, node: Node) -> None:
         """``node``'s last copy is gone (now = ``clock``): its window restarts, a parked node wakes."""
         node.quiet_since = self.clock
-        if node.dormant:
-            node.dormant = False
-            self._recent[node] = None
-        else:
-            self._recent.move_to_end(node)
+        node.queued += 1
+        self._queue.append(node)
 
     def reclaim_if_idle(self, node: Node) -> None:
         """Reclaim ``node`` if it is parked, childless and holds nothing; then its parent likewise.
         (A parked node that holds nothing was parked for its children after a quiet window.)"""
-        while node is not None and node.dormant and node.children == 0 and node.holds_nothing():
+        while node is not None and node.queued == 0 and node.children == 0 and node.holds_nothing():
             del self.nodes[node.key]
             self.generation += 1
             self._counters.nodes_reclaimed += 1
-            node.dormant = False
             self._reclaimed.append(node)
             node = node.parent
             if node is not None:
@@ -285,6 +313,9 @@ class ContextTree:
                 node.state = None
         self._reclaimed.clear()
 
-    def is_tracked(self, node: Node) -> bool:
-        """Whether ``node`` is either awake (in the window queue) or dormant, exactly one (audits)."""
-        return (node in self._recent) != node.dormant
+    def queue_entries(self) -> dict[int, int]:
+        """Window-queue entries per node (``id(node)``), counted from scratch (audits)."""
+        counts: dict[int, int] = {}
+        for node in self._queue:
+            counts[id(node)] = counts.get(id(node), 0) + 1
+        return counts
