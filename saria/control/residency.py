@@ -120,8 +120,10 @@ class Residency:
         self.dram.used -= obj.nbytes
         obj.dram = ABSENT
         batch.dram_drops.append(obj)
-        if ssd == ABSENT and obj.node.holds_nothing():
-            self._tree.went_idle(obj.node)
+        if ssd == ABSENT:
+            node = obj.node
+            if node.state is None or node.holds_nothing():  # no state: obj is the kv object, now gone
+                self._tree.went_idle(node)
 
     def frees_on_eviction(self, obj: CacheObject) -> bool:
         """Whether evicting ``obj`` now gives its slot back at once (no write would hold it)."""
@@ -155,8 +157,13 @@ class Residency:
     def dram_filled(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
         """A store or promotion into these objects' DRAM slots ended; ``failing`` ones failed."""
         lru = self.dram.lru
+        if not failing:  # the common case
+            for obj in objs:
+                obj.dram = READY
+                lru[obj] = None
+            return
         for obj in objs:
-            if failing and obj in failing:
+            if obj in failing:
                 self.drop_dram(obj, batch)
             else:
                 obj.dram = READY
