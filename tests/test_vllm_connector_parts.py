@@ -54,6 +54,8 @@ def test_defaults_and_sizes():
     ({"coordinator": "eager"}, "coordinated, overlap or serial"),
     ({"theta_E": 0}, "theta_E"),
     ({"chunk_tokens": 0}, "chunk_tokens"),
+    ({"checkpoint_tokens": 0}, "checkpoint_tokens must be a positive int"),
+    ({"checkpoint_tokens": "16k"}, "checkpoint_tokens must be a positive int"),
     ({"on_load_failure": "ignore"}, "recompute or fail"),
     ({"durable": "yes"}, "true or false"),
 ])
@@ -65,6 +67,22 @@ def test_bad_options_are_refused_clearly(extra, match):
 def test_chunk_must_be_whole_blocks():
     with pytest.raises(ValueError, match="multiple of vLLM's block size"):
         ConnectorSettings.from_extra_config({"chunk_tokens": 100}).saria_config(block_size=32, kv_bytes_per_token=64)
+
+
+@pytest.mark.parametrize("block_size, expected", [(256, 16_384), (384, 16_512), (544, 16_320), (32_768, 32_768)])
+def test_default_checkpoints_fall_on_whole_chunks_of_any_hybrid_block_size(block_size, expected):
+    """vLLM picks a hybrid model's block size from its state size and the hardware (256 or 384
+    tokens for the test model on CPUs with and without AVX512-BF16): the default checkpoint
+    interval follows it, and an explicit one must fit it."""
+    settings = ConnectorSettings.from_extra_config({})
+    chunk = settings.chunk_tokens_for(block_size, hybrid=True)
+    assert settings.checkpoint_tokens_for(chunk) == expected
+    assert settings.saria_config(block_size=block_size, kv_bytes_per_token=64, state_bytes=4096).chunk.chunk_tokens == chunk
+    explicit = ConnectorSettings.from_extra_config({"checkpoint_tokens": 4 * block_size})
+    assert explicit.checkpoint_tokens_for(block_size) == 4 * block_size
+    with pytest.raises(ValueError, match=r"checkpoint_tokens \(16384\) must be a multiple of chunk_tokens \(384\)"):
+        ConnectorSettings.from_extra_config({"checkpoint_tokens": 16_384}).saria_config(
+            block_size=384, kv_bytes_per_token=64, state_bytes=4096)
 
 
 # --- geometry ------------------------------------------------------------------------------------

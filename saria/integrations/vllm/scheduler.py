@@ -64,6 +64,7 @@ class SariaScheduler:
         self.control = ControlPlane(self.config)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
+        self.checkpoint_tokens = settings.checkpoint_tokens_for(self.config.chunk.chunk_tokens)
         self.workers = workers
         self.clock = clock
         self._requests: dict[str, _Request] = {}
@@ -235,7 +236,7 @@ class SariaScheduler:
             last = state.request.num_prompt_tokens // chunk_tokens * chunk_tokens
             if end == 0 or end % chunk_tokens or end > last:
                 continue
-            if end != last and end % self.settings.checkpoint_tokens:
+            if end != last and end % self.checkpoint_tokens:
                 continue
             index = end // chunk_tokens - 1
             hashes = self.chunk_hashes(state.request, end)

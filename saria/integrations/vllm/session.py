@@ -141,6 +141,7 @@ class SessionResult:
     control: dict[str, Any] = field(default_factory=dict)  # saria's control-plane counters (in-process)
     worker: dict[str, Any] = field(default_factory=dict)  # saria's data-plane counters (in-process)
     seconds: float = 0.0
+    block_size: int = 0  # vLLM's KV block size in tokens (its own choice for hybrid models)
 
 
 def _connectors(llm: Any) -> tuple[Any | None, Any | None]:
@@ -204,7 +205,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
     scheduler_side, worker_side = _connectors(llm) if extra_config is not None else (None, None)
     scheduler = getattr(scheduler_side, "_scheduler", None)
-    result = SessionResult([])
+    result = SessionResult([], block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     start = time.perf_counter()
     for turn, prompt in enumerate(prompts):
         if turn in corrupt_before and extra_config is not None:

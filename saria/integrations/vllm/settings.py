@@ -14,7 +14,9 @@ key                           meaning (default)
 ``ssd_gb`` / ``ssd_bytes``    SSD tier size over all drives (64 GiB when ``ssd_paths`` is set)
 ``chunk_tokens``              tokens per cached chunk, a multiple of the block size (512; hybrid: one block)
 ``checkpoint_tokens``         hybrid models: tokens between kept GDN state checkpoints, besides the one at
-                              each prompt's last chunk boundary (16384)
+                              each prompt's last chunk boundary; a multiple of ``chunk_tokens``
+                              (16384 rounded to whole chunks: vLLM's hybrid block size depends on
+                              the model and the hardware, 256 or 384 tokens on CPUs, for example)
 ``b_gpu_gbps``,               bandwidth estimates for Eq. 4 pacing and r* (48, 20 per drive, 48)
 ``b_disk_gbps``,
 ``b_dram_gbps``
@@ -36,6 +38,7 @@ from typing import Any, Mapping
 from saria.config import POLICY_PRESETS, Bandwidths, Capacity, ChunkSpec, Policy, SariaConfig
 
 GiB = 1 << 30
+DEFAULT_CHECKPOINT_TOKENS = 16_384
 _POLICY_FIELDS = {f.name for f in dataclasses.fields(Policy)} - {"name"}
 _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", "chunk_tokens",
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
@@ -67,7 +70,7 @@ class ConnectorSettings:
     ssd_paths: tuple[str, ...] = ()
     ssd_bytes: int = 0
     chunk_tokens: int | None = None
-    checkpoint_tokens: int = 16_384
+    checkpoint_tokens: int | None = None  # None: DEFAULT_CHECKPOINT_TOKENS rounded to whole chunks
     bandwidth: Bandwidths = Bandwidths()
     coordinator: str = "coordinated"
     durable: bool = True
@@ -89,6 +92,10 @@ class ConnectorSettings:
         coordinator = extra.get("coordinator", "coordinated")
         if coordinator not in ("coordinated", "overlap", "serial"):
             raise ValueError(f"coordinator must be coordinated, overlap or serial, got {coordinator!r}")
+        checkpoint_tokens = extra.get("checkpoint_tokens")
+        if checkpoint_tokens is not None and (isinstance(checkpoint_tokens, bool)
+                                              or not isinstance(checkpoint_tokens, int) or checkpoint_tokens < 1):
+            raise ValueError(f"checkpoint_tokens must be a positive int, got {checkpoint_tokens!r}")
         chunk_tokens = extra.get("chunk_tokens")
         if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                          or chunk_tokens < 1):
@@ -111,7 +118,7 @@ class ConnectorSettings:
         Policy.preset(policy, **overrides)  # validates the overrides now, with the field's name in the error
         return cls(policy=policy, policy_overrides=overrides, dram_bytes=_size(extra, "dram", 8 * GiB),
                    ssd_paths=tuple(paths), ssd_bytes=_size(extra, "ssd", 64 * GiB if paths else 0),
-                   chunk_tokens=chunk_tokens, checkpoint_tokens=int(extra.get("checkpoint_tokens", 16_384)),
+                   chunk_tokens=chunk_tokens, checkpoint_tokens=checkpoint_tokens,
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
                    log_interval_s=float(log_interval), on_load_failure=on_load_failure)
 
@@ -121,10 +128,19 @@ class ConnectorSettings:
         chunk_tokens = self.chunk_tokens or (block_size if hybrid else max(1, round(512 / block_size)) * block_size)
         if chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block size ({block_size})")
-        if hybrid and self.checkpoint_tokens % chunk_tokens:
+        if hybrid:
+            self.checkpoint_tokens_for(chunk_tokens)
+        return chunk_tokens
+
+    def checkpoint_tokens_for(self, chunk_tokens: int) -> int:
+        """Tokens between kept GDN checkpoints: the option, which must be a multiple of
+        ``chunk_tokens``, else the default rounded to the nearest whole number of chunks (at least one)."""
+        if self.checkpoint_tokens is None:
+            return max(1, round(DEFAULT_CHECKPOINT_TOKENS / chunk_tokens)) * chunk_tokens
+        if self.checkpoint_tokens % chunk_tokens:
             raise ValueError(f"checkpoint_tokens ({self.checkpoint_tokens}) must be a multiple of chunk_tokens "
                              f"({chunk_tokens})")
-        return chunk_tokens
+        return self.checkpoint_tokens
 
     def saria_config(self, *, block_size: int, kv_bytes_per_token: int, state_bytes: int = 0) -> SariaConfig:
         """The control plane's configuration for an engine with these page geometries. For hybrid
