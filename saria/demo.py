@@ -6,8 +6,13 @@
 3. Run the turns through vLLM with saria: DRAM and SSD tiers in a temp dir, DRAM sized below the
    session's working set so some turns reload from SSD. Per turn: prompt tokens, tokens reused and
    from which tier, time to first token.
-4. Run the same turns through plain vLLM (no cache) and compare every output token and logprob.
-5. Replay the session's chunk sequence through the control plane under ``full-duplicate``: the
+4. Run the same turns through plain vLLM (no cache): the TTFT baseline, and outputs to compare.
+5. Run them once more through vLLM with its own prefix cache, primed before each turn with exactly
+   the prefix saria reused: the same split of reused and computed tokens, so every output token and
+   logprob must be bit-for-bit saria's. (Against full recomputation, tokens match but logprobs may
+   differ in their last bits: on some CPUs vLLM's attention rounds a prefill over cached context
+   differently from a full one, with its own prefix cache just the same.)
+6. Replay the session's chunk sequence through the control plane under ``full-duplicate``: the
    SSD bytes that write-everything caching would have written, next to saria's.
 """
 
@@ -33,6 +38,25 @@ def chunk_hashes(prompt: list[int], chunk_tokens: int) -> list[bytes]:
         h = hashlib.sha256(h + str(prompt[i * chunk_tokens:(i + 1) * chunk_tokens]).encode()).digest()
         out.append(h)
     return out
+
+
+def same_outputs(a: dict, b: dict) -> bool:
+    """Two runs of a turn produced the same tokens with bit-identical logprobs."""
+    return a["output_tokens"] == b["output_tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def logprob_gap(turns: list[dict], others: list[dict]) -> float | None:
+    """The largest logprob difference between two runs' turns; None if any output token differs."""
+    gap = 0.0
+    for a, b in zip(turns, others):
+        if a["output_tokens"] != b["output_tokens"]:
+            return None
+        gap = max([gap] + [abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])])
+    return gap
+
+
+def _gap_text(gap: float | None) -> str:
+    return "tokens differ" if gap is None else f"{gap:.3g}"
 
 
 def full_duplicate_writes(prompts: list[list[int]], dram_bytes: int, ssd_bytes: int) -> int:
@@ -80,18 +104,24 @@ def main(args: argparse.Namespace) -> int:
         config = {"chunk_tokens": CHUNK_TOKENS, "dram_bytes": dram_bytes, "ssd_paths": [str(tmp / "ssd")],
                   "ssd_bytes": ssd_bytes, "policy": args.policy, "log_interval_s": 0}
         spec = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens}
-        print(f"\n[1/2] vLLM + saria ({args.policy}): DRAM {dram_bytes >> 10} KiB ({args.dram_chunks} chunks of "
+        print(f"\n[1/3] vLLM + saria ({args.policy}): DRAM {dram_bytes >> 10} KiB ({args.dram_chunks} chunks of "
               f"{CHUNK_TOKENS} tokens), SSD in {tmp / 'ssd'}", flush=True)
         t0 = time.perf_counter()
         saria = run_in_subprocess(dict(spec, extra_config=config), echo="")
         print(f"      {time.perf_counter() - t0:.0f} s (engine start included)")
-        print("[2/2] the same turns through plain vLLM (recompute everything), to compare outputs", flush=True)
+        print("[2/3] the same turns through plain vLLM (recompute everything)", flush=True)
         t0 = time.perf_counter()
         plain = run_in_subprocess(spec)
         print(f"      {time.perf_counter() - t0:.0f} s")
+        print("[3/3] the same turns through vLLM's own prefix cache, holding just what saria reused", flush=True)
+        t0 = time.perf_counter()
+        same_split = run_in_subprocess(dict(spec, prefix_caching=True,
+                                            prime=[t["cached_tokens"] for t in saria["turns"]]))
+        print(f"      {time.perf_counter() - t0:.0f} s")
 
-    turns, base = saria["turns"], plain["turns"]
-    match = all(a["output_tokens"] == b["output_tokens"] and a["logprobs"] == b["logprobs"] for a, b in zip(turns, base))
+    turns, base, ref = saria["turns"], plain["turns"], same_split["turns"]
+    match = all(a["cached_tokens"] == b["cached_tokens"] and same_outputs(a, b) for a, b in zip(turns, ref))
+    recompute_tokens = all(a["output_tokens"] == b["output_tokens"] for a, b in zip(turns, base))
     control = saria["control"]
     duplicate = full_duplicate_writes(prompts, dram_bytes, ssd_bytes)
     hit = sum(t["cached_tokens"] for t in turns)
@@ -101,7 +131,11 @@ def main(args: argparse.Namespace) -> int:
         "dram_hit_tokens": sum(t["dram_tokens"] for t in turns),
         "ssd_hit_tokens": sum(t["ssd_tokens"] for t in turns),
         "ssd_write_bytes": control["ssd_bytes_written"],
-        "outputs_match_recompute": match,
+        "outputs_match_vllm_prefix_cache": match,
+        "outputs_match_recompute": all(same_outputs(a, b) for a, b in zip(turns, base)),
+        "tokens_match_recompute": recompute_tokens,
+        "max_logprob_diff_recompute": logprob_gap(turns, base),
+        "max_logprob_diff_vllm_cache_vs_recompute": logprob_gap(ref, base),
         "full_duplicate_write_bytes": duplicate,
         "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
         "ttft_ms_saria": [round(t["ttft_s"] * 1e3, 1) for t in turns],
@@ -116,7 +150,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"SSD writes: saria {control['ssd_bytes_written'] / 2**20:.2f} MiB ({control['ssd_writes']} objects: "
           f"{control['admissions_eviction']} at eviction, {control['admissions_reuse']} on reuse, "
           f"{control['admissions_prewrite']} prewritten) vs full-duplicate {duplicate / 2**20:.2f} MiB")
-    print(f"outputs identical to recomputation (every token and logprob): {match}")
+    print(f"outputs identical to vLLM reusing the same prefixes from its own cache (every token and logprob): "
+          f"{match}")
+    print(f"against full recomputation: output tokens identical: {recompute_tokens}; largest logprob difference "
+          f"{_gap_text(result['max_logprob_diff_recompute'])} (vLLM's own prefix cache: "
+          f"{_gap_text(result['max_logprob_diff_vllm_cache_vs_recompute'])})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

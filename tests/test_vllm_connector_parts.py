@@ -158,3 +158,14 @@ def test_summary_line_names_tiers_and_writes():
     line = summary_line(ControlPlane(SariaConfig()))
     for word in ("requests", "DRAM", "SSD", "admissions", "promotions"):
         assert word in line
+
+
+@pytest.mark.parametrize("kwargs", [{"prime": [0]}, {"prime": [0, 0], "prefix_caching": True},
+                                    {"prime": [0], "prefix_caching": True, "extra_config": {}}])
+def test_session_priming_is_refused_where_it_would_not_give_the_same_split(kwargs):
+    """``prime`` (the demo's bit-for-bit reference) needs vLLM's own prefix cache, no connector and
+    a count per prompt; anything else is refused before an engine starts."""
+    from saria.integrations.vllm.session import run_session
+
+    with pytest.raises(ValueError, match="prime needs prefix_caching"):
+        run_session("no-such-model", [[1, 2, 3]], **kwargs)

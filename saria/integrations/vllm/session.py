@@ -181,17 +181,24 @@ def corrupt_ssd(paths: list[str]) -> int:
 
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
                 block_size: int | None = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
-                prefix_caching: bool = False, reset_prefix_cache: bool = True, progress: bool = False
-                ) -> SessionResult:
+                prefix_caching: bool = False, reset_prefix_cache: bool = True, prime: list[int] | None = None,
+                progress: bool = False) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
     every turn (unless ``reset_prefix_cache`` is False: the reference a hybrid model's reloads must
     match, since a GDN state computed in other step splits differs in its last bits): either way
     every reused token is saria's. ``corrupt_before``: turns before which
-    every SSD object is corrupted on disk. ``block_size`` None: vLLM's choice (hybrid models)."""
+    every SSD object is corrupted on disk. ``block_size`` None: vLLM's choice (hybrid models).
+    ``prime`` (with ``prefix_caching``): per turn, how many leading tokens of its prompt to put into
+    vLLM's own (emptied) prefix cache first, by running them alone: the turn then reuses exactly
+    those tokens from vLLM's cache, the same split of reused and computed tokens as a run with saria
+    that reused them, so its outputs are the bit-for-bit reference for that run."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if prime is not None and (not prefix_caching or extra_config is not None or len(prime) != len(prompts)):
+        raise ValueError("prime needs prefix_caching, no saria connector, and one count per prompt")
 
     kwargs: dict[str, Any] = {}
     if extra_config is not None:
@@ -212,6 +219,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
             corrupt_ssd(extra_config.get("ssd_paths", []))
         if prefix_caching and reset_prefix_cache:
             llm.reset_prefix_cache()
+        if prime is not None and prime[turn]:
+            llm.generate([TokensPrompt(prompt_token_ids=prompt[:prime[turn]])],
+                         SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
         before = scheduler.control.counters() if scheduler else None
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
