@@ -61,14 +61,14 @@ naming objects the plan or order does not have, non-finite ``now``) raises
 
 Modules, one job each: ``tree`` (context tree, evidence, metadata window), ``admission`` (Eq. 1),
 ``residency`` (tier capacity, LRU, eviction, pins, copy states), ``planner`` (reload prefix and
-sources), ``promotion`` (Eqs. 2-3), ``governor`` (theta_E against a write budget), ``orders``
-(plans and orders), ``counters``, ``plane``
-(the :class:`ControlPlane` that runs a request through them).
+sources), ``promotion`` (Eqs. 2-3), ``governor`` (theta_E against a write budget), ``counters``,
+``plane`` (the :class:`ControlPlane` that runs a request through them). Plans and orders live in
+:mod:`saria.orders`, the contract the data plane imports too; they are re-exported here.
 """
 
 from saria.control.counters import Counters
 from saria.control.governor import EnduranceGovernor
-from saria.control.orders import (ControlPlaneError, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan,
+from saria.orders import (ControlPlaneError, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan,
                                   StoreOrder, Tier, WriteOrder)
 from saria.control.plane import ChunkInfo, ControlPlane, CopyInfo, Usage
 from saria.control.promotion import promotion_target

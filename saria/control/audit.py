@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from saria.control.orders import DRAM, SSD, Tier
+from saria.orders import DRAM, SSD, Tier
 from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from saria.control.admission import Admission
 from saria.control.audit import audit
 from saria.control.counters import Counters
 from saria.control.governor import EnduranceGovernor
-from saria.control.orders import (DRAM, GPU, KV, SSD, ControlPlaneError, DropOrder, ObjectKey, Order,
+from saria.orders import (DRAM, GPU, KV, SSD, ControlPlaneError, DropOrder, ObjectKey, Order,
                                   PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder)
 from saria.control.planner import find_prefix
 from saria.control.promotion import promotion_target

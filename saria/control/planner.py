@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from saria.control.orders import DRAM, SSD, Tier
+from saria.orders import DRAM, SSD, Tier
 from saria.control.tree import DRAINING, READY, CacheObject, Node
 
 

@@ -22,7 +22,7 @@ from itertools import islice
 
 from saria.control.admission import Admission
 from saria.control.counters import Counters
-from saria.control.orders import DRAM, SSD, Tier
+from saria.orders import DRAM, SSD, Tier
 from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY, CacheObject, ContextTree, Node
 
 WRITE_REASONS = ("eviction", "write-through", "reuse", "prewrite")

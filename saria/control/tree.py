@@ -30,7 +30,7 @@ from typing import Hashable, Sequence
 
 from saria.config import ChunkSpec
 from saria.control.counters import Counters
-from saria.control.orders import KV, STATE, ControlPlaneError
+from saria.orders import KV, STATE, ControlPlaneError
 
 # Where a copy of an object stands in one tier.
 ABSENT = 0    # no copy

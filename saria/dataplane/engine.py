@@ -39,7 +39,7 @@ from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from saria.control.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
+from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
     WriteOrder
 from saria.kernels import PageTable, checksum, drop_leading_pages, pack_pages, unpack_pages
 

@@ -9,7 +9,7 @@ from typing import Hashable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from saria.control import ObjectKey, Order, ReloadPlan
+from saria.orders import ObjectKey, Order, ReloadPlan
 
 
 @dataclass(frozen=True)

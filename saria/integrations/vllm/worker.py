@@ -23,7 +23,7 @@ from typing import Hashable
 
 import torch
 
-from saria.control import DropOrder, ObjectKey, PromoteOrder, StoreOrder, WriteOrder
+from saria.orders import DropOrder, ObjectKey, PromoteOrder, StoreOrder, WriteOrder
 from saria.dataplane.engine import LoadJob
 from saria.dataplane.setup import DataPlane, open_data_plane
 from saria.kernels import PageTable, pack_pages

@@ -1,4 +1,7 @@
-"""What the control plane hands out: reload plans and orders, as plain frozen dataclasses.
+"""The contract between the floors: reload plans and orders, as plain frozen dataclasses.
+
+The control plane hands them out and takes completions back; the data plane executes them. Both
+import this module and neither imports the other (``saria.control`` re-exports these names).
 
 Every plan and order carries an id from one counter per :class:`~saria.control.ControlPlane`.
 Objects are named by their chunk hash and kind: an order lists the chunks whose ``kv`` object it
