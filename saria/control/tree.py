@@ -249,11 +249,11 @@ class ContextTree:
 
     def expire(self, now: float) -> None:
         """Reclaim or park every node quiet for a whole window (``quiet_since <= now - window``)."""
-        queue = self._queue
-        if len(queue) > _COMPACT_FACTOR * len(self.nodes) + _COMPACT_SLACK:
+        if len(self._queue) > _COMPACT_FACTOR * len(self.nodes) + _COMPACT_SLACK:
             self._compact()
         if now < self._expiry_floor:
             return
+        queue = self._queue  # after compaction, which replaces the deque
         cutoff = now - self._window
         popleft = queue.popleft
         while queue:
