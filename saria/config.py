@@ -36,12 +36,21 @@ QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 2 * 8 * 128 * 2
 
 LOOKUP_MODES = ("unified", "tier-prefix")
 
+# Policy.prewrite_depth above this is refused: it is more DRAM objects than any host holds (2^30
+# chunks of even one token of Qwen3-8B are 144 TiB), and a depth must fit the LRU walk's index.
+MAX_PREWRITE_DEPTH = 1 << 30
+# WriteBudget.theta_max above this is refused: the governor's theta_E is a float, and no chunk is
+# evicted a million times.
+MAX_GOVERNOR_THETA = 1_000_000
 
-def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+
+def _check_int(owner: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{owner}.{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{owner}.{name} must be <= {maximum}, got {value}")
 
 
 def _check_float(owner: str, name: str, value: Any, minimum: float, *, strict: bool = False,
@@ -202,7 +211,7 @@ class Policy:
                 if value < 1:
                     raise ValueError(f"Policy.{threshold} must be >= 1 (or None to disable that admission "
                                      f"branch), got {value}")
-        _check_int("Policy", "prewrite_depth", self.prewrite_depth, 0)
+        _check_int("Policy", "prewrite_depth", self.prewrite_depth, 0, MAX_PREWRITE_DEPTH)
         if self.r is not None:
             _check_float("Policy", "r", self.r, 0.0, maximum=1.0)
         _check_float("Policy", "p_tau_s", self.p_tau_s, 0.0)
@@ -278,8 +287,8 @@ class WriteBudget:
         _check_float("WriteBudget", "interval_s", self.interval_s, 0.0, strict=True)
         _check_float("WriteBudget", "window_s", self.window_s, 0.0, strict=True)
         _check_float("WriteBudget", "payback_s", self.payback_s, 0.0, strict=True)
-        _check_int("WriteBudget", "theta_min", self.theta_min, 1)
-        _check_int("WriteBudget", "theta_max", self.theta_max, self.theta_min)
+        _check_int("WriteBudget", "theta_min", self.theta_min, 1, MAX_GOVERNOR_THETA)
+        _check_int("WriteBudget", "theta_max", self.theta_max, self.theta_min, MAX_GOVERNOR_THETA)
 
     def bytes_per_s(self, ssd_capacity_bytes: int) -> float:
         """The budget's write rate, with ``ssd_capacity_bytes`` standing in for ``capacity_bytes=None``."""

@@ -119,3 +119,47 @@ def test_a_request_keeps_its_chunks_metadata_even_when_its_reads_free_their_last
     assert (info.E_b, info.R_b, info.last_reuse) == (1, 1, 50.0)
     drain(cp, orders, 50.0)
     assert cp.audit() == []
+
+
+def test_malformed_arguments_are_refused_before_anything_changes(cp):
+    """Arguments of the wrong type raise ControlPlaneError, never a raw TypeError, and change nothing;
+    a string is never taken as a sequence of one-character chunk hashes."""
+    plan = cp.plan(["x", "y"], 3.0)  # both from SSD
+    orders = cp.commit_prefill(["z"], 3.0)
+    store = next(o for o in orders if isinstance(o, StoreOrder))
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, failed=None), "failed must be a list")
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, failed="xy"), "failed must be a list")
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, failed=[["x"]]), "failed entries")
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, failed=5), "failed must be a list")
+    unchanged(cp, lambda: cp.release(plan, 4.0, failed=None), "failed must be a list")
+    unchanged(cp, lambda: cp.release(plan, 4.0, failed=[{"x"}]), "failed entries")
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, states=5), "states must be")
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, states="01"), "states must be")
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, states=[True]), "states names")
+    unchanged(cp, lambda: cp.commit_prefill(["x", "y"], 4.0, plan=plan, states=[0.5]), "states names")
+    unchanged(cp, lambda: cp.commit_prefill(["q"], 4.0, failed=["q"]), "no plan")
+    unchanged(cp, lambda: cp.complete(store.order_id, True, 4.0, failed=None), "failed must be a list")
+    unchanged(cp, lambda: cp.complete(store.order_id, True, 4.0, failed=[["z"]]), "failed entries")
+    unchanged(cp, lambda: cp.complete(store.order_id, 1, 4.0), "ok must be a bool")
+    unchanged(cp, lambda: cp.plan(["x"], 10**400), "finite number")
+    unchanged(cp, lambda: cp.plan(["x"], "4"), "finite number")
+    unchanged(cp, lambda: cp.plan([["x"]], 4.0), "hashable")
+    with pytest.raises(ControlPlaneError, match="hashable"):
+        cp.chunk_info(["a"])
+    # Still usable, and the same calls done right work.
+    drain(cp, cp.commit_prefill(["x", "y"], 4.0, plan=plan, failed=("y",), states=None), 4.0)
+    drain(cp, orders, 4.0)
+    assert cp.counters().ssd_read_failures == 1 and cp.audit() == []
+
+
+def test_policy_values_that_would_break_a_commit_are_refused_up_front():
+    from saria.config import Policy, WriteBudget
+
+    with pytest.raises(ValueError, match="prewrite_depth must be <="):
+        Policy(prewrite_depth=2**63)
+    with pytest.raises(ValueError, match="theta_max must be <="):
+        WriteBudget(theta_max=2**1100)
+    cp = ControlPlane(config("saria", prewrite_depth=1 << 30))  # the largest depth works
+    request(cp, chain("p", 12), 0.0)
+    request(cp, chain("q", 12), 1.0)
+    assert cp.audit() == []

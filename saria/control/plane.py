@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import abc
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterable, Sequence
 
 from saria.config import SariaConfig
 from saria.control.admission import Admission
 from saria.control.audit import audit
+from saria.control.checks import (check_hashes, check_id, check_key, check_names, check_now, check_ok, check_states,
+                                  objects_named, short)
 from saria.control.counters import Counters
 from saria.control.governor import EnduranceGovernor
 from saria.orders import (DRAM, GPU, KV, SSD, ControlPlaneError, DropOrder, ObjectKey, Order,
@@ -21,7 +22,7 @@ from saria.orders import (DRAM, GPU, KV, SSD, ControlPlaneError, DropOrder, Obje
 from saria.control.planner import find_prefix
 from saria.control.promotion import promotion_target
 from saria.control.residency import WRITE_REASONS, OrderBatch, Residency
-from saria.control.tree import ABSENT, DRAINING, FILLING, READY, STATUS_NAMES, CacheObject, ContextTree, Node
+from saria.control.tree import ABSENT, DRAINING, READY, STATUS_NAMES, CacheObject, ContextTree, Node
 
 __all__ = ["ChunkInfo", "ControlPlane", "CopyInfo", "Usage"]
 
@@ -131,8 +132,8 @@ class ControlPlane:
         """Plan the reload of the longest reusable prefix of a request's chunks and pin every
         object it reads until :meth:`release` or :meth:`commit_prefill`."""
         with self._lock:
-            now = self._check_now(now)
-            hashes = self._check_hashes(chunk_hashes)
+            now = check_now(now, self._now)
+            hashes = check_hashes(chunk_hashes)
             nodes = self._resolve(hashes)
             prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
             # ---- valid: from here on, state changes
@@ -163,9 +164,9 @@ class ControlPlane:
         :class:`ObjectKey`: that object): their SSD copies are marked bad and dropped.
         Returns drop orders for slots freed."""
         with self._lock:
-            now = self._check_now(now)
+            now = check_now(now, self._now)
             record = self._live_plan(plan)
-            bad, _ = self._read_failures(record, failed)
+            bad, _ = self._read_failures(record, check_names(failed))
             self._now = self._tree.clock = now
             batch = OrderBatch()
             self._finish_reads(record, bad, batch, used=False)
@@ -183,19 +184,17 @@ class ControlPlane:
         step ended); None: every checkpoint the prefill computed.
         Returns the orders to execute, in a safe order."""
         with self._lock:
-            now = self._check_now(now)
-            hashes = self._check_hashes(chunk_hashes)
-            if states is not None:
-                states = frozenset(states)
-                bad_index = [i for i in states if not isinstance(i, int) or not 0 <= i < len(hashes)]
-                if bad_index:
-                    raise ControlPlaneError(f"states names chunk indices {sorted(map(str, bad_index))} outside the "
-                                            f"{len(hashes)} committed chunks")
+            now = check_now(now, self._now)
+            hashes = check_hashes(chunk_hashes)
+            states = check_states(states, len(hashes))
+            failed = check_names(failed)
             record = None if plan is None else self._live_plan(plan)
+            if record is None and failed:
+                raise ControlPlaneError(f"failed names reads {short(failed)}, but no plan is committed")
             planned = 0 if record is None else len(record.plan.chunk_hashes)
             if planned and hashes[:planned] != record.plan.chunk_hashes:
-                raise ControlPlaneError(f"plan {record.plan.plan_id} covers chunks {_short(record.plan.chunk_hashes)} "
-                                        f"which do not begin the committed chunk hashes {_short(hashes)}")
+                raise ControlPlaneError(f"plan {record.plan.plan_id} covers chunks {short(record.plan.chunk_hashes)} "
+                                        f"which do not begin the committed chunk hashes {short(hashes)}")
             bad, first_bad = (set(), planned) if record is None else self._read_failures(record, failed)
             if record is not None and record.generation == self._tree.generation and record.hashes == hashes:
                 nodes = record.nodes.copy()  # resolved by plan() and the tree has not changed since
@@ -224,13 +223,15 @@ class ControlPlane:
         write leaves the chunk non-persisted), and a DRAM slot held for the write is reclaimed.
         Returns drop orders for slots freed."""
         with self._lock:
-            now = self._check_now(now)
-            if not isinstance(ok, bool):
-                raise ControlPlaneError(f"ok must be a bool, got {ok!r}")
-            record = self._in_flight.get(_check_id(order_id, "order"))
+            now = check_now(now, self._now)
+            check_ok(ok)
+            record = self._in_flight.get(check_id(order_id, "order"))
             if record is None:
                 raise ControlPlaneError(self._why_not_in_flight(order_id))
-            failing = self._order_failures(record, failed) if ok else set(record.objects)
+            failed = check_names(failed)
+            failing = objects_named(record.objects, failed, f"of order {order_id}") if failed else set()
+            if not ok:
+                failing = set(record.objects)
             self._now = self._tree.clock = now
             del self._in_flight[order_id]
             batch = OrderBatch()
@@ -264,12 +265,12 @@ class ControlPlane:
     def chunk_info(self, chunk_hash: Hashable) -> ChunkInfo | None:
         """A snapshot of one chunk's metadata, or None if the tree does not know it."""
         with self._lock:
-            node = self._tree.nodes.get(chunk_hash)
+            node = self._tree.nodes.get(check_key(chunk_hash))
             if node is None:
                 return None
             return ChunkInfo(node.key, node.depth, None if node.parent is None else node.parent.key,
-                             node.E_b, node.R_b, node.last_reuse, _copy_info(node.kv),
-                             None if node.state is None else _copy_info(node.state))
+                             node.E_b, node.R_b, node.last_reuse, copy_info(node.kv),
+                             None if node.state is None else copy_info(node.state))
 
     def audit(self) -> list[str]:
         """Check every internal invariant (O(nodes)); returns the violations, empty when sound.
@@ -398,31 +399,8 @@ class ControlPlane:
             else:
                 chosen.append([node])
                 need += node.nbytes
-        if not chosen:
-            return
-        tiers = self._tiers
-        dram = tiers.dram
-        shortfall = need - dram.free
-        candidates = tiers.idle_candidates(now - self._p_tau, shortfall) if shortfall > 0 else []
-        room = dram.free + sum([obj.nbytes for obj in candidates])
-        while need > room:  # take fewer chunks, from the end
-            need -= sum([obj.nbytes for obj in chosen.pop()])
-        if not chosen:
-            return
-        counters = self._counters
-        for victim in candidates:
-            if dram.free >= need:
-                break
-            del dram.lru[victim]
-            tiers.evict_dram(victim, batch)
-            counters.promotion_evictions += 1
-        for objs in chosen:
-            for obj in objs:
-                dram.used += obj.nbytes
-                obj.dram = FILLING
-                batch.promotions.append(obj)
-                counters.promotion_bytes += obj.nbytes
-        counters.promotions += len(chosen)
+        if chosen:
+            self._tiers.promote(chosen, need, now - self._p_tau, batch)
 
     def _prewrite(self, batch: OrderBatch) -> None:
         """Write LRU-end DRAM copies that would be admitted at their next eviction (E_b + 1)."""
@@ -483,25 +461,7 @@ class ControlPlane:
         self._next_id += 1
         return order_id
 
-    # ================================================================================ validation
-    def _check_now(self, now: float) -> float:
-        kind = type(now)
-        if (kind is not float and kind is not int
-                and (isinstance(now, bool) or not isinstance(now, (int, float)))) or not math.isfinite(now):
-            raise ControlPlaneError(f"now must be a finite number of seconds, got {now!r}")
-        return now if now > self._now else self._now
-
-    @staticmethod
-    def _check_hashes(chunk_hashes: Sequence[Hashable]) -> tuple:
-        """A tuple of the hashes. (Hashability and repeats are checked as the tree resolves them.)"""
-        kind = type(chunk_hashes)
-        if kind is tuple:
-            return chunk_hashes
-        if kind is list or (isinstance(chunk_hashes, abc.Sequence) and not isinstance(chunk_hashes, (str, bytes))):
-            return tuple(chunk_hashes)
-        raise ControlPlaneError(f"chunk hashes must be a sequence (list or tuple) of hashable ids, "
-                                f"got {kind.__name__}")
-
+    # ======================================================================== ids and lookups
     def _resolve(self, hashes: tuple, start: int = 0, prev: Node | None = None) -> list[Node | None]:
         try:
             return self._tree.resolve(hashes, start, prev)
@@ -509,7 +469,7 @@ class ControlPlane:
             raise ControlPlaneError(f"chunk hashes must be hashable: {exc}") from None
 
     def _live_plan(self, plan: ReloadPlan | int) -> _PlanRecord:
-        plan_id = plan.plan_id if isinstance(plan, ReloadPlan) else _check_id(plan, "plan")
+        plan_id = plan.plan_id if isinstance(plan, ReloadPlan) else check_id(plan, "plan")
         record = self._plans.get(plan_id)
         if record is None:
             if plan_id in self._in_flight:
@@ -529,42 +489,15 @@ class ControlPlane:
                     f"(needs none), or a released plan")
         return f"unknown order id {order_id!r}: never issued"
 
-    @staticmethod
-    def _objects_named(objects: Iterable[CacheObject], names: Iterable[Hashable | ObjectKey],
-                       what: str) -> set[CacheObject]:
-        by_chunk: dict[Hashable, list[CacheObject]] = {}
-        for obj in objects:
-            by_chunk.setdefault(obj.node.key, []).append(obj)
-        out: set[CacheObject] = set()
-        for name in names:
-            if isinstance(name, ObjectKey):
-                match = [obj for obj in by_chunk.get(name.chunk, ()) if obj.kind == name.kind]
-            else:
-                try:
-                    match = by_chunk.get(name, [])
-                except TypeError:
-                    raise ControlPlaneError(f"failed entries must be chunk hashes or ObjectKey, got {name!r}") from None
-            if not match:
-                raise ControlPlaneError(f"{name!r} is not among the objects {what}")
-            out.update(match)
-        return out
-
-    def _read_failures(self, record: _PlanRecord, failed: Iterable[Hashable | ObjectKey]) -> tuple[set, int]:
-        """The plan's SSD-read objects named in ``failed``, and the index of the first failed chunk
-        (the plan's length if none)."""
-        failed = list(failed)
+    def _read_failures(self, record: _PlanRecord, failed: tuple) -> tuple[set, int]:
+        """The plan's SSD-read objects named in ``failed`` (checked by ``check_names``), and the index
+        of the first failed chunk (the plan's length if none)."""
         if not failed:
             return set(), record.plan.num_chunks
         ssd_reads = [obj for obj, source in record.reads() if source is SSD]
-        bad = self._objects_named(ssd_reads, failed, f"plan {record.plan.plan_id} reads from SSD")
+        bad = objects_named(ssd_reads, failed, f"plan {record.plan.plan_id} reads from SSD")
         index = {node: i for i, node in enumerate(record.nodes[:record.plan.num_chunks])}
         return bad, min(index[obj.node] for obj in bad)
-
-    def _order_failures(self, record: _InFlight, failed: Iterable[Hashable | ObjectKey]) -> set[CacheObject]:
-        failed = list(failed)
-        if not failed:
-            return set()
-        return self._objects_named(record.objects, failed, f"of order {record.order.order_id}")
 
 
 def _write_rank(item: tuple[tuple[str, Tier], list]) -> tuple[int, int]:
@@ -572,15 +505,5 @@ def _write_rank(item: tuple[tuple[str, Tier], list]) -> tuple[int, int]:
     return WRITE_REASONS.index(reason), source is GPU
 
 
-def _check_id(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ControlPlaneError(f"{what} id must be an int, got {value!r}")
-    return value
-
-
-def _short(hashes: tuple, limit: int = 6) -> str:
-    return repr(list(hashes)) if len(hashes) <= limit else f"[{', '.join(map(repr, hashes[:limit]))}, ...]"
-
-
-def _copy_info(obj: CacheObject) -> CopyInfo:
+def copy_info(obj: CacheObject) -> CopyInfo:
     return CopyInfo(obj.nbytes, STATUS_NAMES[obj.dram], STATUS_NAMES[obj.ssd], obj.dram_pins, obj.ssd_pins)

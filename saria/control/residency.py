@@ -147,6 +147,33 @@ class Residency:
                 covered += obj.nbytes
         return out
 
+    def promote(self, groups: list[list[CacheObject]], need: int, idle_before: float, batch: OrderBatch) -> None:
+        """Reserve DRAM slots (``FILLING``) for lazy partial promotion: as many of ``groups`` (each a
+        chunk's objects, ``need`` bytes in all), from the first, as free DRAM plus the copies
+        :meth:`idle_candidates` offers can take; those candidates are evicted as far as needed."""
+        dram = self.dram
+        shortfall = need - dram.free
+        candidates = self.idle_candidates(idle_before, shortfall) if shortfall > 0 else []
+        room = dram.free + sum([obj.nbytes for obj in candidates])
+        while need > room:  # take fewer chunks, from the end
+            need -= sum([obj.nbytes for obj in groups.pop()])
+        if not groups:
+            return
+        counters = self._counters
+        for victim in candidates:
+            if dram.free >= need:
+                break
+            del dram.lru[victim]
+            self.evict_dram(victim, batch)
+            counters.promotion_evictions += 1
+        for objs in groups:
+            for obj in objs:
+                dram.used += obj.nbytes
+                obj.dram = FILLING
+                batch.promotions.append(obj)
+                counters.promotion_bytes += obj.nbytes
+        counters.promotions += len(groups)
+
     def drop_dram(self, obj: CacheObject, batch: OrderBatch) -> None:
         self.dram.used -= obj.nbytes
         obj.dram = ABSENT

@@ -1,0 +1,128 @@
+"""Argument checks of the control plane's public calls.
+
+Each check either returns the argument in the form the control plane works with or raises
+:class:`~saria.orders.ControlPlaneError` naming what is wrong. The control plane runs every check
+of a call before it changes anything, so a refused call leaves its state exactly as it was.
+The common arguments (a tuple of hashes, no failures, a float time) take a fast path: these run
+on every call of a serving engine's scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from collections import abc
+from typing import TYPE_CHECKING, Hashable, Iterable
+
+from saria.orders import ControlPlaneError, ObjectKey
+
+if TYPE_CHECKING:
+    from saria.control.tree import CacheObject
+
+__all__ = ["check_hashes", "check_id", "check_key", "check_names", "check_now", "check_ok", "check_states",
+           "objects_named", "short"]
+
+
+def check_now(now: object, latest: float) -> float:
+    """A finite number of seconds; one earlier than ``latest`` (the latest seen) counts as ``latest``."""
+    kind = type(now)
+    try:
+        finite = (kind is float or kind is int or (isinstance(now, (int, float)) and kind is not bool)) \
+            and math.isfinite(now)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:
+        raise ControlPlaneError(f"now must be a finite number of seconds, got {_brief(now)}")
+    return now if now > latest else latest  # type: ignore[return-value,operator]
+
+
+def check_hashes(chunk_hashes: object) -> tuple:
+    """A tuple of the hashes. (Hashability and repeats are checked as the tree resolves them.)"""
+    kind = type(chunk_hashes)
+    if kind is tuple:
+        return chunk_hashes  # type: ignore[return-value]
+    if kind is list or (isinstance(chunk_hashes, abc.Sequence) and not isinstance(chunk_hashes, (str, bytes))):
+        return tuple(chunk_hashes)  # type: ignore[arg-type]
+    raise ControlPlaneError(f"chunk hashes must be a sequence (list or tuple) of hashable ids, got {kind.__name__}")
+
+
+def check_id(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ControlPlaneError(f"{what} id must be an int, got {_brief(value)}")
+    return value
+
+
+def check_ok(ok: object) -> bool:
+    if not isinstance(ok, bool):
+        raise ControlPlaneError(f"ok must be a bool, got {_brief(ok)}")
+    return ok
+
+
+def check_key(key: object) -> Hashable:
+    """One chunk hash (for lookups)."""
+    try:
+        hash(key)
+    except TypeError:
+        raise ControlPlaneError(f"a chunk hash must be hashable, got {type(key).__name__} {_brief(key)}") from None
+    return key  # type: ignore[return-value]
+
+
+def check_names(failed: object) -> tuple:
+    """``failed``: an iterable (list, tuple, set) of chunk hashes and :class:`ObjectKey`\\ s. A string
+    is refused, not taken as a sequence of one-character chunk hashes; so is None."""
+    if type(failed) is tuple and not failed:
+        return ()
+    if isinstance(failed, (str, bytes)) or not isinstance(failed, abc.Iterable):
+        raise ControlPlaneError(f"failed must be a list of chunk hashes or ObjectKeys (empty: none failed), "
+                                f"got {type(failed).__name__} {_brief(failed)}")
+    names = tuple(failed)
+    for name in names:
+        try:
+            hash(name)
+        except TypeError:
+            raise ControlPlaneError(f"failed entries must be chunk hashes or ObjectKeys, got {_brief(name)}") from None
+    return names
+
+
+def check_states(states: object, chunks: int) -> frozenset[int] | None:
+    """``states``: None, or an iterable of chunk indices in ``[0, chunks)``."""
+    if states is None:
+        return None
+    if isinstance(states, (str, bytes)) or not isinstance(states, abc.Iterable):
+        raise ControlPlaneError(f"states must be chunk indices (a list of ints) or None, got "
+                                f"{type(states).__name__} {_brief(states)}")
+    items = list(states)
+    bad = [i for i in items if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < chunks]
+    if bad:
+        raise ControlPlaneError(f"states names {', '.join(map(_brief, bad[:6]))}: not chunk indices (ints) or "
+                                f"outside the {chunks} committed chunks")
+    return frozenset(items)
+
+
+def objects_named(objects: Iterable[CacheObject], names: tuple, what: str) -> set[CacheObject]:
+    """The objects among ``objects`` that ``names`` (checked by :func:`check_names`) name: a chunk hash
+    names every object of that chunk there, an :class:`ObjectKey` one. A name that matches none is an
+    error."""
+    by_chunk: dict[Hashable, list[CacheObject]] = {}
+    for obj in objects:
+        by_chunk.setdefault(obj.node.key, []).append(obj)
+    out: set[CacheObject] = set()
+    for name in names:
+        if isinstance(name, ObjectKey):
+            match = [obj for obj in by_chunk.get(name.chunk, ()) if obj.kind == name.kind]
+        else:
+            match = by_chunk.get(name, [])
+        if not match:
+            raise ControlPlaneError(f"{name!r} is not among the objects {what}")
+        out.update(match)
+    return out
+
+
+def _brief(value: object) -> str:
+    """``repr`` cut to a readable length (a 400-digit int, a huge list)."""
+    return reprlib.repr(value)
+
+
+def short(hashes: tuple, limit: int = 6) -> str:
+    """Hashes for an error message, the first ``limit`` of them."""
+    return repr(list(hashes)) if len(hashes) <= limit else f"[{', '.join(map(repr, hashes[:limit]))}, ...]"
