@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -68,9 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from saria.replay.replay import ReplayInternalError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ReplayInternalError as exc:  # a bug, not bad input: one line that says so, then the traceback
+        print(f"saria {args.command}: {exc}", file=sys.stderr)
+        traceback.print_exception(exc, file=sys.stderr)
+        return 1
     except ValueError as exc:
         print(f"saria {args.command}: error: {exc}", file=sys.stderr)
         return 2

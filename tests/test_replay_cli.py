@@ -187,3 +187,31 @@ def test_replay_never_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                             env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("jobs", [1, 2], ids=["in-process", "worker-processes"])
+def test_an_internal_error_says_it_is_a_bug_and_names_the_request_and_policy(monkeypatch, capsys, jobs):
+    """A control-plane exception mid-replay is a bug, not bad input: one line naming the policy and
+    the request and saying so, then the traceback; exit status 1 (bad input is 2)."""
+    from saria.cli import main
+    from saria.control import ControlPlane
+
+    real = ControlPlane.commit_prefill
+    calls = [0]
+
+    def failing(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 7:
+            raise KeyError("injected")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ControlPlane, "commit_prefill", failing)
+    policies = ["--policy", "saria"] + (["--policy", "dram-only"] if jobs > 1 else [])
+    rc = main(["replay", SMALL, *CACHE, *policies, "--jobs", str(jobs)])
+    err = capsys.readouterr().err
+    first, rest = err.split("\n", 1)
+    assert rc == 1
+    assert first.startswith("saria replay: internal error in the control plane at request ")
+    assert "(policy 'saria')" in first or "(policy 'dram-only')" in first
+    assert "KeyError: 'injected'" in first and "This is a bug in saria" in first
+    assert "Traceback" in rest and "injected" in rest

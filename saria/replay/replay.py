@@ -36,7 +36,13 @@ from saria.replay.arrivals import Schedule
 from saria.replay.timing import GB, LOADING_MODES, transfer_seconds
 from saria.replay.traces import Trace
 
-__all__ = ["PolicyRun", "ReplaySettings", "replay"]
+__all__ = ["PolicyRun", "ReplayInternalError", "ReplaySettings", "replay"]
+
+
+class ReplayInternalError(RuntimeError):
+    """The control plane raised, or broke an invariant, during a replay: a bug in saria, not bad
+    input (the trace and the settings were checked before the replay started). The message names
+    the policy and the request; the original exception is the ``__cause__``."""
 
 _COMPLETE, _COMMIT, _ARRIVE = 0, 1, 2  # same-time order
 
@@ -113,11 +119,29 @@ class PolicyRun:
 
 def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
            config: SariaConfig, settings: ReplaySettings = ReplaySettings(),
-           progress: Callable[[int], None] | None = None, audit: bool = False) -> PolicyRun:
+           progress: Callable[[int], None] | None = None, audit: bool = False, audit_every: int = 0) -> PolicyRun:
     """Replay ``trace`` (``chunks[i]``: request i's chunk hashes) on ``schedule`` through a fresh
     control plane built from ``config``. ``progress(n)`` is called as requests complete; ``audit``
-    checks the control plane's invariants at the end (``PolicyRun.audit``, O(chunks))."""
+    checks the control plane's invariants at the end (``PolicyRun.audit``, O(chunks));
+    ``audit_every`` > 0 checks them after every that many committed requests too, and a violation
+    then stops the replay. An exception of the control plane, or a violation found by
+    ``audit_every``, raises :class:`ReplayInternalError` naming the policy and the request."""
     cp = ControlPlane(config)
+    current = [-1]  # the request being handled, for an internal error's message
+    try:
+        return _replay(cp, name, trace, chunks, schedule, config, settings, progress, audit, audit_every, current)
+    except ReplayInternalError:
+        raise
+    except Exception as exc:
+        where = f"request {current[0]}" if current[0] >= 0 else "a completion"
+        raise ReplayInternalError(f"internal error in the control plane at {where} (policy {name!r}): "
+                                  f"{type(exc).__name__}: {exc}. This is a bug in saria; please report it "
+                                  f"with the traceback") from exc
+
+
+def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
+            config: SariaConfig, settings: ReplaySettings, progress: Callable[[int], None] | None, audit: bool,
+            audit_every: int, current: list[int]) -> PolicyRun:
     plan_request, commit, complete = cp.plan, cp.commit_prefill, cp.complete
     requests = trace.requests
     sessions = schedule.sessions
@@ -155,10 +179,12 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
     while events:
         now, kind, _, a, b = pop(events)
         if kind == _COMPLETE:
+            current[0] = -1
             complete(a, True, now)  # returns only drops: nothing to schedule
             continue
         if kind == _COMMIT:
             request_index, plan = a
+            current[0] = request_index
             keys = chunks[request_index]
             orders = commit(keys, now, plan=plan)
             for order in orders:
@@ -183,6 +209,12 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
             done += 1
             if progress is not None and not done & 255:
                 progress(256)
+            if audit_every and not done % audit_every:
+                problems = cp.audit()
+                if problems:
+                    raise ReplayInternalError(f"control-plane audit failed after request {request_index} (policy "
+                                              f"{name!r}, {done} committed): {'; '.join(problems[:3])}. This is a "
+                                              f"bug in saria; please report it")
         elif now >= horizon:  # an arrival past the truncation: it and the rest of its session are cut
             cut = len(sessions[a].requests) - b
             truncated += cut
@@ -194,6 +226,7 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
             arrived, session_index, position = waiting.popleft()
             free -= 1
             request_index = sessions[session_index].requests[position]
+            current[0] = request_index
             arrival[request_index] = arrived
             keys = chunks[request_index]
             plan = plan_request(keys, now)
