@@ -44,7 +44,8 @@ Semantics (DESIGN.md "Control plane", paper Eqs. 1-3):
   (from DRAM if readable there, else from HBM if HBM holds it); promotion (Eqs. 2-3) of the first
   ``P`` SSD-read chunks without a DRAM copy (with the plan's state object alongside its chunk),
   ``P = max(0, floor(r (D0 + S0) - D0))`` cut to what free DRAM plus idle (last reused at least
-  ``p_tau`` ago), immediately freeing LRU copies can take; prewrite: of the ``depth`` oldest LRU
+  ``p_tau`` ago), immediately freeing LRU copies can take (whether a copy frees its slot at once
+  counts the evictions of the candidates before it: a chunk's kv and state share E_b); prewrite: of the ``depth`` oldest LRU
   DRAM copies, those not on SSD that Eq. 1 admits with one more eviction are written from DRAM.
 * Completions: a store or promotion makes its copies ready (failed ones are dropped); a write
   makes its SSD copies ready (failed ones dropped) and then drops DRAM copies draining for it,
@@ -565,8 +566,10 @@ class Model:
             for obj in self.lru(DRAM):
                 if covered >= need - free or obj.evidence.last_reuse > now - self.config.policy.p_tau_s:
                     break
+                # Evicting the candidates before it adds to a shared E_b (a chunk's kv, then its state).
+                earlier = sum(o.eviction_step for o in candidates if o.evidence is obj.evidence)
                 frees = obj.status[SSD] != FILLING and (obj.status[SSD] != ABSENT
-                                                        or not self.admitted(obj, obj.eviction_step))
+                                                        or not self.admitted(obj, earlier + obj.eviction_step))
                 if frees:
                     candidates.append(obj)
                     covered += obj.nbytes

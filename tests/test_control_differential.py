@@ -219,6 +219,8 @@ class Twin:
                 self.take(self.call("complete", order.order_id, outcome != "fail", self.now))
         elif kind == "advance":
             self.now += op[1]
+        elif kind == "advance-window":  # exactly one window: a node quiet since then is at the boundary
+            self.now += self.setup.window_s
         elif kind == "bad":
             self.bad(op[1], op[2])
 
@@ -284,6 +286,7 @@ op = st.one_of(
     st.tuples(st.just("complete"), st.integers(0, 999), st.sampled_from(["ok", "ok", "ok", "fail", "partial"])),
     st.tuples(st.just("complete"), st.integers(0, 999), st.just("ok")),
     st.tuples(st.just("advance"), st.sampled_from([0.0, 0.4, 3.0, 20.0, 70.0, 400.0])),
+    st.tuples(st.just("advance-window")),
     st.tuples(st.just("bad"), st.integers(0, 40), st.integers(0, 99)),
 )
 
@@ -334,8 +337,10 @@ def random_op(rng: random.Random) -> tuple:
         return ("unplanned", fam, n)
     if roll < 0.88:
         return ("complete", rng.randrange(999), rng.choice(["ok"] * 12 + ["fail", "partial"]))
-    if roll < 0.99:
+    if roll < 0.98:
         return ("advance", rng.choice([0.0, 0.5, 2.0, 10.0, 45.0, 200.0]))
+    if roll < 0.99:
+        return ("advance-window",)
     return ("bad", rng.randrange(40), rng.randrange(99))
 
 
@@ -382,3 +387,34 @@ def test_expiry_right_after_compaction_with_the_shipped_thresholds(preset, dram_
     twin.run(("request", 0, 4, 0, 0, 0, 0, 0, False))  # family 0 comes back after its reclaim
     counters = twin.cp.counters()
     assert counters.nodes_reclaimed == counters.nodes_created - len(tree.nodes) > 0
+
+
+def test_promotion_never_evicts_a_state_object_its_own_chunk_made_admissible():
+    """A chunk's kv and state objects share E_b. When promotion makes room by evicting an idle kv
+    object (it has an SSD copy, so its slot frees at once) and then that chunk's state object, the
+    kv eviction raised E_b to theta_E: the state object is admitted and written, its slot held, and
+    the promotion must not count on it (the soak's synth hybrid runs found DRAM 75 MB over capacity).
+    Here: DRAM holds one chunk; x's kv is prewritten (E_b + 1 reaches 2), its state is not (a state
+    adds no eviction of its own); then an SSD hit of z asks for promotion."""
+    twin = Twin(Setup("saria", True, checkpoint_chunks=1, dram_chunks=1, ssd_chunks=20, extra_states=1,
+                      window_s=1e7, prewrite_depth=100, p_tau_s=0.0, r=1.0))
+
+    def commit(hashes: list, plan=None) -> None:
+        twin.keys.update(hashes)
+        twin.take(twin.call("commit_prefill", hashes, twin.now, plan=plan))
+        while twin.pending:
+            twin.run(("complete", 0, "ok"))
+        twin.now += 1.0
+
+    for hashes in (["z"], ["y"], ["z"], ["y"]):  # z evicted twice: written to SSD, kv and state
+        commit(hashes)
+    assert twin.cp.chunk_info("z").state.ssd == "ready"
+    for hashes in (["x"], ["w"], ["x"], []):  # x evicted once, stored again, then prewritten
+        commit(hashes)
+    x = twin.cp.chunk_info("x")
+    assert (x.E_b, x.kv.dram, x.kv.ssd, x.state.dram, x.state.ssd) == (1, "ready", "ready", "ready", "absent")
+    plan = twin.call("plan", ["z"], twin.now)
+    assert plan.kv_sources == (Tier.SSD,) and plan.state_source is Tier.SSD
+    commit(["z"], plan)
+    usage = twin.cp.usage()
+    assert usage.dram_used <= usage.dram_capacity

@@ -125,26 +125,35 @@ class Residency:
             if node.state is None or node.holds_nothing():  # no state: obj is the kv object, now gone
                 self._tree.went_idle(node)
 
-    def frees_on_eviction(self, obj: CacheObject) -> bool:
-        """Whether evicting ``obj`` now gives its slot back at once (no write would hold it)."""
+    def frees_on_eviction(self, obj: CacheObject, earlier: int = 0) -> bool:
+        """Whether evicting ``obj`` now gives its slot back at once (no write would hold it), after
+        ``earlier`` evictions that add to the same evidence (a chunk's kv and state objects share
+        E_b: evicting the kv object first can make the state object admitted)."""
         if obj.ssd == FILLING:
             return False
         if obj.ssd != ABSENT:
             return True
-        return not self._admission.admitted(obj.evidence, obj.eviction_step)
+        return not self._admission.admitted(obj.evidence, earlier + obj.eviction_step)
 
     def idle_candidates(self, idle_before: float, need: int) -> list[CacheObject]:
         """LRU-end copies whose chunk was last reused at or before ``idle_before`` and whose eviction
         frees their slot at once, least recently used first, until ``need`` bytes are covered
-        (walk stops at the first copy reused later)."""
+        (walk stops at the first copy reused later). Whether a copy frees its slot counts the
+        evictions of the candidates before it that share its evidence, as evicting them in this
+        order will."""
         out: list[CacheObject] = []
         covered = 0
+        earlier: dict[int, int] = {}  # id(evidence) -> E_b the candidates so far will add
         for obj in self.dram.lru:
-            if covered >= need or obj.evidence.last_reuse > idle_before:
+            evidence = obj.evidence
+            if covered >= need or evidence.last_reuse > idle_before:
                 break
-            if self.frees_on_eviction(obj):
+            added = earlier.get(id(evidence), 0)
+            if self.frees_on_eviction(obj, added):
                 out.append(obj)
                 covered += obj.nbytes
+                if obj.eviction_step:
+                    earlier[id(evidence)] = added + obj.eviction_step
         return out
 
     def promote(self, groups: list[list[CacheObject]], need: int, idle_before: float, batch: OrderBatch) -> None:
