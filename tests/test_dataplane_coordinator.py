@@ -58,9 +58,10 @@ def test_paced_at_b_pace_while_ssd_runnable():
     with coord.ssd_reads(2):
         for _ in range(100):
             coord.acquire(slice_bytes)
-        # 100 slices released at 0, i, 2i, ...: the DRAM rate is exactly B_pace
-        assert clock.t == pytest.approx(99 * slice_bytes / 28e9)
-    assert coord.counters.paced_slices == 100 and coord.counters.pace_waits == 99
+        # 100 slices: two at 0 (an idle path banks one slice of credit), then at i, 2i, ...: the
+        # DRAM rate is exactly B_pace
+        assert clock.t == pytest.approx(98 * slice_bytes / 28e9)
+    assert coord.counters.paced_slices == 100 and coord.counters.pace_waits == 98
     t = clock.t
     coord.acquire(slice_bytes)  # SSD done: full rate again
     assert clock.t == t
@@ -75,7 +76,7 @@ def test_requests_share_one_paced_budget():
             coord.acquire(MB)  # request A's DRAM part
         for _ in range(5):
             coord.acquire(MB)  # request B, DRAM only
-    assert clock.t == pytest.approx(9 * MB / (40 * MB))
+    assert clock.t == pytest.approx(8 * MB / (40 * MB))  # 10 slices: the first two at once (credit)
 
 
 def test_coordination_off_when_ssd_saturates_ingress():
@@ -122,6 +123,18 @@ def test_ssd_end_releases_a_waiting_slice_at_once():
     assert done.wait(5.0)
 
 
+def test_the_first_slices_go_at_once_whatever_the_clock_reads():
+    """An idle path banks one slice of credit, from the very first slice: on a clock that reads
+    less than one slice interval (a monotonic clock soon after boot) nothing waits either (it did:
+    the schedule started at time 0, and the test above hung for the rest of the interval)."""
+    clock = SimClock()
+    clock.t = 5.0
+    coord = Coordinator(rates(100.0, 99.0, 100.0), saturation=1.0, clock=clock)  # pace: 1 byte/s
+    coord.ssd_begin()
+    assert coord.acquire(1000) == 0.0 and coord.acquire(1000) == 0.0
+    assert coord.acquire(1000) == pytest.approx(1000.0)
+
+
 def test_serial_mode_waits_for_ssd_to_finish():
     coord = Coordinator(paper_bw(), mode="serial")
     coord.ssd_begin()
@@ -138,9 +151,9 @@ def test_bandwidth_update_replans():
     with coord.ssd_reads():
         coord.acquire(MB)
         coord.set_bandwidths(rates(100 * MB, 90 * MB, 100 * MB))
-        coord.acquire(MB)
-        coord.acquire(MB)
-    assert clock.t == pytest.approx(MB / (50 * MB) + MB / (10 * MB))
+        coord.acquire(MB)  # the idle path's slice of credit: at once
+        coord.acquire(MB)  # one interval of the new pace (10 MB/s), not the old (50 MB/s)
+    assert clock.t == pytest.approx(MB / (10 * MB))
 
 
 def test_bad_input():

@@ -18,6 +18,7 @@ monitor. Time is read through a :class:`Clock` so the schedule can be checked ex
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -83,7 +84,7 @@ class Coordinator:
         self._clock = clock or MonotonicClock()
         self._cond = threading.Condition()
         self._ssd_runnable = 0
-        self._next_release = 0.0
+        self._next_release = -math.inf  # an idle path: the first slice goes at once, whatever the clock reads
         self.counters = CoordinatorCounters()
 
     @property
