@@ -79,6 +79,63 @@ def test_scheduler_and_worker_in_separate_processes(dense):
     assert_same_outputs(dense["reference"], result)
 
 
+FAULTS = {
+    "control": {"commit_prefill": [1]},  # the control plane's commit in turn 2
+    "promised_load": {"update_state_after_alloc": [1]},  # turn 2, after vLLM was told to wait for a load
+    "ssd_read": {"ssd_load": [2]},  # the data plane's SSD reload in turn 3
+}
+
+
+@pytest.fixture(scope="module")
+def faulty(dense):
+    """The dense session again in three engines, each with a fault injected mid-session (an
+    exception raised by a patched method, in the engine's process; ``FAULTS``)."""
+    runs = {}
+    for name, faults in FAULTS.items():
+        ssd = dense["root"] / f"ssd-{name}"
+        ssd.mkdir()
+        runs[name] = run_in_subprocess({"model": dense["model"], "prompts": dense["prompts"], "max_tokens": 6,
+                                        "extra_config": dict(dense["config"], ssd_paths=[str(ssd)]),
+                                        "inject_faults": faults})
+    return runs
+
+
+def test_control_plane_fault_is_rebuilt_and_outputs_stay_identical(dense, faulty):
+    run = faulty["control"]
+    assert_same_outputs(dense["reference"], run)  # every turn, every token and logprob
+    scheduler, worker = run["faults"]["scheduler"], run["faults"]["worker"]
+    assert scheduler == {"faults": 1, "by_where": {"build_connector_meta": 1}, "epoch": 1, "off": False}
+    assert worker["epoch"] == 1 and worker["faults"] == 0 and not worker["off"]
+    # Turn 2 reused turn 1's prefix, then its commit failed: the rebuilt control plane starts empty
+    # (the worker dropped every object), so turn 3 misses, and turn 4 hits what turn 3 stored.
+    assert [t["cached_tokens"] for t in run["turns"]] == [0, 4 * CHUNK, 0, 4 * CHUNK]
+    assert run["turns"][3]["dram_tokens"] == 4 * CHUNK
+
+
+def test_fault_after_vllm_waits_for_a_load_cancels_it_and_outputs_stay_identical(dense, faulty):
+    """The dangerous window: vLLM was told the request's prefix arrives asynchronously, then the
+    scheduler half failed before the load reached the metadata. The worker reports the load finished
+    and failed (a cancel), or vLLM would wait forever; vLLM recomputes the request."""
+    run = faulty["promised_load"]
+    assert_same_outputs(dense["reference"], run)
+    assert run["faults"]["scheduler"] == {"faults": 1, "by_where": {"update_state_after_alloc": 1}, "epoch": 1,
+                                          "off": False}
+    # Turn 2 recomputed everything (and stored it in the rebuilt control plane): turns 3 and 4 hit.
+    assert [t["cached_tokens"] for t in run["turns"]] == [0, 0, 4 * CHUNK, 4 * CHUNK]
+
+
+def test_ssd_read_fault_fails_only_that_load_and_outputs_stay_identical(dense, faulty):
+    run = faulty["ssd_read"]
+    assert_same_outputs(dense["reference"], run)
+    worker = run["faults"]["worker"]
+    assert worker["faults"] == 1 and worker["by_where"] == {"load": 1} and not worker["off"]
+    assert run["faults"]["scheduler"]["faults"] == 0 and run["faults"]["scheduler"]["epoch"] == 0
+    turns = run["turns"]
+    assert turns[1]["cached_tokens"] == 4 * CHUNK  # before the fault, as without one
+    assert turns[2]["cached_tokens"] == 0 and turns[2]["ssd_tokens"] == 0  # its SSD reload failed: recomputed
+    assert turns[3]["cached_tokens"] > 0  # the cache stayed on
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """A 3-turn session on a Qwen3-Next-style hybrid model (2 GDN + 2 full-attention layers; vLLM

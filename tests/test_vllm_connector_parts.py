@@ -156,7 +156,7 @@ def test_summary_line_names_tiers_and_writes():
     from saria.control import ControlPlane
 
     line = summary_line(ControlPlane(SariaConfig()))
-    for word in ("requests", "DRAM", "SSD", "admissions", "promotions"):
+    for word in ("requests", "DRAM", "SSD", "admissions", "promotions", "faults"):
         assert word in line
 
 

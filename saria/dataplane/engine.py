@@ -310,7 +310,9 @@ class TransferEngine:
         fills it with ``(path, seconds since start, bytes)`` per DRAM slice and SSD object (for
         benchmarks; on CUDA DRAM slices are timed by events, SSD objects by host clock).
         ``skip_pages``: the first chunk's leading pages that must not be written (the engine computed
-        them already and may share them); its block ids still list all of its pages."""
+        them already and may share them); its block ids still list all of its pages.
+        Raises (bad plan or block ids) only before any object is started: an object that cannot be
+        started later is a failed object of the job."""
         self._check_open()
         if len(kv_blocks) != plan.num_chunks:
             raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
@@ -393,14 +395,14 @@ class TransferEngine:
         unpack_pages(staging, item.table, item.blocks[item.skip:])
 
     def _submit_ssd_read(self, job: LoadJob, item: _LoadItem) -> None:
-        with self._stream("ssd"):
-            staging = torch.empty(item.nbytes, dtype=torch.uint8, device=self.device)
-        key = object_key(item.key.chunk, item.key.kind)
+        """Never raises: ``load()`` calls it after other reads of the job may have started."""
         self.coordinator.ssd_begin()
         t0 = time.perf_counter()
         try:
-            future = self.ssd.read(key, staging)
-        except Exception as exc:  # not found, store closed: a failed object
+            with self._stream("ssd"):
+                staging = torch.empty(item.nbytes, dtype=torch.uint8, device=self.device)
+            future = self.ssd.read(object_key(item.key.chunk, item.key.kind), staging)
+        except Exception as exc:  # no memory for staging, not found, store closed: a failed object
             self.coordinator.ssd_end()
             self._count(load_failures=1)
             job._finish(item, error=exc)

@@ -12,10 +12,15 @@ vLLM builds one instance per role: in the scheduler process the control plane
 (:class:`~saria.integrations.vllm.scheduler.SariaScheduler`), in each worker the data plane
 (:class:`~saria.integrations.vllm.worker.SariaWorker`). They share only the per-step metadata.
 Options: :mod:`saria.integrations.vllm.settings`.
+
+No exception of saria's reaches vLLM through these hooks: the scheduler half runs behind
+:class:`~saria.integrations.vllm.guard.SchedulerGuard`, the worker half's hooks are fail-safe
+themselves; both count faults (:mod:`saria.integrations.vllm.faults`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -25,8 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .geometry import engine_geometry
-
-from .metadata import SariaConnectorMetadata
+from .guard import SchedulerGuard
 from .scheduler import SariaScheduler
 from .settings import ConnectorSettings
 from .worker import SariaWorker
@@ -34,9 +38,12 @@ from .worker import SariaWorker
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("saria.vllm")
+
 
 class SariaStats(KVConnectorStats):
-    """Worker transfer counters for vLLM's connector stats: bytes and seconds per path."""
+    """saria's counters for vLLM's connector stats: the worker's transfer counters (bytes and
+    seconds per path, failures) and ``faults``; the scheduler half adds ``scheduler_faults``."""
 
     def reset(self) -> None:
         self.data = {}
@@ -63,27 +70,29 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
-        self._scheduler: SariaScheduler | None = None
+        self._scheduler: SchedulerGuard | None = None
         self._worker: SariaWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             # A cache miss must never fail a request: vLLM reads this right after building us.
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
-            self._scheduler = SariaScheduler(self.settings, geometry, workers=vllm_config.parallel_config.world_size)
+            workers = vllm_config.parallel_config.world_size
+            self._scheduler = SchedulerGuard(lambda: SariaScheduler(self.settings, geometry, workers=workers),
+                                             log_interval_s=self.settings.log_interval_s)
         else:
             self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks)
-        self._stats_seen: dict[str, float] = {}
+        self._faults_seen = 0
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss, never an error
 
-    # --- worker side -----------------------------------------------------------------------------
+    # --- worker side (SariaWorker's hooks never raise) -------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._meta())
+        self._worker.start_load_kv(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request is scheduled only once its load finished
@@ -92,15 +101,17 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         return  # saves run per request in wait_for_save, after the forward that completed its prompt
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._meta())
+        self._worker.wait_for_save(self._connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker.get_finished(finished_req_ids) or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        _, finished_recving = self.get_finished(finished_req_ids)
-        return KVConnectorTransferResults(finished_recving=set(finished_recving or ()),
-                                          failed_recving=self._worker.take_failed_requests())
+        """A failed load (``failed_recving``: vLLM recomputes the whole request) is always also a
+        finished one, as vLLM requires."""
+        finished = self._worker.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_requests()
+        return KVConnectorTransferResults(finished_recving=finished | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_error_blocks()
@@ -109,12 +120,16 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None or self._worker.data is None:
+        try:
+            if self._worker is not None:
+                data = self._worker.stats_delta()
+            else:
+                faults = self._scheduler.faults.count
+                data, self._faults_seen = {"scheduler_faults": faults - self._faults_seen}, faults
+        except Exception as exc:  # stats are never worth a fault's consequences
+            log.warning("saria: connector stats unavailable: %s", exc)
             return None
-        totals = self._worker.engine.counters()["engine"]
-        delta = {k: v - self._stats_seen.get(k, 0) for k, v in totals.items() if isinstance(v, (int, float))}
-        self._stats_seen = dict(totals)
-        stats = SariaStats(data={k: v for k, v in delta.items() if v})
+        stats = SariaStats(data={k: v for k, v in data.items() if v})
         return None if stats.is_empty() else stats
 
     @classmethod
@@ -125,13 +140,7 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
 
-    def _meta(self) -> SariaConnectorMetadata:
-        meta: KVConnectorMetadata = self._get_connector_metadata()
-        if not isinstance(meta, SariaConnectorMetadata):
-            raise TypeError(f"saria: unexpected connector metadata {type(meta).__name__}")
-        return meta
-
-    # --- scheduler side --------------------------------------------------------------------------
+    # --- scheduler side (through SchedulerGuard, which never raises) ------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -154,7 +163,7 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+        return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

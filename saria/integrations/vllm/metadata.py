@@ -1,6 +1,11 @@
 """What crosses between the connector's two halves, and nothing else: the scheduler's per-step
 metadata (loads to start, orders to run) and the worker's per-step report (loads finished,
-orders completed). Plain picklable dataclasses: the halves may live in different processes."""
+orders completed). Plain picklable dataclasses: the halves may live in different processes.
+
+Both carry the control plane's ``epoch``: the scheduler starts a new one whenever it replaces its
+control plane after a fault, the worker drops every object of an older epoch when it first sees
+a newer one, and the scheduler ignores reports of an older epoch. ``off``: that half turned
+saria off for the rest of the run, and the other follows."""
 
 from __future__ import annotations
 
@@ -48,9 +53,16 @@ class StateCapture:
 
 @dataclass
 class SariaConnectorMetadata(KVConnectorMetadata):
+    """One step's work. ``cancels``: requests vLLM was told to wait for a load that will never be
+    sent (a fault came between): the worker reports each one finished and failed, so vLLM
+    recomputes it instead of waiting forever."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[StateCapture] = field(default_factory=list)
     orders: list[OrderBatch] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    epoch: int = 0
+    off: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,16 +100,22 @@ class CompletionReport:
 class SariaWorkerMetadata(KVConnectorWorkerMetadata):
     loads: list[LoadReport] = field(default_factory=list)
     completions: list[CompletionReport] = field(default_factory=list)
+    epoch: int = 0
+    off: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel workers each hold a shard of every object: a load or order failed if it
-        failed on any worker."""
+        failed on any worker; saria is off if any worker turned it off; reports of an older epoch
+        than the other worker's are dropped (the scheduler would ignore them)."""
         if not isinstance(other, SariaWorkerMetadata):
             return self
+        if self.epoch != other.epoch:
+            newer = self if self.epoch > other.epoch else other
+            return SariaWorkerMetadata(newer.loads, newer.completions, newer.epoch, self.off or other.off)
         loads = {r.req_id: r for r in self.loads}
         for r in other.loads:
             loads[r.req_id] = loads[r.req_id].merge(r) if r.req_id in loads else r
         done = {c.order_id: c for c in self.completions}
         for c in other.completions:
             done[c.order_id] = done[c.order_id].merge(c) if c.order_id in done else c
-        return SariaWorkerMetadata(list(loads.values()), list(done.values()))
+        return SariaWorkerMetadata(list(loads.values()), list(done.values()), self.epoch, self.off or other.off)

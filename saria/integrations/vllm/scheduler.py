@@ -8,11 +8,16 @@ Per request:
 2. ``update_state_after_alloc``: the load's target blocks are known; a ``LoadSpec`` goes into
    the next step's metadata.
 3. ``update_connector_output``: the worker reports the load (failed objects, if any) and order
-   completions; completions go to the control plane, whose follow-up drops go to the worker.
+   completions; completions go to the control plane, whose follow-up drops go to the worker. A
+   failed DRAM reload means the control plane and the data plane disagree: it raises, and the
+   guard rebuilds both.
 4. ``build_connector_meta``: in the step whose forward completes the request's prompt, commit it
    (``commit_prefill``, with the load's failures) and send the orders with the blocks of every
    chunk: the worker runs them after that forward, before the step ends.
 5. ``request_finished``: release a plan never committed (aborted or preempted requests).
+
+vLLM calls it through :class:`~.guard.SchedulerGuard`, which replaces it (and its control plane)
+when it raises.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from saria.control import ControlPlane, DropOrder, ObjectKey, Order, ReloadPlan
+from saria.control import ControlPlane, DropOrder, ObjectKey, Order, ReloadPlan, Tier
 
 from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata,
                        StateCapture)
@@ -48,7 +53,18 @@ class _Request:
 
     @property
     def failed(self) -> tuple[ObjectKey, ...]:
-        return self.load_report.failed if self.load_report is not None else ()
+        """The plan's SSD reads that failed, for the control plane (which hears of SSD reads only)."""
+        return self.failed_from(Tier.SSD)
+
+    def failed_from(self, tier: Tier) -> tuple[ObjectKey, ...]:
+        """The objects of the plan read from ``tier`` whose reload failed."""
+        if self.load_report is None or self.plan is None:
+            return ()
+        plan = self.plan
+        keys = {ObjectKey(h, "kv") for h, source in zip(plan.chunk_hashes, plan.kv_sources) if source is tier}
+        if plan.state_chunk is not None and plan.state_source is tier:
+            keys.add(ObjectKey(plan.state_chunk, "state"))
+        return tuple(key for key in self.load_report.failed if key in keys)
 
 
 class SariaScheduler:
@@ -72,7 +88,6 @@ class SariaScheduler:
         self._partial_loads: dict[str, LoadReport] = {}
         self._partial_orders: dict[int, CompletionReport] = {}
         self._in_flight: set[int] = set()
-        self._last_log = clock()
 
     # --- hashing ---------------------------------------------------------------------------------
 
@@ -155,13 +170,13 @@ class SariaScheduler:
             self._follow_ups = []
         for batch in meta.orders:
             self._in_flight.update(o.order_id for o in batch.orders if _completes(o))
-        self._maybe_log()
         return meta
 
     def update_connector_output(self, output: Any) -> None:
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, SariaWorkerMetadata):
             return
+        lost = {}
         for load in report.loads:
             load = self._merge(self._partial_loads, load.req_id, load)
             if load is not None:
@@ -170,6 +185,8 @@ class SariaScheduler:
                     state.load_report = load
                     if load.failed and state.plan is not None and state.plan.state_chunk is not None:
                         state.captured.discard(state.plan.num_chunks - 1)  # no loaded state to keep
+                    if load.failed and state.failed_from(Tier.DRAM):
+                        lost[load.req_id] = state.failed_from(Tier.DRAM)
                 if load.failed:
                     log.warning("saria: reload for request %s failed for %d object(s); vLLM recomputes them",
                                 load.req_id, len(load.failed))
@@ -178,6 +195,9 @@ class SariaScheduler:
             if done is not None:
                 self._in_flight.discard(done.order_id)
                 self._follow_ups += self.control.complete(done.order_id, done.ok, self.clock(), failed=done.failed)
+        if lost:  # the control plane holds copies the data plane does not: neither can be trusted
+            raise RuntimeError(f"DRAM reloads failed (objects the control plane holds in DRAM that the data plane "
+                               f"could not deliver): {lost}")
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """The worker ran every order of a committed request in the step that completed its prompt,
@@ -280,24 +300,20 @@ class SariaScheduler:
         partial[key] = report
         return None
 
-    def _maybe_log(self) -> None:
-        interval = self.settings.log_interval_s
-        now = self.clock()
-        if interval and now - self._last_log >= interval:
-            self._last_log = now
-            log.info("saria: %s", summary_line(self.control))
-
 
 def _completes(order: Order) -> bool:
     """Orders that report back (drops do not)."""
     return not isinstance(order, DropOrder)
 
 
-def summary_line(control: ControlPlane) -> str:
+def summary_line(control: ControlPlane, faults: int = 0, rebuilds: int = 0) -> str:
+    """The periodic log line: the control plane's counters (since its last rebuild, if any) and
+    the scheduler half's faults."""
     c = control.counters()
     refs = max(1, c.references)
     return (f"{c.requests} requests, hits DRAM {c.hits_dram_chunks} / SSD {c.hits_ssd_chunks} of {c.references} "
             f"chunks ({(c.hits_dram_chunks + c.hits_ssd_chunks) / refs:.1%}), read "
             f"{c.hits_dram_bytes / 2**30:.2f} GiB DRAM + {c.ssd_bytes_read / 2**30:.2f} GiB SSD, SSD writes "
             f"{c.ssd_writes} ({c.ssd_bytes_written / 2**30:.2f} GiB), admissions eviction {c.admissions_eviction} / "
-            f"reuse {c.admissions_reuse} / prewrite {c.admissions_prewrite}, promotions {c.promotions}")
+            f"reuse {c.admissions_reuse} / prewrite {c.admissions_prewrite}, promotions {c.promotions}, "
+            f"faults {faults} (control plane rebuilt {rebuilds}x)")

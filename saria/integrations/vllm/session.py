@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 VOCAB = 4096
 BLOCK_TOKENS_IN_TRACE = 64  # the agent traces' block size
@@ -140,6 +140,7 @@ class SessionResult:
     turns: list[TurnResult]
     control: dict[str, Any] = field(default_factory=dict)  # saria's control-plane counters (in-process)
     worker: dict[str, Any] = field(default_factory=dict)  # saria's data-plane counters (in-process)
+    faults: dict[str, Any] = field(default_factory=dict)  # each half's faults, epoch, off (in-process)
     seconds: float = 0.0
     block_size: int = 0  # vLLM's KV block size in tokens (its own choice for hybrid models)
 
@@ -153,6 +154,57 @@ def _connectors(llm: Any) -> tuple[Any | None, Any | None]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     return scheduler, (get_kv_transfer_group() if has_kv_transfer_group() else None)
+
+
+FAULT_TARGETS = ("plan", "commit_prefill", "complete", "update_state_after_alloc", "ssd_load")
+
+
+def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """Test faults, in this process: patch saria's classes so that each target raises
+    ``RuntimeError`` once in each of its turns (0-based). Targets: the control plane's ``plan``,
+    ``commit_prefill`` and ``complete``; the connector scheduler's ``update_state_after_alloc``
+    (after vLLM was told to wait for a load); ``ssd_load``: the transfer engine's reload of a plan
+    that reads from SSD. Returns ``(arm, restore)``: call ``arm(turn)`` before each turn,
+    ``restore()`` at the end."""
+    from saria.control import ControlPlane, Tier
+    from saria.dataplane.engine import TransferEngine
+
+    from .scheduler import SariaScheduler
+
+    def reads_ssd(plan, *args, **kwargs) -> bool:
+        return Tier.SSD in plan.kv_sources or plan.state_source is Tier.SSD
+
+    where = {"plan": (ControlPlane, "plan", None), "commit_prefill": (ControlPlane, "commit_prefill", None),
+             "complete": (ControlPlane, "complete", None), "ssd_load": (TransferEngine, "load", reads_ssd),
+             "update_state_after_alloc": (SariaScheduler, "update_state_after_alloc", None)}
+    unknown = sorted(set(turns_by_target) - set(where))
+    if unknown:
+        raise ValueError(f"unknown fault target(s) {unknown}; known: {', '.join(FAULT_TARGETS)}")
+    armed: set[str] = set()
+
+    def raising(target: str, original: Callable, applies: Callable[..., bool] | None) -> Callable:
+        def method(self, *args, **kwargs):
+            if target in armed and (applies is None or applies(*args, **kwargs)):
+                armed.discard(target)
+                raise RuntimeError(f"injected fault in {target}")
+            return original(self, *args, **kwargs)
+        return method
+
+    originals = []
+    for target in turns_by_target:
+        cls, name, applies = where[target]
+        originals.append((cls, name, getattr(cls, name)))
+        setattr(cls, name, raising(target, getattr(cls, name), applies))
+
+    def arm(turn: int) -> None:
+        armed.clear()
+        armed.update(target for target, turns in turns_by_target.items() if turn in turns)
+
+    def restore() -> None:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+
+    return arm, restore
 
 
 def corrupt_ssd(paths: list[str]) -> int:
@@ -182,7 +234,7 @@ def corrupt_ssd(paths: list[str]) -> int:
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
                 block_size: int | None = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
                 prefix_caching: bool = False, reset_prefix_cache: bool = True, prime: list[int] | None = None,
-                progress: bool = False) -> SessionResult:
+                inject_faults: dict[str, list[int]] | None = None, progress: bool = False) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -193,7 +245,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     ``prime`` (with ``prefix_caching``): per turn, how many leading tokens of its prompt to put into
     vLLM's own (emptied) prefix cache first, by running them alone: the turn then reuses exactly
     those tokens from vLLM's cache, the same split of reused and computed tokens as a run with saria
-    that reused them, so its outputs are the bit-for-bit reference for that run."""
+    that reused them, so its outputs are the bit-for-bit reference for that run.
+    ``inject_faults``: test faults, ``{target: [turn, ...]}`` (:func:`patch_faults`); needs the
+    engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -211,7 +265,13 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
               enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, **kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
     scheduler_side, worker_side = _connectors(llm) if extra_config is not None else (None, None)
-    scheduler = getattr(scheduler_side, "_scheduler", None)
+    guard = getattr(scheduler_side, "_scheduler", None)  # SchedulerGuard; guard.inner: the current SariaScheduler
+    arm, restore = (None, None)
+    if inject_faults:
+        if guard is None:
+            raise ValueError("inject_faults needs saria in an engine in this process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        arm, restore = patch_faults(inject_faults)
     result = SessionResult([], block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     start = time.perf_counter()
     for turn, prompt in enumerate(prompts):
@@ -222,15 +282,21 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         if prime is not None and prime[turn]:
             llm.generate([TokensPrompt(prompt_token_ids=prompt[:prime[turn]])],
                          SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
-        before = scheduler.control.counters() if scheduler else None
+        control = guard.inner.control if guard else None
+        before = control.counters() if guard else None
+        if arm is not None:
+            arm(turn)
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         wall = time.perf_counter() - t0
         completion = out.outputs[0]
-        after = scheduler.control.counters() if scheduler else None
-        chunk = scheduler.config.chunk.chunk_tokens if scheduler else 0
-        dram = (after.hits_dram_chunks - before.hits_dram_chunks) * chunk if scheduler else 0
-        ssd = (after.hits_ssd_chunks - before.hits_ssd_chunks) * chunk if scheduler else 0
+        dram = ssd = 0
+        if guard is not None:
+            if guard.inner.control is not control:  # rebuilt after a fault: its counters start at zero
+                before = type(before)()
+            after, chunk = guard.inner.control.counters(), guard.inner.config.chunk.chunk_tokens
+            dram = (after.hits_dram_chunks - before.hits_dram_chunks) * chunk
+            ssd = (after.hits_ssd_chunks - before.hits_ssd_chunks) * chunk
         ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
         result.turns.append(TurnResult(
             len(prompt), out.num_cached_tokens or 0, dram, ssd, list(completion.token_ids),
@@ -241,11 +307,15 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
             print(f"  turn {turn + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, {t.cached_tokens:>5} reused "
                   f"(DRAM {t.dram_tokens}, SSD {t.ssd_tokens}), TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
     result.seconds = time.perf_counter() - start
-    if scheduler is not None:
-        result.control = asdict(scheduler.control.counters())
+    if restore is not None:
+        restore()
+    if guard is not None:
+        result.control = asdict(guard.inner.control.counters())
+        result.faults["scheduler"] = guard.stats()
     worker = getattr(worker_side, "_worker", None)
-    if worker is not None and worker.data is not None:
-        result.worker = worker.engine.counters()
+    if worker is not None:
+        result.worker = worker.snapshot()
+        result.faults["worker"] = result.worker["connector"]
     return result
 
 

@@ -12,24 +12,39 @@
   blocks may be reused at once and the next lookup finds them), writes from HBM are packed before
   the step ends and written to SSD in the background, drops free slots.
 * ``build_connector_worker_meta``: load results and order completions, for the scheduler.
+
+Faults (:mod:`.faults`; no exception leaves these hooks):
+
+* An exception in one load (starting or collecting it) fails that request as a whole: it is
+  reported finished and failed (``failed_recving``) and vLLM recomputes it; one in one order
+  reports that order failed. A load or order call of the engine that raises has started nothing,
+  so no byte of it can land in vLLM's blocks later.
+* A new epoch in the metadata (the scheduler replaced its control plane): wait for every load and
+  order in flight, fail those loads, free every host pool slot and delete every SSD object.
+* The data plane cannot open, a fault outside any one load or order, or ``faults.LIMIT`` faults
+  within ``faults.WINDOW_S``: turn off. The data plane is closed (which waits for the work in
+  flight), the loads in flight are failed, and from then on every load fails and every order
+  fails; the report says ``off``, and the scheduler stops sending any.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Hashable
 
 import torch
 
-from saria.orders import DropOrder, ObjectKey, PromoteOrder, StoreOrder, WriteOrder
-from saria.dataplane.engine import LoadJob
+from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, WriteOrder
+from saria.dataplane.engine import LoadJob, LoadResult
 from saria.dataplane.setup import DataPlane, open_data_plane
 from saria.kernels import PageTable, pack_pages
 
+from .faults import Faults
 from .geometry import EngineGeometry
-from .metadata import CompletionReport, LoadReport, LoadSpec, SariaConnectorMetadata, SariaWorkerMetadata
+from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata,
+                       SariaWorkerMetadata)
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
@@ -50,26 +65,36 @@ def page_views(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.T
 
 
 class SariaWorker:
-    """Worker-side state of the connector (module docstring)."""
+    """Worker-side state of the connector (module docstring). Every public method is a vLLM hook
+    (or one half of one) and never raises."""
 
-    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, num_blocks: int):
+    def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, num_blocks: int,
+                 faults: Faults | None = None):
         self.settings = settings
         self.geometry = geometry
         self.block_size = geometry.block_size
         self.num_blocks = num_blocks
+        self.faults = faults or Faults("worker")
+        self.epoch = 0  # the control plane's, from the metadata
+        self.off = False
         self.data: DataPlane | None = None
         self.state_table: PageTable | None = None
         self._loads: dict[str, tuple[LoadSpec, LoadJob]] = {}
-        self._load_reports: list[LoadReport] = []
+        self._finished: set[str] = set()  # loads ended, for vLLM's next get_finished
+        self._failed_requests: set[str] = set()  # of those, failed as a whole
         self._error_blocks: set[int] = set()
-        self._failed_requests: set[str] = set()
+        self._load_reports: list[LoadReport] = []
         self._orders: list[tuple[int, Future]] = []
+        self._completions: list[CompletionReport] = []  # orders that failed before they started
+        self._dram_keys: set[ObjectKey] = set()  # every object a store may have put in the host pool
         self._captured: dict[str, dict[Hashable, torch.Tensor]] = {}  # GDN states set aside, per request
+        self._final_counters: dict = {}  # the engine's counters when its data plane closed
+        self._stats_seen: dict[str, float] = {}
 
     @property
     def engine(self):
         if self.data is None:
-            raise RuntimeError("saria: KV caches not registered yet")
+            raise RuntimeError("saria: the data plane is not open")
         return self.data.engine
 
     def _table(self, layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor]) -> PageTable:
@@ -79,6 +104,13 @@ class SariaWorker:
         return PageTable([v for name in layers for v in page_views(name, kv_caches[name], self.num_blocks)])
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            self._open(kv_caches)
+        except Exception as exc:
+            self.faults.record("register_kv_caches", exc)
+            self._turn_off("its data plane could not start")
+
+    def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
         g = self.geometry
         table = self._table(g.attention_layers, kv_caches)
         if table.bytes_per_page != g.kv_bytes_per_token * self.block_size:
@@ -105,39 +137,79 @@ class SariaWorker:
         the GIL between our threads' small operations (a convoy that turned a 1 MiB reload into
         seconds); waiting on an event frees it. On CUDA the copies run on the device and the loads
         stay asynchronous."""
-        jobs = []
-        for spec in meta.loads:
+        try:
+            self._follow(meta)
+            for req_id in meta.cancels:  # vLLM waits for a load the scheduler could not send
+                self._fail_request(req_id)
+            jobs = [job for spec in meta.loads if (job := self._start_load(spec)) is not None]
+            if jobs and not self.off and self.engine.device.type == "cpu":
+                for job in jobs:
+                    job.wait()
+        except Exception as exc:
+            self._give_up("start_load_kv", exc)
+            specs = getattr(meta, "loads", ())
+            for req_id in [spec.req_id for spec in specs] + list(getattr(meta, "cancels", ())):
+                if req_id not in self._finished:  # not started, or started and failed by the turn-off
+                    self._fail_request(req_id)
+
+    def _start_load(self, spec: LoadSpec) -> LoadJob | None:
+        if self.off:
+            self._fail_load(spec)
+            return None
+        try:
             job = self.engine.load(spec.plan, spec.kv_blocks, spec.state_blocks, skip_pages=spec.skip_pages)
-            self._loads[spec.req_id] = (spec, job)
-            jobs.append(job)
-        if self.engine.device.type == "cpu":
-            for job in jobs:
-                job.wait()
+        except Exception as exc:  # the engine started nothing of it
+            self._fail_load(spec)
+            self._fault("load", exc)
+            return None
+        self._loads[spec.req_id] = (spec, job)
+        return job
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Reloads whose objects are all in their pages (or failed), reported once. Requests that
         vLLM finished drop the GDN states set aside for them."""
-        for req_id in finished_req_ids:
-            self._captured.pop(req_id, None)
-        done = set()
-        for req_id, (spec, job) in list(self._loads.items()):
-            if not job.ready():
-                continue
-            result = job.wait()
-            del self._loads[req_id]
-            done.add(req_id)
-            self._load_reports.append(LoadReport(req_id, spec.plan.plan_id, result.failed, result.valid_chunks))
-            if result.failed:
-                if self.geometry.hybrid:  # block ids are per group: vLLM takes request-level failures
-                    self._failed_requests.add(req_id)
-                    continue
-                # Every block from the first chunk that did not arrive on: vLLM recomputes them.
-                for c in range(result.valid_chunks, len(spec.kv_blocks)):
-                    skip = spec.skip_pages if c == 0 else 0
-                    self._error_blocks.update(spec.kv_blocks[c][skip:])
-            elif spec.state_blocks is not None:  # keep the loaded state: a promotion may store it
-                self._capture(req_id, spec.plan.state_chunk, spec.state_blocks[0])
+        try:
+            for req_id in finished_req_ids:
+                self._captured.pop(req_id, None)
+            for req_id, (spec, job) in list(self._loads.items()):
+                if job.ready():
+                    result = job.wait()
+                    del self._loads[req_id]
+                    self._finish_load(spec, result)
+        except Exception as exc:  # a load's state is unknown: stop before its bytes are used
+            self._give_up("get_finished", exc)
+        done, self._finished = self._finished, set()
         return done
+
+    def _finish_load(self, spec: LoadSpec, result: LoadResult) -> None:
+        req_id = spec.req_id
+        self._finished.add(req_id)
+        self._load_reports.append(LoadReport(req_id, spec.plan.plan_id, result.failed, result.valid_chunks))
+        if result.failed:
+            if self.geometry.hybrid:  # block ids are per group: vLLM takes request-level failures
+                self._failed_requests.add(req_id)
+                return
+            # Every block from the first chunk that did not arrive on: vLLM recomputes them.
+            for c in range(result.valid_chunks, len(spec.kv_blocks)):
+                skip = spec.skip_pages if c == 0 else 0
+                self._error_blocks.update(spec.kv_blocks[c][skip:])
+        elif spec.state_blocks is not None:  # keep the loaded state: a promotion may store it
+            self._capture(req_id, spec.plan.state_chunk, spec.state_blocks[0])
+
+    def _fail_request(self, req_id: str) -> None:
+        """vLLM hears that the request's load ended and failed: it recomputes the whole request."""
+        self._finished.add(req_id)
+        self._failed_requests.add(req_id)
+
+    def _fail_load(self, spec: LoadSpec) -> None:
+        """Fail a load as a whole after a fault: the control plane drops the SSD copies it was to
+        read (they are not vouched for); its DRAM copies are not to blame."""
+        self._fail_request(spec.req_id)
+        plan = spec.plan
+        failed = [ObjectKey(chunk, KV) for chunk, tier in zip(plan.chunk_hashes, plan.kv_sources) if tier is Tier.SSD]
+        if plan.state_chunk is not None and plan.state_source is Tier.SSD:
+            failed.append(ObjectKey(plan.state_chunk, STATE))
+        self._load_reports.append(LoadReport(spec.req_id, plan.plan_id, tuple(failed), 0))
 
     def take_error_blocks(self) -> set[int]:
         blocks, self._error_blocks = self._error_blocks, set()
@@ -148,53 +220,202 @@ class SariaWorker:
         return failed
 
     def _capture(self, req_id: str, chunk: Hashable, block: int) -> None:
-        self._captured.setdefault(req_id, {})[chunk] = pack_pages(self.state_table, torch.tensor([block]))
+        """Set a GDN state aside; on a fault, do without it (a store of it then fails)."""
+        try:
+            self._captured.setdefault(req_id, {})[chunk] = pack_pages(self.state_table, torch.tensor([block]))
+        except Exception as exc:
+            self._fault("capture", exc)
 
     # --- orders ----------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: SariaConnectorMetadata) -> None:
         """Run the step's orders after its forward; return once no page is read any more."""
-        engine = self.engine
-        for capture in meta.captures:  # states at the boundaries this step's forward ended on
-            self._capture(capture.req_id, capture.chunk, capture.block)
-        for batch in meta.orders:
-            states = self._captured.pop(batch.req_id, {}) if batch.req_id is not None else {}
-            prepacked = {ObjectKey(chunk, "state"): staging for chunk, staging in states.items()}
-            for order in batch.orders:
-                if isinstance(order, DropOrder):
-                    engine.drop(order)
-                elif isinstance(order, (StoreOrder, PromoteOrder)):
-                    future = engine.store(order, batch.kv_blocks, prepacked=prepacked)
-                    future.result()  # pages copied to host slots before the blocks can be reused
-                    self._orders.append((order.order_id, future))
-                elif isinstance(order, WriteOrder):
-                    packed = threading.Event()
-                    future = engine.write(order, batch.kv_blocks, packed=packed, prepacked=prepacked)
-                    packed.wait()
-                    self._orders.append((order.order_id, future))
-                else:
-                    raise ValueError(f"saria: unknown order {order!r}")
+        try:
+            self._follow(meta)
+            if not self.off:
+                for capture in meta.captures:  # states at the boundaries this step's forward ended on
+                    self._capture(capture.req_id, capture.chunk, capture.block)
+            for batch in meta.orders:
+                states = self._captured.pop(batch.req_id, {}) if batch.req_id is not None else {}
+                prepacked = {ObjectKey(chunk, STATE): staging for chunk, staging in states.items()}
+                for order in batch.orders:
+                    self._run_order(order, batch, prepacked)
+        except Exception as exc:
+            self._give_up("wait_for_save", exc)
+
+    def _run_order(self, order: Order, batch: OrderBatch, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
+        if isinstance(order, DropOrder):
+            if not self.off:
+                try:
+                    self.engine.drop(order)
+                    if order.tier is Tier.DRAM:
+                        self._dram_keys.difference_update(_keys(order))
+                except Exception as exc:
+                    self._fault("drop", exc)
+            return
+        if self.off:
+            self._completions.append(CompletionReport(order.order_id, False))
+            return
+        try:
+            if isinstance(order, (StoreOrder, PromoteOrder)):
+                self._dram_keys.update(_keys(order))
+                future = self.engine.store(order, batch.kv_blocks, prepacked=prepacked)
+                wait([future])  # pages copied to host slots before the blocks can be reused
+            elif isinstance(order, WriteOrder):
+                packed = threading.Event()
+                future = self.engine.write(order, batch.kv_blocks, packed=packed, prepacked=prepacked)
+                packed.wait()
+            else:
+                raise ValueError(f"saria: unknown order {order!r}")
+        except Exception as exc:  # the engine started nothing of it
+            self._completions.append(CompletionReport(order.order_id, False))
+            self._fault(type(order).__name__, exc)
+            return
+        self._orders.append((order.order_id, future))
 
     def build_worker_meta(self) -> SariaWorkerMetadata | None:
-        completions = []
-        pending = []
-        for order_id, future in self._orders:
-            if future.done():
-                c = future.result()
-                completions.append(CompletionReport(order_id, c.ok, c.failed))
-            else:
-                pending.append((order_id, future))
-        self._orders = pending
-        loads, self._load_reports = self._load_reports, []
-        if not loads and not completions:
+        loads: list[LoadReport] = []
+        completions: list[CompletionReport] = []
+        try:
+            completions, self._completions = self._completions, []
+            orders, self._orders = self._orders, []
+            for order_id, future in orders:
+                if future.done() or self.off:  # off: the data plane closed, nothing more will finish
+                    completions.append(self._completion(order_id, future))
+                else:
+                    self._orders.append((order_id, future))
+            loads, self._load_reports = self._load_reports, []
+        except Exception as exc:
+            self._give_up("build_connector_worker_meta", exc)
+        if not loads and not completions and not self.off:
             return None
-        return SariaWorkerMetadata(loads, completions)
+        return SariaWorkerMetadata(loads, completions, self.epoch, self.off)
+
+    def _completion(self, order_id: int, future: Future) -> CompletionReport:
+        if not future.done():  # the data plane closed before it finished
+            return CompletionReport(order_id, False)
+        error = future.exception()
+        if error is not None:
+            self._fault("order", error)
+            return CompletionReport(order_id, False)
+        done = future.result()
+        return CompletionReport(order_id, done.ok, done.failed)
+
+    # --- epochs, faults, turning off -------------------------------------------------------------
+
+    def _follow(self, meta: SariaConnectorMetadata) -> None:
+        if not isinstance(meta, SariaConnectorMetadata):
+            raise TypeError(f"saria: unexpected connector metadata {type(meta).__name__}")
+        if meta.off and not self.off:
+            self._turn_off("the scheduler turned saria off")
+        if meta.epoch != self.epoch:
+            self._new_epoch(meta.epoch)
+
+    def _new_epoch(self, epoch: int) -> None:
+        """The scheduler replaced its control plane: nothing the old one placed may be read again
+        (it could not vouch for it) or stay behind (the new one does not know of it)."""
+        self.epoch = epoch
+        self._load_reports, self._completions = [], []  # for the old control plane: never sent
+        loads, self._loads = list(self._loads.values()), {}
+        orders, self._orders = self._orders, []
+        self._captured.clear()
+        if not self.off:
+            try:
+                for _, job in loads:  # let every copy into vLLM's blocks end before the objects go
+                    job.wait()
+                wait([future for _, future in orders])
+                self._drop_everything()
+                log.warning("saria worker: control plane replaced (epoch %d): every cached object dropped", epoch)
+            except Exception as exc:
+                self.faults.record("new epoch", exc)
+                self._turn_off("it could not drop the objects of a replaced control plane")
+        for spec, _ in loads:  # loaded for the old control plane: vLLM recomputes them
+            self._fail_request(spec.req_id)
+
+    def _drop_everything(self) -> None:
+        engine = self.engine
+        keys, self._dram_keys = self._dram_keys, set()
+        kv = tuple(k.chunk for k in keys if k.kind == KV)
+        state = tuple(k.chunk for k in keys if k.kind == STATE)
+        if kv or state:
+            engine.drop(DropOrder(-1, kv, state, 0, Tier.DRAM))
+        if self.data.ssd is not None:
+            for key in self.data.ssd.keys():
+                self.data.ssd.delete(key)
+        left = engine.dram_objects()
+        if left:
+            raise RuntimeError(f"{left} DRAM object(s) left after dropping every one stored")
+
+    def _fault(self, where: str, exc: BaseException) -> None:
+        """A fault confined to one load or order (already failed by the caller)."""
+        if self.faults.record(where, exc):
+            self._turn_off(f"{self.faults.limit} faults within {self.faults.window_s:g} s")
+
+    def _give_up(self, where: str, exc: BaseException) -> None:
+        """A fault outside any one load or order: the worker's state is not to be trusted."""
+        self.faults.record(where, exc)
+        self._turn_off(f"fault in {where}")
+
+    def _turn_off(self, reason: str) -> None:
+        """Close the data plane (its close waits for every copy in flight, so nothing lands in
+        vLLM's blocks afterwards), fail the loads in flight, and fail everything from now on."""
+        if self.off:
+            return
+        self.off = True
+        log.error("saria worker: turned off for the rest of this run (%s); vLLM computes every token itself from "
+                  "now on", reason)
+        data, self.data = self.data, None
+        if data is not None:
+            try:
+                self._final_counters = data.engine.counters()
+            except Exception as exc:
+                log.warning("saria worker: counters unavailable: %s", exc)
+            try:
+                data.close()
+                if data.engine.device.type == "cuda":
+                    torch.cuda.synchronize(data.engine.device)
+            except Exception as exc:
+                log.error("saria worker: closing the data plane failed: %s", exc, exc_info=exc)
+        for spec, _ in self._loads.values():
+            self._fail_load(spec)
+        self._loads.clear()
+        self._captured.clear()
+        self._dram_keys.clear()
+
+    # --- counters --------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """The engine's counters (``engine``, ``coordinator``, ``host_pool``, ``ssd``), also after
+        the data plane closed, and the connector's (``connector``: faults, epoch, off)."""
+        try:
+            out = self.data.engine.counters() if self.data is not None else dict(self._final_counters)
+        except Exception as exc:
+            log.warning("saria worker: counters unavailable: %s", exc)
+            out = {}
+        out["connector"] = dict(self.faults.snapshot(), epoch=self.epoch, off=self.off)
+        return out
+
+    def stats_delta(self) -> dict[str, int | float]:
+        """What changed since the last call, for vLLM's connector stats: the engine's transfer
+        counters (bytes and seconds per path, failures) and ``faults``."""
+        totals = dict(self.snapshot().get("engine", {}), faults=self.faults.count)
+        delta = {k: v - self._stats_seen.get(k, 0) for k, v in totals.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self._stats_seen = totals
+        return {k: v for k, v in delta.items() if v}
 
     def shutdown(self) -> None:
-        if self.data is not None:
+        data, self.data = self.data, None
+        if data is None:
+            return
+        try:
             for _, job in self._loads.values():
                 job.wait()
-            for _, future in self._orders:
-                future.result()
-            self.data.close()
-            self.data = None
+            wait([future for _, future in self._orders])
+            data.close()
+        except Exception as exc:
+            log.warning("saria worker: shutdown: %s", exc)
+
+
+def _keys(order: Order) -> list[ObjectKey]:
+    return [ObjectKey(c, KV) for c in order.kv] + [ObjectKey(c, STATE) for c in order.state]

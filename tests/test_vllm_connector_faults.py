@@ -1,0 +1,400 @@
+"""The connector's fault handling without an engine: the fault counter's policy, the scheduler
+half behind its guard (rebuilds, epochs, cancels, turning off), the worker half failing only what
+a fault touched, and dropping everything at a new epoch. Real control plane, real data plane (host
+pool, SSD store in a temp dir), vLLM's objects as plain stand-ins carrying the fields saria reads.
+Faults are injected by making one method raise."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import types
+
+import pytest
+import torch
+
+from saria.control import ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
+from saria.integrations.vllm.faults import Faults
+from saria.integrations.vllm.guard import SchedulerGuard
+from saria.integrations.vllm.geometry import EngineGeometry
+from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch,
+                                              SariaConnectorMetadata, SariaWorkerMetadata)
+from saria.integrations.vllm.scheduler import SariaScheduler
+from saria.integrations.vllm.settings import ConnectorSettings
+from saria.integrations.vllm.worker import SariaWorker
+
+BLOCK = 32
+CHUNK = 64  # two blocks
+KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2  # one layer: K and V, 2 heads, head dim 64, bf16
+GEOMETRY = EngineGeometry(block_size=BLOCK, attention_group=0, attention_layers=("l0",),
+                          kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+
+
+def settings(tmp_path=None, **extra):
+    options = {"chunk_tokens": CHUNK, "dram_bytes": 8 * CHUNK * KV_BYTES_PER_TOKEN, "log_interval_s": 0}
+    if tmp_path is not None:
+        options.update(ssd_paths=[str(tmp_path)], ssd_bytes=8 << 20)
+    return ConnectorSettings.from_extra_config(dict(options, **extra))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+# --- the fault counter -----------------------------------------------------------------------------
+
+def test_first_fault_of_a_kind_logs_its_traceback_later_ones_one_line(caplog):
+    faults = Faults("scheduler", clock=Clock())
+    with caplog.at_level(logging.WARNING, logger="saria.vllm"):
+        for _ in range(2):
+            try:
+                raise KeyError("chunk 7")
+            except KeyError as exc:
+                faults.record("build_connector_meta", exc)
+        faults.record("request_finished", ValueError("x"))
+    first, again, other = caplog.records
+    assert first.exc_info is not None and "build_connector_meta" in first.getMessage()
+    assert again.exc_info is None and "again" in again.getMessage()
+    assert other.exc_info is not None  # another kind: its own traceback
+    assert faults.count == 3 and faults.by_where == {"build_connector_meta": 2, "request_finished": 1}
+
+
+def test_three_faults_within_the_window_say_turn_off_spread_out_they_do_not():
+    clock = Clock()
+    faults = Faults("worker", limit=3, window_s=300, clock=clock)
+    assert not faults.record("load", RuntimeError())
+    clock.now = 200
+    assert not faults.record("load", RuntimeError())
+    clock.now = 550  # both earlier ones have left the window
+    assert not faults.record("load", RuntimeError())
+    clock.now = 560
+    assert not faults.record("load", RuntimeError())
+    clock.now = 600
+    assert faults.record("load", RuntimeError())  # 550, 560, 600
+
+
+# --- the scheduler half ----------------------------------------------------------------------------
+
+class Engine:
+    """What vLLM's scheduler hands the connector: requests with block hashes, and per-step outputs
+    scheduling a request's whole prompt at once."""
+
+    def __init__(self, guard: SchedulerGuard):
+        self.guard = guard
+        self.next_block = 1
+
+    @staticmethod
+    def request(req_id: str, chunks: int, prefix: str = "b"):
+        """A prompt of ``chunks`` chunks and one block more; requests of one ``prefix`` share it."""
+        hashes = [f"{prefix}{i}".encode() for i in range(chunks * CHUNK // BLOCK + 1)]
+        return types.SimpleNamespace(request_id=req_id, block_hashes=hashes, num_prompt_tokens=len(hashes) * BLOCK)
+
+    def blocks(self, n: int) -> list[int]:
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
+
+    def step(self, *requests) -> SariaConnectorMetadata:
+        """Schedule each request's whole prompt (its blocks new) and build the step's metadata."""
+        new = [types.SimpleNamespace(req_id=r.request_id, block_ids=(self.blocks(len(r.block_hashes)),),
+                                     num_computed_tokens=0) for r in requests]
+        out = types.SimpleNamespace(
+            num_scheduled_tokens={r.request_id: r.num_prompt_tokens for r in requests}, scheduled_new_reqs=new,
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                        num_computed_tokens=[]),
+            preempted_req_ids=set())
+        return self.guard.build_connector_meta(out)
+
+    def report(self, epoch=0, loads=(), completions=(), off=False):
+        self.guard.update_connector_output(types.SimpleNamespace(
+            kv_connector_worker_meta=SariaWorkerMetadata(list(loads), list(completions), epoch, off)))
+
+    def cache(self, req_id: str, chunks: int) -> None:
+        """Run a request through so its chunks end up in saria's DRAM tier."""
+        request = self.request(req_id, chunks)
+        assert self.guard.get_num_new_matched_tokens(request, 0) == (0, False)
+        meta = self.step(request)
+        (batch,) = meta.orders
+        self.report(meta.epoch, completions=[CompletionReport(o.order_id, True) for o in batch.orders])
+        self.guard.request_finished(request, [])
+
+
+def blocks_of(ids):
+    return types.SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+@pytest.fixture
+def engine():
+    guard = SchedulerGuard(lambda: SariaScheduler(settings(), GEOMETRY), faults=Faults("scheduler", clock=Clock()))
+    return Engine(guard)
+
+
+def test_a_lookup_fault_is_a_miss_and_rebuilds_the_control_plane(engine, monkeypatch):
+    engine.cache("r1", 2)
+    old = engine.guard.inner
+    monkeypatch.setattr(old.control, "plan", lambda *a, **k: 1 / 0)
+    assert engine.guard.get_num_new_matched_tokens(engine.request("r2", 2), 0) == (0, False)
+    assert engine.guard.inner is not old and engine.guard.epoch == 1
+    assert engine.guard.stats() == {"faults": 1, "by_where": {"get_num_new_matched_tokens": 1}, "epoch": 1,
+                                    "off": False}
+    meta = engine.step()
+    assert meta.epoch == 1 and not meta.off and not meta.loads and not meta.cancels
+    # The fresh control plane knows nothing: the next lookup is a miss, without a fault.
+    assert engine.guard.get_num_new_matched_tokens(engine.request("r3", 2), 0) == (0, False)
+
+
+def test_a_request_told_to_load_gets_a_cancel_when_a_fault_loses_its_load(engine, monkeypatch):
+    """The dangerous window: vLLM waits for a load once ``update_state_after_alloc`` saw external
+    tokens. A fault before the load reaches the metadata must not leave it waiting forever."""
+    engine.cache("r1", 2)
+    r2 = engine.request("r2", 3)
+    assert engine.guard.get_num_new_matched_tokens(r2, 0) == (2 * CHUNK, True)
+    monkeypatch.setattr(engine.guard.inner, "update_state_after_alloc", lambda *a: 1 / 0)
+    engine.guard.update_state_after_alloc(r2, blocks_of(engine.blocks(7)), 2 * CHUNK)
+    meta = engine.step()
+    assert meta.cancels == ["r2"] and not meta.loads and meta.epoch == 1
+
+
+def test_a_fault_while_building_the_metadata_cancels_the_loads_it_held(engine, monkeypatch):
+    engine.cache("r1", 2)
+    r2, r3 = engine.request("r2", 3), engine.request("r3", 1, prefix="other")
+    assert engine.guard.get_num_new_matched_tokens(r2, 0) == (2 * CHUNK, True)
+    engine.guard.update_state_after_alloc(r2, blocks_of(engine.blocks(7)), 2 * CHUNK)
+    engine.guard.get_num_new_matched_tokens(r3, 0)
+    monkeypatch.setattr(engine.guard.inner.control, "commit_prefill", lambda *a, **k: 1 / 0)  # r3's commit
+    meta = engine.step(r3)
+    assert meta.loads == [] and meta.orders == [] and meta.cancels == ["r2"] and meta.epoch == 1
+    # Without a fault the load is sent, and nothing is cancelled.
+    engine.cache("r4", 2)
+    r5 = engine.request("r5", 3)
+    engine.guard.get_num_new_matched_tokens(r5, 0)
+    engine.guard.update_state_after_alloc(r5, blocks_of(engine.blocks(7)), 2 * CHUNK)
+    meta = engine.step()
+    assert [load.req_id for load in meta.loads] == ["r5"] and meta.cancels == []
+
+
+def test_a_failed_dram_reload_means_the_planes_disagree_and_rebuilds(engine):
+    engine.cache("r1", 2)
+    r2 = engine.request("r2", 3)
+    engine.guard.get_num_new_matched_tokens(r2, 0)
+    engine.guard.update_state_after_alloc(r2, blocks_of(engine.blocks(7)), 2 * CHUNK)
+    (load,) = engine.step().loads
+    lost = ObjectKey(load.plan.chunk_hashes[1], "kv")
+    engine.report(0, loads=[LoadReport("r2", load.plan.plan_id, (lost,), 1)])
+    assert engine.guard.epoch == 1 and engine.guard.faults.by_where == {"update_connector_output": 1}
+
+
+def test_a_load_for_a_request_vllm_does_not_wait_for_is_never_sent(engine, monkeypatch):
+    spec = LoadSpec("stranger", plan(1, ["h0"], Tier.DRAM), ((5, 6),))
+    monkeypatch.setattr(engine.guard.inner, "build_connector_meta", lambda out: SariaConnectorMetadata(loads=[spec]))
+    meta = engine.step()
+    assert meta.loads == [] and meta.epoch == 1 and engine.guard.faults.count == 1
+
+
+def test_reports_of_a_replaced_control_plane_are_ignored(engine, monkeypatch):
+    r1 = engine.request("r1", 2)
+    engine.guard.get_num_new_matched_tokens(r1, 0)
+    (batch,) = engine.step(r1).orders
+    monkeypatch.setattr(engine.guard.inner, "request_finished", lambda *a: 1 / 0)
+    assert engine.guard.request_finished(r1, []) == (False, None)  # blocks freed at once
+    assert engine.guard.epoch == 1
+    # The completion of epoch 0's store would be an unknown order to the new control plane.
+    engine.report(0, completions=[CompletionReport(o.order_id, True) for o in batch.orders])
+    engine.report(0, loads=[LoadReport("r1", 99, (), 0)])
+    assert engine.guard.faults.count == 1 and engine.guard.inner.control.audit() == []
+    assert not engine.guard.has_pending_work()
+
+
+def test_repeated_faults_turn_the_connector_off(engine, monkeypatch, caplog):
+    broken = lambda *a, **k: 1 / 0  # noqa: E731
+    monkeypatch.setattr(SariaScheduler, "get_num_new_matched_tokens", broken)
+    with caplog.at_level(logging.ERROR, logger="saria.vllm"):
+        for i in range(3):
+            assert engine.guard.get_num_new_matched_tokens(engine.request(f"r{i}", 1), 0) == (0, False)
+    assert engine.guard.off and engine.guard.epoch == 2  # rebuilt twice, then off
+    assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
+    # Off: misses, no orders, and a request vLLM still waits for gets its cancel.
+    engine.guard.update_state_after_alloc(engine.request("r9", 1), blocks_of([1, 2, 3]), CHUNK)
+    meta = engine.step(engine.request("r10", 1))
+    assert meta.off and meta.cancels == ["r9"] and not meta.orders and not meta.loads
+    assert not engine.guard.has_pending_work() and engine.guard.request_finished(engine.request("r9", 1), []) == (
+        False, None)
+
+
+def test_the_summary_line_counts_faults_and_rebuilds(caplog, monkeypatch):
+    clock = Clock()
+    guard = SchedulerGuard(lambda: SariaScheduler(settings(), GEOMETRY), log_interval_s=60, clock=clock)
+    monkeypatch.setattr(guard.inner, "has_pending_work", lambda: 1 / 0)
+    assert not guard.has_pending_work()
+    clock.now = 61
+    with caplog.at_level(logging.INFO, logger="saria.vllm"):
+        Engine(guard).step()
+    assert "faults 1 (control plane rebuilt 1x)" in caplog.records[-1].getMessage()
+
+
+def test_the_worker_turning_off_turns_the_scheduler_off(engine):
+    engine.report(0, off=True)
+    assert engine.guard.off and engine.step().off
+
+
+def test_reports_merge_across_workers_with_epoch_and_off():
+    a = SariaWorkerMetadata([LoadReport("r", 1, (), 1)], [], epoch=1)
+    b = SariaWorkerMetadata([LoadReport("r", 1, (), 1)], [], epoch=1, off=True)
+    both = a.aggregate(b)
+    assert both.off and both.epoch == 1 and both.loads[0].reports == 2
+    stale = SariaWorkerMetadata([LoadReport("q", 1, (), 1)], [], epoch=0)
+    assert a.aggregate(stale).loads == a.loads and stale.aggregate(a).epoch == 1
+
+
+# --- the worker half -------------------------------------------------------------------------------
+
+def dense_worker(tmp_path, ssd=True):
+    worker = SariaWorker(settings(tmp_path if ssd else None), GEOMETRY, num_blocks=16)
+    pages = torch.arange(16 * BLOCK * KV_BYTES_PER_TOKEN // 2, dtype=torch.int16).view(torch.bfloat16)
+    worker.register_kv_caches({"l0": pages.view(16, 2, BLOCK, 2, 64)})
+    assert worker.data is not None
+    return worker
+
+
+def plan(plan_id, chunks, tier):
+    return ReloadPlan(plan_id, tuple(chunks), (tier,) * len(chunks), None, None, CHUNK * len(chunks), 0, 0, False)
+
+
+def store_and_write(worker, chunk="h0", blocks=(2, 3)):
+    """Store a chunk's pages in DRAM and write it to SSD, through the worker's hooks."""
+    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch("r0", (
+        StoreOrder(1, (chunk,), (), CHUNK * KV_BYTES_PER_TOKEN),
+        WriteOrder(2, (chunk,), (), CHUNK * KV_BYTES_PER_TOKEN, Tier.DRAM, "eviction")), {chunk: blocks})]))
+    done = []
+    deadline = time.monotonic() + 30
+    while len(done) < 2 and time.monotonic() < deadline:
+        report = worker.build_worker_meta()
+        done += report.completions if report else []
+        time.sleep(0.01)
+    assert [c.ok for c in done] == [True, True]
+
+
+def test_a_load_that_raises_fails_its_request_alone(tmp_path, monkeypatch):
+    worker = dense_worker(tmp_path)
+    store_and_write(worker)
+    original = worker.engine.load
+
+    def load(p, *args, **kwargs):
+        if p.plan_id == 2:
+            raise RuntimeError("injected")
+        return original(p, *args, **kwargs)
+
+    monkeypatch.setattr(worker.engine, "load", load)
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("ok", plan(1, ["h0"], Tier.DRAM), ((5, 6),)),
+                                                       LoadSpec("bad", plan(2, ["h0"], Tier.SSD), ((7, 8),))],
+                                                cancels=["lost"]))
+    assert worker.get_finished(set()) == {"ok", "bad", "lost"}
+    assert worker.take_failed_requests() == {"bad", "lost"} and worker.take_error_blocks() == set()
+    reports = {r.req_id: r for r in worker.build_worker_meta().loads}
+    assert reports["ok"].failed == () and reports["bad"].failed == (ObjectKey("h0", "kv"),)
+    assert worker.faults.count == 1 and not worker.off
+    assert worker.stats_delta()["faults"] == 1 and "faults" not in worker.stats_delta()
+    worker.shutdown()
+
+
+def test_an_order_that_raises_reports_a_failed_completion(tmp_path, monkeypatch):
+    worker = dense_worker(tmp_path)
+    monkeypatch.setattr(worker.engine, "store", lambda *a, **k: 1 / 0)
+    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch("r0", (StoreOrder(1, ("h0",), (), 1),),
+                                                                   {"h0": (2, 3)})]))
+    assert worker.build_worker_meta().completions == [CompletionReport(1, False)]
+    assert worker.faults.by_where == {"StoreOrder": 1} and not worker.off
+    worker.shutdown()
+
+
+def test_a_new_epoch_drops_every_object_of_the_old_control_plane(tmp_path):
+    worker = dense_worker(tmp_path)
+    store_and_write(worker, "h0", (2, 3))
+    store_and_write(worker, "h1", (4, 5))
+    assert worker.engine.dram_objects() == 2 and len(worker.data.ssd.keys()) == 2
+    worker.start_load_kv(SariaConnectorMetadata(epoch=1))
+    assert worker.engine.dram_objects() == 0 and worker.data.host_pool.used_slots == 0
+    assert worker.data.ssd.keys() == [] and worker.epoch == 1 and not worker.off
+    # Nothing of the old epoch can be read any more.
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(3, ["h0"], Tier.SSD), ((5, 6),))], epoch=1))
+    assert worker.get_finished(set()) == {"r"} and worker.take_error_blocks() == {5, 6}
+    assert worker.build_worker_meta().epoch == 1
+    worker.shutdown()
+
+
+def test_a_worker_whose_data_plane_cannot_open_is_off_and_answers_everything(tmp_path, monkeypatch, caplog):
+    import saria.integrations.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "open_data_plane", lambda *a, **k: 1 / 0)
+    worker = SariaWorker(settings(tmp_path), GEOMETRY, num_blocks=16)
+    with caplog.at_level(logging.ERROR, logger="saria.vllm"):
+        worker.register_kv_caches({"l0": torch.zeros(16, 2, BLOCK, 2, 64, dtype=torch.bfloat16)})
+    assert worker.off and worker.data is None
+    assert any("turned off" in r.getMessage() for r in caplog.records)
+    meta = SariaConnectorMetadata(loads=[LoadSpec("r", plan(1, ["h0"], Tier.DRAM), ((5, 6),))],
+                                  orders=[OrderBatch("q", (StoreOrder(4, ("h1",), (), 1),), {"h1": (2, 3)})])
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.get_finished(set()) == {"r"} and worker.take_failed_requests() == {"r"}
+    report = worker.build_worker_meta()
+    assert report.off and report.completions == [CompletionReport(4, False)] and report.loads[0].valid_chunks == 0
+    assert worker.snapshot()["connector"]["off"] and worker.stats_delta() == {"faults": 1}
+
+
+def test_a_fault_outside_one_load_turns_the_worker_off_and_fails_its_loads(tmp_path, monkeypatch):
+    worker = dense_worker(tmp_path)
+    store_and_write(worker)
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(1, ["h0"], Tier.DRAM), ((5, 6),))]))
+    (_, job), = worker._loads.values()
+    monkeypatch.setattr(job, "ready", lambda: 1 / 0)
+    assert worker.get_finished(set()) == {"r"} and worker.take_failed_requests() == {"r"}
+    assert worker.off and worker.data is None and worker.build_worker_meta().off
+    assert worker.snapshot()["engine"]["loads"] == 1  # counters kept after the data plane closed
+
+
+def test_the_engine_fails_an_ssd_read_it_cannot_start_instead_of_raising(tmp_path, monkeypatch):
+    """``load()`` raises only before any read started (the worker relies on it: a load that
+    raised has nothing in flight); a read that cannot start later is a failed object."""
+    worker = dense_worker(tmp_path)
+    store_and_write(worker, "h0", (2, 3))
+    store_and_write(worker, "h1", (4, 5))
+    engine = worker.engine
+    calls = []
+
+    def stream(name):
+        calls.append(name)
+        if len(calls) == 2:
+            raise MemoryError("no staging memory")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(engine, "_stream", stream)
+    result = engine.load(plan(1, ["h0", "h1"], Tier.SSD), [(5, 6), (7, 8)]).wait()
+    assert result.failed == (ObjectKey("h1", "kv"),) and result.valid_chunks == 1
+    worker.shutdown()
+
+
+def test_session_fault_injection_raises_once_in_its_turn_and_restores():
+    from saria.config import SariaConfig
+    from saria.control import ControlPlane
+    from saria.integrations.vllm.session import patch_faults
+
+    with pytest.raises(ValueError, match="unknown fault target"):
+        patch_faults({"commit": [1]})
+    original = ControlPlane.plan
+    arm, restore = patch_faults({"plan": [1]})
+    try:
+        control = ControlPlane(SariaConfig())
+        arm(0)
+        control.release(control.plan(["a"], 0.0), 0.0)
+        arm(1)
+        with pytest.raises(RuntimeError, match="injected fault in plan"):
+            control.plan(["a"], 0.0)
+        control.release(control.plan(["a"], 0.0), 0.0)  # once per turn
+    finally:
+        restore()
+    assert ControlPlane.plan is original
