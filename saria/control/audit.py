@@ -6,27 +6,30 @@ plane's internals on purpose: it is the independent check of the bookkeeping the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from saria.orders import DRAM, SSD, Tier
 from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY
 
 if TYPE_CHECKING:
-    from saria.control.plane import ControlPlane
+    from saria.control.counters import Counters
+    from saria.control.residency import Residency
+    from saria.control.tree import ContextTree
 
 
-def audit(cp: ControlPlane) -> list[str]:
-    """Every invariant the control plane keeps, checked from scratch (the caller holds its lock)."""
+def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Iterable, counters: Counters) -> list[str]:
+    """Every invariant the control plane keeps, checked from scratch (the caller holds its lock):
+    its tree, tiers and counters, its live plans (records with ``reads()``: every (object, tier)
+    pinned) and its orders in flight (records with ``order`` and ``objects``)."""
     problems: list[str] = []
-    tiers, tree = cp._tiers, cp._tree
     pins: dict[tuple[int, Tier], int] = {}
-    for record in cp._plans.values():
+    for record in plans:
         for obj, source in record.reads():
             pins[(id(obj), source)] = pins.get((id(obj), source), 0) + 1
-    in_flight: dict[int, list[str]] = {}
-    for flight in cp._in_flight.values():
+    orders_of: dict[int, list[str]] = {}
+    for flight in in_flight:
         for obj in flight.objects:
-            in_flight.setdefault(id(obj), []).append(type(flight.order).__name__)
+            orders_of.setdefault(id(obj), []).append(type(flight.order).__name__)
     used = {DRAM: 0, SSD: 0}
     queued = tree.queue_entries()
     children: dict[int, int] = {}
@@ -40,10 +43,10 @@ def audit(cp: ControlPlane) -> list[str]:
         entries = queued.pop(id(node), 0)
         if node.queued != entries:
             problems.append(f"{node!r}: counts {node.queued} window-queue entries, the queue holds {entries}")
-        if (node.state is not None) != (tree.is_boundary(node.depth) and cp.config.chunk.hybrid):
+        if (node.state is not None) != (tree.is_boundary(node.depth)):
             problems.append(f"{node!r}: state object presence does not match the checkpoint boundaries")
         for obj in node.objects:
-            flights = in_flight.get(id(obj), [])
+            flights = orders_of.get(id(obj), [])
             if obj.dram != ABSENT:
                 used[DRAM] += obj.nbytes
             if obj.ssd != ABSENT:
@@ -80,7 +83,7 @@ def audit(cp: ControlPlane) -> list[str]:
         for obj in tier.lru:
             if tree.nodes.get(obj.node.key) is not obj.node:
                 problems.append(f"{obj!r} in the {tier.tier} LRU belongs to a reclaimed node")
-    c = cp._counters
+    c = counters
     if c.hits_dram_chunks + c.hits_ssd_chunks + c.misses != c.references:
         problems.append(f"counters: hits {c.hits} + misses {c.misses} != references {c.references}")
     return problems

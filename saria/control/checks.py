@@ -3,7 +3,7 @@
 Each check either returns the argument in the form the control plane works with or raises
 :class:`~saria.orders.ControlPlaneError` naming what is wrong. The control plane runs every check
 of a call before it changes anything, so a refused call leaves its state exactly as it was.
-The common arguments (a tuple of hashes, no failures, a float time) take a fast path: these run
+The common arguments (a tuple of hashes, no failures) take a fast path: these run
 on every call of a serving engine's scheduler.
 """
 
@@ -25,10 +25,8 @@ __all__ = ["check_hashes", "check_id", "check_key", "check_names", "check_now", 
 
 def check_now(now: object, latest: float) -> float:
     """A finite number of seconds; one earlier than ``latest`` (the latest seen) counts as ``latest``."""
-    kind = type(now)
     try:
-        finite = (kind is float or kind is int or (isinstance(now, (int, float)) and kind is not bool)) \
-            and math.isfinite(now)  # type: ignore[arg-type]
+        finite = isinstance(now, (int, float)) and not isinstance(now, bool) and math.isfinite(now)
     except OverflowError:  # an int beyond any float
         finite = False
     if not finite:

@@ -228,10 +228,9 @@ class ControlPlane:
             record = self._in_flight.get(check_id(order_id, "order"))
             if record is None:
                 raise ControlPlaneError(self._why_not_in_flight(order_id))
-            failed = check_names(failed)
-            failing = objects_named(record.objects, failed, f"of order {order_id}") if failed else set()
-            if not ok:
-                failing = set(record.objects)
+            failed = check_names(failed)  # named objects are checked even when the whole order failed
+            named = objects_named(record.objects, failed, f"of order {order_id}") if failed else set()
+            failing = named if ok else set(record.objects)
             self._now = self._tree.clock = now
             del self._in_flight[order_id]
             batch = OrderBatch()
@@ -276,7 +275,7 @@ class ControlPlane:
         """Check every internal invariant (O(nodes)); returns the violations, empty when sound.
         For tests and debugging."""
         with self._lock:
-            return audit(self)
+            return audit(self._tree, self._tiers, self._plans.values(), self._in_flight.values(), self._counters)
 
     # ============================================================================ request steps
     def _finish_reads(self, record: _PlanRecord, bad: set[CacheObject], batch: OrderBatch, used: bool) -> None:
