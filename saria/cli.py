@@ -69,18 +69,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit status: 0 done; 2 bad arguments, input or environment (one message
+    naming what is wrong, no traceback); 1 a bug in saria (said so, with the traceback); 130
+    interrupted."""
     from saria.replay.replay import ReplayInternalError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # bad arguments: argparse's usage error, status 2
     try:
         return args.func(args)
     except ReplayInternalError as exc:  # a bug, not bad input: one line that says so, then the traceback
         print(f"saria {args.command}: {exc}", file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)
         return 1
-    except ValueError as exc:
+    except ValueError as exc:  # bad input: every check in saria raises a ValueError that says what is wrong
         print(f"saria {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the machine refused: a file, a folder, memory for pinned pages
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"saria {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"saria {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - anything else is a bug: say so, with what to report
+        print(f"saria {args.command}: internal error (a bug in saria; please report it with the traceback "
+              f"below): {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exception(exc, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -26,9 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from saria.argtypes import int_range
+from saria.config import POLICY_PRESETS
+from saria.outputs import check_output, write_output
+
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "agent_magentic_one.jsonl"
 CHUNK_TOKENS = 64  # the agent traces' block: prompts share prefixes in 64-token steps
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # the demo model: 4 layers, K+V, 2 KV heads, head dim 64, bf16
+MAX_MODEL_LEN = 8192  # the demo engine's (run_session's default)
+MAX_OUTPUT_TOKENS = 1024
+MAX_TURNS = 1000
+MAX_DRAM_CHUNKS = 1 << 14  # 1 GiB of pinned host memory
 
 
 def chunk_hashes(prompt: list[int], chunk_tokens: int) -> list[bytes]:
@@ -80,19 +88,19 @@ def main(args: argparse.Namespace) -> int:
     from saria import doctor
     from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session, trace_session
 
-    if args.turns < 2:
-        raise ValueError(f"--turns must be >= 2, got {args.turns}")
-    report = doctor.collect()
-    device = report["kernel_backend"]
-    print(f"saria {report['saria']}: torch {report['torch']['version']}, kernels {device['backend']} on "
-          f"{device['device']}, storage {report['storage_backend']}")
-    trace = Path(args.trace)
-    if trace.exists():
+    if args.json is not None:
+        check_output(args.json, "--json")
+    trace = Path(args.trace) if args.trace is not None else DEFAULT_TRACE
+    if trace.exists() or args.trace is not None:  # a trace asked for must be there; it is read before vLLM starts
         prompts = trace_session(trace, turns=args.turns, max_tokens=args.max_prompt_tokens)
         source = f"{trace.name} (first session with {args.turns} requests)"
     else:
         prompts = synthetic_session(args.turns)
         source = f"a generated agent loop ({trace} not found)"
+    report = doctor.collect()
+    device = report["kernel_backend"]
+    print(f"saria {report['saria']}: torch {report['torch']['version']}, kernels {device['backend']} on "
+          f"{device['device']}, storage {report['storage_backend']}")
     print(f"session: {len(prompts)} turns from {source}, {sum(map(len, prompts))} prompt tokens")
 
     with tempfile.TemporaryDirectory(prefix="saria-demo-") as tmp:
@@ -157,21 +165,26 @@ def main(args: argparse.Namespace) -> int:
           f"{_gap_text(recompute_gap)} (vLLM's own prefix cache: "
           f"{_gap_text(result['max_logprob_diff_vllm_cache_vs_recompute'])})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_output(args.json, json.dumps(result, indent=2) + "\n", "--json")
         print(f"wrote {args.json}")
     return 0 if match else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="agent trace with session_id and hash_ids "
-                   "(default ../shared/traces/agent_magentic_one.jsonl; a generated session if absent)")
-    p.add_argument("--turns", type=int, default=12, help="turns of the session to run (default 12)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per turn (default 8)")
-    p.add_argument("--max-prompt-tokens", type=int, default=3000, help="prompts are cut to this length (3000)")
-    p.add_argument("--dram-chunks", type=int, default=8,
-                   help="DRAM tier size in 64-token chunks (default 8: below the session's working set)")
-    p.add_argument("--policy", default="saria", help="policy preset (default saria)")
+    p.add_argument("--trace", default=None, help="agent trace with session_id and hash_ids, 64-token blocks "
+                   "(default ../shared/traces/agent_magentic_one.jsonl, or a generated session if that is absent)")
+    p.add_argument("--turns", type=int_range(2, MAX_TURNS), default=12,
+                   help=f"turns of the session to run, 2 to {MAX_TURNS} (default 12)")
+    p.add_argument("--max-tokens", type=int_range(1, MAX_OUTPUT_TOKENS), default=8,
+                   help=f"tokens generated per turn, 1 to {MAX_OUTPUT_TOKENS} (default 8)")
+    p.add_argument("--max-prompt-tokens", type=int_range(CHUNK_TOKENS, MAX_MODEL_LEN - MAX_OUTPUT_TOKENS),
+                   default=3000, help=f"prompts are cut to this length, {CHUNK_TOKENS} to "
+                                      f"{MAX_MODEL_LEN - MAX_OUTPUT_TOKENS} (default 3000)")
+    p.add_argument("--dram-chunks", type=int_range(1, MAX_DRAM_CHUNKS), default=8,
+                   help=f"DRAM tier size in {CHUNK_TOKENS}-token chunks, 1 to {MAX_DRAM_CHUNKS} (default 8: below "
+                        f"the session's working set)")
+    p.add_argument("--policy", default="saria", choices=POLICY_PRESETS, metavar="POLICY",
+                   help="policy preset (default saria; " + ", ".join(POLICY_PRESETS) + ")")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON to PATH")
 
 

@@ -13,6 +13,13 @@ import os
 import sys
 import time
 
+from saria.outputs import check_output, write_output
+
+# The round trip holds the source caches, a fresh copy and one staging buffer per backend:
+# 2 + 2 + 2 = 6 bytes of memory per byte of chunks moved (the caches hold twice the pages moved).
+MEMORY_PER_CHUNK_BYTE = 6
+MEMORY_SHARE = 0.8  # of what the device reports free
+
 
 def _prepare_backend() -> None:
     """Without CUDA the Triton kernels run under the interpreter, which must be chosen before
@@ -38,6 +45,27 @@ def _pages_match(fresh, original, touched) -> bool:
     return torch.equal(f[touched], o[touched]) and not f[~touched].any()
 
 
+def _free_bytes(device) -> int | None:
+    """What ``device`` can still allocate: CUDA's free memory, or the kernel's MemAvailable."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    from saria.doctor import _meminfo_bytes
+
+    return _meminfo_bytes("MemAvailable")
+
+
+def _check_memory(moved_bytes: int, device) -> None:
+    """Refuse, before allocating, a round trip that would not fit in ``device``'s memory."""
+    need = MEMORY_PER_CHUNK_BYTE * moved_bytes
+    free = _free_bytes(device)
+    if free is not None and need > MEMORY_SHARE * free:
+        raise ValueError(f"--chunks x --chunk-tokens moves {moved_bytes / 2**30:,.2f} GiB, and the round trip needs "
+                         f"{MEMORY_PER_CHUNK_BYTE}x that ({need / 2**30:,.2f} GiB) but {device.type} has "
+                         f"{free / 2**30:,.2f} GiB free: ask for fewer or smaller chunks")
+
+
 def run(chunks: int | None, chunk_tokens: int, block_size: int = 16) -> dict:
     import torch
 
@@ -53,6 +81,7 @@ def run(chunks: int | None, chunk_tokens: int, block_size: int = 16) -> dict:
     if chunk_tokens < block_size or chunk_tokens % block_size:
         raise ValueError(f"--chunk-tokens must be a positive multiple of the {block_size}-token page, got {chunk_tokens}")
     spec = get_model("qwen3-8b")
+    _check_memory(chunks * chunk_tokens * spec.kv_bytes_per_token, device)
     pages = chunk_tokens // block_size
     num_blocks = 2 * chunks * pages  # half the pages stay untouched: the round trip must not write them
     caches = dense_layer_caches(spec, num_blocks, block_size, device=device, seed=1)
@@ -97,6 +126,8 @@ def run(chunks: int | None, chunk_tokens: int, block_size: int = 16) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.json is not None:
+        check_output(args.json, "--json")
     _prepare_backend()
     print(f"== kernel round trip: Qwen3-8B layout, chunks of {args.chunk_tokens} tokens")
     result = run(args.chunks, args.chunk_tokens)
@@ -105,6 +136,6 @@ def main(args: argparse.Namespace) -> int:
     print(f"  staging identical across backends: {result['backends_agree']}")
     print("roundtrip: OK" if result["ok"] else "roundtrip: FAILED (bytes differ)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_output(args.json, json.dumps(result, indent=2) + "\n", "--json")
+        print(f"wrote {args.json}")
     return 0 if result["ok"] else 1

@@ -95,7 +95,7 @@ def test_mooncake_file_with_recorded_arrivals(tmp_path):
     pytest.param(["replay", SMALL, "--policy", "dram-only", "--write-budget", "auto"],
                  "none of the policies has eviction-based admission", id="nothing-to-govern"),
     pytest.param(["replay", "synth:sesions=3"], "bad synthetic trace setting", id="bad-synth"),
-    pytest.param(["replay", SMALL, "--arrivals", "recorded", "--truncate-hours", "-1"], "must be > 0",
+    pytest.param(["replay", SMALL, "--arrivals", "recorded", "--truncate-hours", "-1"], "must be a finite number > 0",
                  id="bad-truncation"),
     pytest.param(["tune", SMALL], "the following arguments are required: --dwpd, --ssd-capacity",
                  id="tune-needs-a-budget"),

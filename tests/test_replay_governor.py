@@ -117,3 +117,14 @@ def test_the_governor_holds_a_budget_no_fixed_theta_holds():
     assert 0.9 <= auto <= 1.1
     assert 2.0 < runs[2].governor_mean_theta < 4.0  # it settled between them
     assert results[1]["char_mean"] - 0.02 < results[2]["char_mean"] < results[0]["char_mean"]
+
+
+@pytest.mark.parametrize("budget", [5e-324, 1e-300, 1e-30])
+def test_a_vanishing_budget_drives_theta_to_its_bound_without_overflow(budget):
+    """A budget of ~1e-300 bytes/s (``--dwpd 1e-300``) makes the rate error ~1e300: the step is
+    capped, never an OverflowError or a division by zero."""
+    gov = EnduranceGovernor(budget, 2, theta_max=16.0)
+    drive(gov, BUDGET, 48 * 3600)
+    assert gov.theta_E == 16.0
+    with pytest.raises(ValueError, match="gain"):
+        EnduranceGovernor(BUDGET, 2, gain=1e3)

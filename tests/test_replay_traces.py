@@ -211,3 +211,59 @@ def test_sessions_are_inferred_by_prefix_chaining():
     assert infer_sessions(trace) == [[0, 2, 5], [1, 3], [4]]
     groups, inferred = sessions_of(trace)
     assert inferred and groups == [[0, 2, 5], [1, 3], [4]]
+
+
+# ======================================================================= out-of-range numbers
+HUGE = 10**400  # a JSON integer no float holds
+
+
+@pytest.mark.parametrize("field, value", [
+    ("timestamp", HUGE), ("timestamp", 1e300), ("input_length", HUGE), ("input_length", 10**9),
+    ("output_length", HUGE), ("output_length", -1), ("input_length", 64.5), ("timestamp", float("nan")),
+])
+def test_out_of_range_numbers_are_malformed_lines_that_skipping_skips(tmp_path, field, value):
+    good = json.loads(mooncake_line(0, 64, [1]))
+    bad = dict(json.loads(mooncake_line(1000, 64, [2])), **{field: value})
+    path = write(tmp_path, [json.dumps(good), json.dumps(bad)])
+    with pytest.raises(TraceError) as info:
+        load_trace(path, block_tokens=64)
+    assert f"{path}:2: '{field}' must be" in str(info.value)
+    assert len(str(info.value)) < 400  # a 400-digit number is shown cut short
+    trace = load_trace(path, block_tokens=64, skip_bad_lines=True)
+    assert [r.line for r in trace.requests] == [1] and len(trace.skipped) == 1
+
+
+@pytest.mark.parametrize("tokens", [HUGE, 100_000_000_000, -5, "many"])
+def test_tracelab_lengths_are_bounded_before_blocks_are_built(tmp_path, tokens):
+    """A round's blocks are built from its length: an absurd one is refused, not allocated."""
+    rounds = [{"session_id": "a", "round_index": 0, "input_tokens_total": 200,
+               "timing_events": [{"timestamp": "2025-01-01T00:00:00+00:00"}]},
+              {"session_id": "a", "round_index": 1, "input_tokens_total": tokens,
+               "timing_events": [{"timestamp": "2025-01-01T00:01:00+00:00"}]}]
+    path = write(tmp_path, [json.dumps(r) for r in rounds])
+    with pytest.raises(TraceError, match=r":2: 'input_tokens_total' must be an integer"):
+        load_trace(path)
+    assert len(load_trace(path, skip_bad_lines=True).requests) == 1
+
+
+# ============================================================================ synth settings
+@pytest.mark.parametrize("spec, message", [
+    ("synth:sessions=2,requests_per_session=1e30", "requests_per_session must be >= 1 and <= 10,000"),
+    ("synth:sessions=2,sessions=3", "sessions is given twice"),
+    ("synth:span_hours=inf", "span_hours must be > 0"),
+    ("synth:interval_s=nan", "interval_s must be > 0"),
+    ("synth:sessions=1.5", "sessions needs an integer"),
+    ("synth:sessions=1000000,requests_per_session=1000", "block references"),
+    ("synth:prompt_tokens=1e12", "prompt_tokens must be > 0 and <= 100,000,000"),
+    ("synth:seed=-1", "seed must be >= 0"),
+])
+def test_synthetic_specs_out_of_range_are_refused_before_generating(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_synth_spec(spec)
+
+
+def test_synthetic_stats_refuse_wrong_types_from_python():
+    with pytest.raises(ValueError, match="sessions must be an integer"):
+        SessionStats(sessions=2.5)
+    with pytest.raises(ValueError, match="span_hours must be a number"):
+        SessionStats(span_hours="12")

@@ -34,6 +34,9 @@ from saria.config import WriteBudget
 
 __all__ = ["EnduranceGovernor"]
 
+MAX_RATIO = 1e3  # the write-rate error is read within [1e-3, 1e3] of the aim
+MAX_GAIN = 100.0  # MAX_RATIO ** MAX_GAIN stays a finite float
+
 
 class EnduranceGovernor:
     """Holds SSD writes at ``budget_bytes_per_s`` by adjusting a fractional theta_E (see the module
@@ -55,10 +58,10 @@ class EnduranceGovernor:
         if not 1 <= theta_min <= theta_max < math.inf:
             raise ValueError(f"need 1 <= theta_min <= theta_max < inf, got {theta_min}, {theta_max}")
         if not (interval_s > 0 and window_s > 0 and payback_s > 0 and 0 <= deadband < 1
-                and 0 <= max_correction < 1 and gain > 0 and max_step > 1):
+                and 0 <= max_correction < 1 and 0 < gain <= MAX_GAIN and max_step > 1):
             raise ValueError(f"need interval_s, window_s, payback_s > 0, 0 <= deadband < 1, 0 <= max_correction < 1, "
-                             f"gain > 0, max_step > 1; got {interval_s}, {window_s}, {payback_s}, {deadband}, "
-                             f"{max_correction}, {gain}, {max_step}")
+                             f"0 < gain <= {MAX_GAIN}, max_step > 1; got {interval_s}, {window_s}, {payback_s}, "
+                             f"{deadband}, {max_correction}, {gain}, {max_step}")
         self.budget = float(budget_bytes_per_s)
         self.theta_E = float(min(max(theta_E, theta_min), theta_max))
         self.theta_min = float(theta_min)
@@ -110,11 +113,14 @@ class EnduranceGovernor:
         else:  # exponential average over window_s, exact for any step length
             self.rate += (1.0 - math.exp(-elapsed / self.window_s)) * (recent - self.rate)
         self._last_time, self._last_bytes = now, written_bytes
-        ratio = self.rate / self.aim(now, written_bytes)
+        aim = self.aim(now, written_bytes)
+        ratio = self.rate / aim if aim > 0 else MAX_RATIO  # aim underflows only for budgets of ~1e-300 B/s
         if abs(ratio - 1.0) <= self.deadband:
             return self.theta_E
         # Correct the fraction ``gain`` of the (log) error per window_s: as slow as the rate it reads.
-        factor = max(ratio, 1e-3) ** (self.gain * min(1.0, elapsed / self.window_s))
+        # The error is read within [1/MAX_RATIO, MAX_RATIO]: beyond, the step is max_step anyway, and
+        # a ratio of 1e300 (a budget of 1e-300 DWPD) must not overflow the power.
+        factor = min(max(ratio, 1.0 / MAX_RATIO), MAX_RATIO) ** (self.gain * min(1.0, elapsed / self.window_s))
         factor = min(max(factor, 1.0 / self.max_step), self.max_step)
         theta = min(max(self.theta_E * factor, self.theta_min), self.theta_max)
         if theta != self.theta_E:

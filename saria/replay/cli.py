@@ -8,96 +8,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
 from dataclasses import fields
-from pathlib import Path
 
+from saria.argtypes import float_range, fraction, int_range, listed, parse_size, positive_float, positive_int, tokens
 from saria.config import POLICY_PRESETS, Bandwidths, WriteBudget
 from saria.models import MODELS
 from saria.replay.arrivals import ARRIVAL_MODES
 from saria.replay.experiment import Experiment, Point, open_trace
 from saria.replay.policies import BaseSettings, parse_policy
 from saria.replay.replay import ReplaySettings
-from saria.replay.report import PlotUnavailable, format_table, plot_results, plot_tradeoffs, write_csv, write_json
+from saria.outputs import atomic_output, check_output, write_output
+from saria.replay.report import (PlotUnavailable, check_plot_path, format_table, plot_results, plot_tradeoffs,
+                                 write_csv, write_json)
 from saria.replay.synth import SessionStats, synthesize
 from saria.replay.timing import LOADING_MODES
+from saria.replay.traces import MAX_SPAN_S, MAX_TOKENS
 
-__all__ = ["add_commands", "parse_size"]
+__all__ = ["add_commands"]
 
 DEFAULT_POLICIES = ("saria", "full-duplicate", "dram-only", "lmcache-plus")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40, "pib": 2**50}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``1.92TB``, ``800GiB``, ``3.84e12`` (decimal units for TB/GB/..., binary for
-    TiB/GiB/...)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 3.84TB, 800GiB, 1e12)")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least one byte, got {text!r}")
-    return int(value)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _tokens(text: str) -> int:
-    """A token count >= 0, accepting 1,000,000 / 1_000_000 / 1e6 / 1M / 500K."""
-    raw = text.strip().replace(",", "").replace("_", "")
-    scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(raw[-1:].lower(), 1)
-    if scale != 1:
-        raw = raw[:-1]
-    try:
-        value = float(raw) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
-    if not math.isfinite(value) or value < 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a whole token count >= 0: {text!r}")
-    return int(value)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _list(kind):
-    """Comma-separated values of ``kind``; ``none`` for None."""
-
-    def parse(text: str) -> tuple:
-        out = []
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            if item.lower() in ("none", "off"):
-                out.append(None)
-                continue
-            try:
-                out.append(kind(item))
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"bad value {item!r} in {text!r}") from None
-        if not out:
-            raise argparse.ArgumentTypeError(f"empty list: {text!r}")
-        return tuple(out)
-
-    return parse
-
+# Physical settings within orders of magnitude of any real machine: outside, a value is a typo.
+_GBPS = float_range(1e-3, 1e5)  # 1 MB/s to 100 TB/s
+_TOKENS_PER_S = float_range(1.0, 1e9)
+_HOURS = float_range(1e-3, MAX_SPAN_S / 3600)  # 3.6 s to the longest span a trace may have
+_CHUNK_TOKENS = int_range(1, MAX_TOKENS)
 
 # ========================================================================================= arguments
 def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) -> None:
@@ -109,7 +44,7 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
     g = p.add_argument_group("trace")
     g.add_argument("--format", choices=("auto", "mooncake", "tracelab"), default="auto",
                    help="trace format (default: from the first record)")
-    g.add_argument("--block-tokens", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--block-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens per trace block: 512 for Mooncake traces, 64 for ../shared/traces/agent_*; default: "
                         "inferred from hash_ids lengths (each request has ceil(input_length / N)); for TraceLab the "
                         "reconstruction's block size (default 64)")
@@ -123,31 +58,31 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
     g = p.add_argument_group("model and cache")
     g.add_argument("--model", choices=sorted(MODELS), default="qwen3-8b",
                    help="KV footprint (saria.models; sources noted there). Default qwen3-8b")
-    g.add_argument("--dram-tokens", type=_tokens, default=1_000_000, metavar="N",
+    g.add_argument("--dram-tokens", type=tokens, default=1_000_000, metavar="N",
                    help="DRAM cache capacity in full-attention tokens (default 1M, the paper's)")
-    g.add_argument("--ssd-tokens", type=_tokens, default=10_000_000, metavar="N",
+    g.add_argument("--ssd-tokens", type=tokens, default=10_000_000, metavar="N",
                    help="SSD cache capacity in full-attention tokens (default 10M, the paper's)")
-    g.add_argument("--chunk-tokens", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--chunk-tokens", type=_CHUNK_TOKENS, default=None, metavar="N",
                    help="tokens per cached chunk, a multiple of the trace block (default 512; 1024 for hybrid models)")
-    g.add_argument("--checkpoint-tokens", type=_positive_int, default=16_384, metavar="N",
+    g.add_argument("--checkpoint-tokens", type=_CHUNK_TOKENS, default=16_384, metavar="N",
                    help="hybrid models: a GDN checkpoint every N tokens (default 16384)")
     g = p.add_argument_group("model of time")
-    g.add_argument("--b-gpu", type=_positive_float, default=48.0, metavar="GB/s", help="GPU ingress (default 48)")
-    g.add_argument("--b-disk", type=_positive_float, default=20.0, metavar="GB/s",
+    g.add_argument("--b-gpu", type=_GBPS, default=48.0, metavar="GB/s", help="GPU ingress (default 48)")
+    g.add_argument("--b-disk", type=_GBPS, default=20.0, metavar="GB/s",
                    help="SSD read bandwidth per drive, GDS (default 20)")
-    g.add_argument("--drives", type=_positive_int, default=1, help="SSDs objects are striped over (default 1)")
-    g.add_argument("--b-dram", type=_positive_float, default=48.0, metavar="GB/s",
+    g.add_argument("--drives", type=positive_int, default=1, help="SSDs objects are striped over (default 1)")
+    g.add_argument("--b-dram", type=_GBPS, default=48.0, metavar="GB/s",
                    help="DRAM -> GPU copies, and GPU -> DRAM stores and promotions (default 48)")
-    g.add_argument("--b-disk-write", type=_positive_float, default=None, metavar="GB/s",
+    g.add_argument("--b-disk-write", type=_GBPS, default=None, metavar="GB/s",
                    help="SSD write bandwidth per drive (default: --b-disk)")
     g.add_argument("--loading", choices=LOADING_MODES, default="coordinated",
                    help="how a plan's DRAM and SSD parts share ingress: coordinated (Eq. 4, default), overlap "
                         "(uncoordinated), serial, or ideal; plans of serial-loading policies (lmcache-plus) load "
                         "serially whatever this says")
-    g.add_argument("--prefill-tps", type=_positive_float, default=6500.0, metavar="TOKENS/s",
+    g.add_argument("--prefill-tps", type=_TOKENS_PER_S, default=6500.0, metavar="TOKENS/s",
                    help="prefill speed: the logical clock advances this many computed tokens per second "
                         "(default 6500, the paper's)")
-    g.add_argument("--inflight", type=_positive_int, default=4,
+    g.add_argument("--inflight", type=positive_int, default=4,
                    help="requests loading or computing at once (default 4)")
     g = p.add_argument_group("arrivals")
     g.add_argument("--arrivals", choices=ARRIVAL_MODES, default="auto",
@@ -155,21 +90,21 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
                         "session starts with Gamma(k=1) gaps within --window-hours (sessions inferred by prefix "
                         "chaining when the trace has no session ids); auto (default): rewindow when the trace "
                         "has session ids, else recorded")
-    g.add_argument("--window-hours", type=_positive_float, default=12.0, metavar="H",
+    g.add_argument("--window-hours", type=_HOURS, default=12.0, metavar="H",
                    help="session-start window of re-windowed arrivals (default 12, the paper's lower load)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the session starts (default 0)")
-    g.add_argument("--truncate-hours", type=_positive_float, default=None, metavar="H",
+    g.add_argument("--seed", type=int_range(0), default=0, help="seed of the session starts (default 0)")
+    g.add_argument("--truncate-hours", type=_HOURS, default=None, metavar="H",
                    help="replay only requests arriving within H hours of the first (the paper truncates at 24); "
                         "the write budget then covers exactly H hours (default: everything, first arrival to "
                         "last event)")
     g = p.add_argument_group("SSD endurance")
-    g.add_argument("--dwpd", type=_positive_float, default=1.0, required=budget_required,
+    g.add_argument("--dwpd", type=positive_float, default=1.0, required=budget_required,
                    help="rated drive writes per day" + ("" if budget_required else " (default 1)"))
     g.add_argument("--ssd-capacity", type=parse_size, default=None, required=budget_required, metavar="SIZE",
                    help="capacity the endurance budget is rated on, e.g. 3.84TB or 800GiB"
                         + ("" if budget_required else " (default: the SSD cache capacity, --ssd-tokens)"))
     g = p.add_argument_group("execution")
-    g.add_argument("--jobs", type=_positive_int, default=None,
+    g.add_argument("--jobs", type=positive_int, default=None,
                    help="replays run at once in separate processes (default: one per CPU)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal anyway)")
 
@@ -192,6 +127,15 @@ def _experiment(args: argparse.Namespace, auto: bool = False) -> Experiment:
                               disk_write_gbps=args.b_disk_write, truncate_hours=args.truncate_hours)
     return Experiment(trace, args.trace, _base(args, auto), settings, arrivals=args.arrivals,
                       window_hours=args.window_hours, seed=args.seed, workers=args.jobs, progress=not args.no_progress)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output path the command was given, checked before any work (see saria.outputs)."""
+    for flag in ("json", "csv"):
+        if getattr(args, flag, None) is not None:
+            check_output(getattr(args, flag), f"--{flag}")
+    if getattr(args, "plot", None) is not None:
+        check_plot_path(args.plot)
 
 
 def _describe(exp: Experiment) -> str:
@@ -240,6 +184,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"a policy is listed twice: {labels}")
+    _check_outputs(args)
     exp = _experiment(args, auto=args.write_budget == "auto")
     configs = [exp.config_for(spec) for spec in specs]
     if args.write_budget == "auto" and not any(c.write_budget.auto for c in configs):
@@ -256,10 +201,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                   f"{len(thetas) - 1} changes over {run.duration_s / 3600:,.1f} h")
     _queueing_note(exp, runs)
     if args.json:
-        write_json(args.json, args.trace, exp.config_dict(runs), results)
+        write_json(args.json, args.trace, exp.config_dict(runs), results, "--json")
         print(f"wrote {args.json}")
     if args.csv:
-        write_csv(args.csv, results)
+        write_csv(args.csv, results, "--csv")
         print(f"wrote {args.csv}")
     if args.plot:
         _report_plot(lambda: plot_results(args.plot, results, f"{args.trace}: {exp.base.model}"), args.plot, "replay")
@@ -275,16 +220,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if not any((grid.theta_E, grid.theta_R, grid.r, grid.window_hours)):
         raise ValueError("nothing to sweep: give --theta-e, --theta-r, --r and/or --windows")
     references = [parse_policy(p) for p in (args.reference or ["full-duplicate"]) if p != "none"]
+    _check_outputs(args)
     exp = _experiment(args)
     print(_describe(exp))
     rows = run_sweep(exp, base, grid, references)
     print(format_table(rows))
     if args.csv:
-        write_csv(args.csv, rows)
+        write_csv(args.csv, rows, "--csv")
         print(f"wrote {args.csv}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"trace": args.trace, "config": exp.config_dict([]), "rows": rows},
-                                              indent=2, default=str) + "\n")
+        write_output(args.json, json.dumps({"trace": args.trace, "config": exp.config_dict([]), "rows": rows},
+                                           indent=2, default=str) + "\n", "--json")
         print(f"wrote {args.json}")
     if args.plot:
         _report_plot(lambda: plot_tradeoffs(args.plot, rows, f"{args.trace}: {exp.base.model} sweep"), args.plot,
@@ -297,6 +243,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from saria.replay.tune import DEFAULT_THETA_E, DEFAULT_THETA_R, tune
 
     base = parse_policy(args.policy)
+    _check_outputs(args)
     exp = _experiment(args)
     print(_describe(exp))
     budget = exp.base.write_budget
@@ -315,12 +262,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
           f"(P25 bad {_pct(best['char_p25_bad'])}), {best['write_budget_ratio']:.3f} of the budget")
     print(f"use: --policy {result.spec}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"trace": args.trace, "config": exp.config_dict([]),
-                                               "best": best, "spec": result.spec, "probes": result.rows},
-                                              indent=2, default=str) + "\n")
+        write_output(args.json, json.dumps({"trace": args.trace, "config": exp.config_dict([]), "best": best,
+                                            "spec": result.spec, "probes": result.rows},
+                                           indent=2, default=str) + "\n", "--json")
         print(f"wrote {args.json}")
     if args.csv:
-        write_csv(args.csv, result.rows)
+        write_csv(args.csv, result.rows, "--csv")
         print(f"wrote {args.csv}")
     return 0
 
@@ -332,8 +279,9 @@ def _pct(value) -> str:
 # ============================================================================================= synth
 def _cmd_synth(args: argparse.Namespace) -> int:
     stats = SessionStats(**{f.name: getattr(args, f.name) for f in fields(SessionStats)})
+    check_output(args.out, "OUT")
     trace = synthesize(stats)
-    with open(args.out, "w") as f:
+    with atomic_output(args.out, "OUT") as f:
         for r in trace.requests:
             f.write(json.dumps({"timestamp": round(r.arrival_s * 1000.0, 3), "session_id": r.session,
                                 "input_length": r.input_tokens, "output_length": r.output_tokens,
@@ -377,10 +325,11 @@ def add_commands(sub) -> None:
                     "against CHAR P25 bad and TTFT (paper Figures 10, 11, 13).")
     _add_common(p)
     p.add_argument("--policy", default="saria", metavar="NAME", help="the policy swept (default saria)")
-    p.add_argument("--theta-e", type=_list(int), metavar="LIST", help="theta_E values, e.g. 1,2,3,4,6 (none: off)")
-    p.add_argument("--theta-r", type=_list(int), metavar="LIST", help="theta_R values, e.g. 4,8,16,none")
-    p.add_argument("--r", type=_list(float), metavar="LIST", help="promotion ratios, e.g. 0,0.5,1 (none: r*)")
-    p.add_argument("--windows", type=_list(float), metavar="HOURS",
+    p.add_argument("--theta-e", type=listed(positive_int), metavar="LIST",
+                   help="theta_E values, e.g. 1,2,3,4,6 (none: off)")
+    p.add_argument("--theta-r", type=listed(positive_int), metavar="LIST", help="theta_R values, e.g. 4,8,16,none")
+    p.add_argument("--r", type=listed(fraction), metavar="LIST", help="promotion ratios, e.g. 0,0.5,1 (none: r*)")
+    p.add_argument("--windows", type=listed(_HOURS, allow_none=False), metavar="HOURS",
                    help="session-start windows in hours, e.g. 0.1667,0.3333,0.5,0.6667 (needs re-windowed arrivals)")
     p.add_argument("--reference", action="append", metavar="NAME",
                    help="reference policies replayed alongside (default full-duplicate; none for no reference)")
@@ -396,9 +345,10 @@ def add_commands(sub) -> None:
                     "for each theta_R, each probe a replay).")
     _add_common(p, budget_required=True)
     p.add_argument("--policy", default="saria", metavar="NAME", help="the policy tuned (default saria)")
-    p.add_argument("--theta-e", type=_list(int), metavar="LIST",
+    p.add_argument("--theta-e", type=listed(positive_int), metavar="LIST",
                    help="theta_E ladder, ascending (default 1,2,3,4,5,6,8,10,12,16,none)")
-    p.add_argument("--theta-r", type=_list(int), metavar="LIST", help="theta_R candidates (default none,4,8,16,32)")
+    p.add_argument("--theta-r", type=listed(positive_int), metavar="LIST",
+                   help="theta_R candidates (default none,4,8,16,32)")
     p.add_argument("--objective", choices=("char_mean", "char_p25_bad"), default="char_mean",
                    help="what 'best' maximizes (default char_mean)")
     p.add_argument("--json", metavar="PATH", help="write the probes and the answer as JSON")

@@ -14,17 +14,27 @@ import math
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from saria.outputs import OutputError, atomic_output, check_output, write_output
 from saria.replay.metrics import RESULT_KEYS
 
-__all__ = ["PlotUnavailable", "format_table", "plot_results", "plot_tradeoffs", "write_csv", "write_json"]
+__all__ = ["PLOT_FORMATS", "PlotUnavailable", "check_plot_path", "format_table", "plot_results", "plot_tradeoffs",
+           "write_csv", "write_json"]
+
+# What a plot path's suffix may name (matplotlib's Agg backend writes these; no suffix: PNG).
+PLOT_FORMATS = ("png", "pdf", "svg", "eps", "ps", "jpg", "jpeg")
 
 GiB = 1 << 30
+
+def _ratio(v: float) -> str:
+    """Three decimals, or three digits when that would be unreadably long (a budget of 1e-300 DWPD)."""
+    return f"{v:.3f}" if abs(v) < 1e6 else f"{v:.3g}"
+
 
 # (label, key, format) rows of the side-by-side table.
 TABLE_ROWS = (
     ("SSD writes (GiB)", "ssd_write_bytes", lambda v: f"{v / GiB:,.1f}"),
-    ("normalized writes (x SSD)", "normalized_writes", lambda v: f"{v:.3f}"),
-    ("write budget ratio", "write_budget_ratio", lambda v: f"{v:.3f}"),
+    ("normalized writes (x SSD)", "normalized_writes", lambda v: _ratio(v)),
+    ("write budget ratio", "write_budget_ratio", lambda v: _ratio(v)),
     ("SSD reads (GiB)", "ssd_read_bytes", lambda v: f"{v / GiB:,.1f}"),
     ("CHAR", "char_mean", lambda v: f"{v:.2%}"),
     ("CHAR P25 bad", "char_p25_bad", lambda v: f"{v:.2%}"),
@@ -48,6 +58,8 @@ class PlotUnavailable(RuntimeError):
 def _cell(fmt, value) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if isinstance(value, float) and abs(value) >= 1e15:  # a table cell, not a page of digits
+        return f"{value:.3g}"
     return fmt(value)
 
 
@@ -74,21 +86,23 @@ def _clean(value):
     return value
 
 
-def write_json(path: str | Path, trace: str, config: dict, results: Sequence[dict]) -> None:
-    """``{"trace", "config", "results"}``; every record has exactly :data:`RESULT_KEYS`."""
+def write_json(path: str | Path, trace: str, config: dict, results: Sequence[dict], flag: str | None = None) -> None:
+    """``{"trace", "config", "results"}``; every record has exactly :data:`RESULT_KEYS`. Written
+    whole or not at all; ``flag`` names the option in errors."""
     for record in results:
         if tuple(record) != RESULT_KEYS:
             raise ValueError(f"result record keys {tuple(record)} are not {RESULT_KEYS}")
     document = {"trace": trace, "config": _clean(config), "results": [_clean(dict(r)) for r in results]}
-    Path(path).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    write_output(path, json.dumps(document, indent=2, allow_nan=False) + "\n", flag)
 
 
-def write_csv(path: str | Path, rows: Iterable[dict]) -> None:
-    """One row per record; columns are the first record's keys (empty cells for NaN)."""
+def write_csv(path: str | Path, rows: Iterable[dict], flag: str | None = None) -> None:
+    """One row per record; columns are the first record's keys (empty cells for NaN). Written
+    whole or not at all; ``flag`` names the option in errors."""
     rows = list(rows)
     if not rows:
         raise ValueError("nothing to write")
-    with Path(path).open("w", newline="") as f:
+    with atomic_output(path, flag, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         for row in rows:
@@ -106,6 +120,24 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """``--plot PATH`` checked before any work: writable, and a format the plots can be drawn in."""
+    path = check_output(path, "--plot")
+    suffix = path.suffix[1:].lower()
+    if suffix and suffix not in PLOT_FORMATS:
+        raise OutputError(f"--plot {path}: cannot draw a .{suffix} file; name a {', '.join(PLOT_FORMATS)} file")
+    return path
+
+
+def _save(plt, fig, path: str | Path) -> None:
+    """Save ``fig`` whole or not at all, in the format its suffix names (PNG without one)."""
+    try:
+        with atomic_output(path, "--plot", mode="wb") as f:
+            fig.savefig(f, dpi=120, format=Path(path).suffix[1:].lower() or "png")
+    finally:
+        plt.close(fig)
 
 
 def _num(value) -> float:
@@ -133,8 +165,7 @@ def plot_results(path: str | Path, results: Sequence[dict], title: str) -> None:
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_tradeoffs(path: str | Path, rows: Sequence[dict], title: str, series_key: str = "series",
@@ -161,5 +192,4 @@ def plot_tradeoffs(path: str | Path, rows: Sequence[dict], title: str, series_ke
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)

@@ -30,9 +30,24 @@ import math
 import random
 from dataclasses import dataclass, fields
 
-from saria.replay.traces import Request, Trace, TraceError
+from saria.replay.traces import MAX_GAP_S, MAX_SPAN_S, MAX_TOKENS, Request, Trace, TraceError
 
 __all__ = ["SessionStats", "synthesize", "parse_synth_spec"]
+
+
+# Each field's range: (low, high); fields in _POSITIVE must exceed low, the others may equal it.
+# The highs keep a trace replayable: prompts no model could hold, a span beyond what trace files
+# may span (saria.replay.traces), or more requests than a replay can hold in memory are refused.
+_BOUNDS = {
+    "sessions": (0, 1_000_000), "requests_per_session": (1, 10_000), "prompt_tokens": (0, MAX_TOKENS),
+    "first_prompt_tokens": (0, MAX_TOKENS), "interval_s": (0, MAX_GAP_S), "interval_median_s": (0, MAX_GAP_S),
+    "output_tokens": (0, MAX_TOKENS), "context_limit_tokens": (0, MAX_TOKENS), "span_hours": (0, MAX_SPAN_S / 3600),
+    "shared_prefix_tokens": (0, MAX_TOKENS), "prefix_variants": (0, 10_000), "block_tokens": (0, MAX_TOKENS),
+    "seed": (0, 2**64 - 1),
+}
+_POSITIVE = frozenset(("sessions", "prompt_tokens", "first_prompt_tokens", "interval_s", "interval_median_s",
+                       "context_limit_tokens", "span_hours", "prefix_variants", "block_tokens"))
+MAX_BLOCK_REFERENCES = 100_000_000  # block ids over all requests: about 1 GB of tuples
 
 
 @dataclass(frozen=True)
@@ -52,16 +67,23 @@ class SessionStats:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("sessions", "requests_per_session", "prompt_tokens", "first_prompt_tokens", "interval_s",
-                    "interval_median_s", "context_limit_tokens", "span_hours", "prefix_variants", "block_tokens")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"synthetic trace: {name} must be > 0, got {value!r}")
-        for name in ("output_tokens", "shared_prefix_tokens", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"synthetic trace: {name} must be >= 0, got {value!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            integer = f.type in ("int", int)
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                raise ValueError(f"synthetic trace: {f.name} must be {'an integer' if integer else 'a number'}, "
+                                 f"got {value!r}")
+            low, high = _BOUNDS[f.name]
+            if not (value > low if f.name in _POSITIVE else value >= low) or not value <= high:
+                raise ValueError(f"synthetic trace: {f.name} must be {'>' if f.name in _POSITIVE else '>='} "
+                                 f"{low:g} and <= {high:,.0f}, got {value!r}")
+        references = self.sessions * self.requests_per_session * min(self.prompt_tokens, self.context_limit_tokens)
+        if references / self.block_tokens > MAX_BLOCK_REFERENCES:
+            raise ValueError(f"synthetic trace: {self.sessions:,} sessions x {self.requests_per_session:g} requests "
+                             f"x {min(self.prompt_tokens, self.context_limit_tokens):,.0f} tokens in "
+                             f"{self.block_tokens}-token blocks would hold about "
+                             f"{references / self.block_tokens:,.0f} block references, more than "
+                             f"{MAX_BLOCK_REFERENCES:,}: ask for fewer sessions or requests, or larger blocks")
         if self.interval_median_s > self.interval_s:
             raise ValueError(f"synthetic trace: interval_median_s ({self.interval_median_s:g}) must not exceed "
                              f"interval_s ({self.interval_s:g}): the gaps are lognormal, whose median is below "
@@ -161,9 +183,13 @@ def parse_synth_spec(spec: str) -> SessionStats:
         if not sep or key not in types:
             raise ValueError(f"bad synthetic trace setting {item!r}; use key=value with keys "
                              f"{', '.join(types)}")
+        if key in values:
+            raise ValueError(f"synthetic trace setting {key} is given twice in {spec!r}")
+        integer = types[key] in ("int", int)
         try:
-            values[key] = int(raw) if types[key] in ("int", int) else float(raw)
+            values[key] = int(raw) if integer else float(raw)
         except ValueError:
-            raise ValueError(f"synthetic trace setting {key} needs a number, got {raw!r}") from None
+            raise ValueError(f"synthetic trace setting {key} needs {'an integer' if integer else 'a number'}, "
+                             f"got {raw!r}") from None
     return SessionStats(**values)
 

@@ -24,15 +24,14 @@ that says which unit it looks like.
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Hashable, Sequence
 
-__all__ = ["BLOCK_SIZES", "MAX_REPORTED", "Request", "Trace", "TraceError", "check_time_units", "chunk_keys",
-           "load_trace"]
+__all__ = ["BLOCK_SIZES", "MAX_GAP_S", "MAX_REPORTED", "MAX_SPAN_S", "MAX_TOKENS", "Request", "Trace", "TraceError",
+           "check_time_units", "chunk_keys", "load_trace"]
 
 # Block sizes tried when a Mooncake trace's block size is not given.
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -45,6 +44,14 @@ MAX_REQUESTS_PER_S = 1000.0      # one deployment's trace; denser "ms" are secon
 MIN_SESSION_GAP_S = 0.05         # median gap between turns of one session
 MAX_SPAN_S = 90 * 86_400.0       # a replayable trace spans days, not months
 MAX_GAP_S = 30 * 86_400.0        # one silent month inside a trace: mixed units or absolute times
+
+# Range checks on each line's numbers, before any arithmetic: no model holds a prompt (or writes
+# an output) of 100M tokens, and a TraceLab round's blocks are built from its length, so a bigger
+# one is garbage that would allocate without bound. Timestamps beyond 1e15 (ms: 30,000 years)
+# cannot be offsets from a trace's start.
+MAX_TOKENS = 100_000_000
+MAX_TIMESTAMP = 1e15
+MAX_ROUND_INDEX = 10_000_000
 
 
 class TraceError(ValueError):
@@ -182,19 +189,29 @@ def _finish(path: Path, bad: list[tuple[int, str]], skip: bool) -> tuple[str, ..
     return tuple(lines)
 
 
-def _number(record: dict, key: str, *, integer: bool, required: bool = True) -> float | int | None:
+def _number(record: dict, key: str, *, integer: bool, maximum: float, required: bool = True) -> float | int | None:
+    """``record[key]`` checked to be a number (an integral one if ``integer``) in ``[0, maximum]``;
+    ``None`` if it is absent and not ``required``. Any JSON value is judged without arithmetic
+    that could overflow (JSON integers have no bound)."""
     if key not in record or record[key] is None:
         if required:
             raise ValueError(f"missing {key!r}")
         return None
     value = record[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)
-                                                                            and not float(value).is_integer()):
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"{key!r} must be {kind}, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{key!r} must be finite and >= 0, got {value!r}")
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key!r} must be {kind}, got {_show(value)}")
+    if not (0 <= value <= maximum):  # False for NaN; exact for integers of any size
+        raise ValueError(f"{key!r} must be {kind} from 0 to {maximum:,.0f}, got {_show(value)}")
+    if integer and isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{key!r} must be {kind}, got {_show(value)}")
     return int(value) if integer else float(value)
+
+
+def _show(value: object) -> str:
+    """``value`` for an error message, cut short (a JSON integer may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
 # =========================================================================================== Mooncake
@@ -209,9 +226,9 @@ def _mooncake(path: Path, records: list[tuple[int, object]], bad: list[tuple[int
             if isinstance(timestamp, str):
                 raise ValueError(f"'timestamp' must be a number of {'milliseconds' if unit_s == 1e-3 else 'seconds'} "
                                  f"since the trace start, got the string {timestamp[:40]!r}")
-            arrival = _number(record, "timestamp", integer=False) * unit_s
-            input_tokens = _number(record, "input_length", integer=True)
-            output_tokens = _number(record, "output_length", integer=True, required=False) or 0
+            arrival = _number(record, "timestamp", integer=False, maximum=MAX_TIMESTAMP) * unit_s
+            input_tokens = _number(record, "input_length", integer=True, maximum=MAX_TOKENS)
+            output_tokens = _number(record, "output_length", integer=True, maximum=MAX_TOKENS, required=False) or 0
             ids = record.get("hash_ids")
             if not isinstance(ids, list):
                 raise ValueError(f"'hash_ids' must be a list of block ids, got {ids!r:.60}")
@@ -292,9 +309,9 @@ def _tracelab(path: Path, records: list[tuple[int, object]], bad: list[tuple[int
             session = record.get("session_id")
             if not isinstance(session, str) or not session:
                 raise ValueError(f"'session_id' must be a non-empty string, got {session!r:.40}")
-            index = _number(record, "round_index", integer=True)
-            tokens = _number(record, "input_tokens_total", integer=True)
-            output = _number(record, "output_tokens", integer=True, required=False) or 0
+            index = _number(record, "round_index", integer=True, maximum=MAX_ROUND_INDEX)
+            tokens = _number(record, "input_tokens_total", integer=True, maximum=MAX_TOKENS)
+            output = _number(record, "output_tokens", integer=True, maximum=MAX_TOKENS, required=False) or 0
             rounds.append((session, index, _first_event(record), tokens, output, line_no))
         except ValueError as exc:
             bad.append((line_no, str(exc)))

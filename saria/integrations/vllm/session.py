@@ -16,6 +16,7 @@ spec's arguments and writes the results (``VLLM_*`` variables are set before vLL
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -72,8 +73,10 @@ def build_model(path: str | Path, kind: str = "dense", *, seed: int = 0, layers:
 
 # --- prompts from a trace -------------------------------------------------------------------------
 
-def block_tokens(hash_id: int, n: int = BLOCK_TOKENS_IN_TRACE) -> list[int]:
+def block_tokens(hash_id: int | str, n: int = BLOCK_TOKENS_IN_TRACE) -> list[int]:
     """The same pseudo-random tokens for the same trace block, in every prompt that holds it."""
+    if not isinstance(hash_id, int):  # string ids: a stable number of their own
+        hash_id = int.from_bytes(hashlib.blake2b(str(hash_id).encode(), digest_size=8).digest(), "little")
     rng = random.Random(hash_id * 7919 + 17)
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
@@ -82,31 +85,31 @@ def trace_session(path: str | Path, *, turns: int = 12, max_tokens: int = 4000, 
                   ) -> list[list[int]]:
     """Prompts of one session of a ``session_id`` + ``hash_ids`` JSON Lines trace: the first
     session with at least ``turns`` non-empty requests (or ``session``), each prompt rebuilt from
-    its blocks and cut to its ``input_length`` (at most ``max_tokens``)."""
-    by_session: dict[str, list[dict]] = {}
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if record["input_length"] > 0 and record["hash_ids"]:
-                    by_session.setdefault(str(record["session_id"]), []).append(record)
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_no}: not an agent trace record ({exc})") from None
+    its blocks and cut to its ``input_length`` (at most ``max_tokens``). The trace is read by
+    :func:`saria.replay.traces.load_trace` (Mooncake, 64-token blocks), so a malformed file is a
+    :class:`~saria.replay.traces.TraceError` naming its line."""
+    from saria.replay.traces import TraceError, load_trace
+
+    trace = load_trace(path, fmt="mooncake", block_tokens=BLOCK_TOKENS_IN_TRACE)
+    by_session: dict[str, list] = {}
+    for request in sorted(trace.requests, key=lambda r: r.line):  # sessions in the order the file opens them
+        if request.session is not None and request.input_tokens > 0:
+            by_session.setdefault(request.session, []).append(request)
+    for requests in by_session.values():
+        requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
     if session is not None:
         if session not in by_session:
-            raise ValueError(f"session {session!r} is not in {path}")
-        records = by_session[session]
+            raise TraceError(f"session {session!r} is not in {path}")
+        requests = by_session[session]
     else:
         long_enough = [r for r in by_session.values() if len(r) >= turns]
         if not long_enough:
-            raise ValueError(f"{path} has no session with {turns} non-empty requests")
-        records = long_enough[0]
+            raise TraceError(f"{path} has no session with {turns} non-empty requests")
+        requests = long_enough[0]
     prompts = []
-    for record in sorted(records, key=lambda r: r["timestamp"])[:turns]:
-        tokens = [t for h in record["hash_ids"] for t in block_tokens(int(h))]
-        prompts.append(tokens[:min(record["input_length"], max_tokens)])
+    for request in requests[:turns]:
+        tokens = [t for h in request.blocks for t in block_tokens(h)]
+        prompts.append(tokens[:min(request.input_tokens, max_tokens)])
     return prompts
 
 

@@ -1,0 +1,91 @@
+"""Output files (saria.outputs): checked before any work, written whole or not at all, on real
+files, folders and devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from saria.outputs import OutputError, atomic_output, check_output, write_output
+
+
+def test_a_good_path_is_checked_without_leaving_anything(tmp_path):
+    assert check_output(tmp_path / "x.json", "--json") == tmp_path / "x.json"
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: tmp / "missing" / "x.json", "the folder .*missing does not exist"),
+    (lambda tmp: tmp, "is a folder, not a file"),
+    (lambda tmp: (tmp / "file").write_text("") or tmp / "file" / "x.json", "is not a folder"),
+    (lambda tmp: "", "must not be empty"),
+    (lambda tmp: f"{tmp}/a\0b", "NUL"),
+])
+def test_unwritable_paths_name_the_option_and_why(tmp_path, make, message):
+    with pytest.raises(OutputError, match=message) as info:
+        check_output(make(tmp_path), "--json")
+    assert "--json" in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_refused(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(OutputError, match="cannot write there"):
+            check_output(folder / "x.json", "--csv")
+    finally:
+        folder.chmod(0o700)
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text('{"old": true}\n')
+    path.chmod(0o640)
+    with pytest.raises(RuntimeError, match="midway"):
+        with atomic_output(path, "--json") as f:
+            f.write('{"new": ')
+            raise RuntimeError("midway")
+    assert json.loads(path.read_text()) == {"old": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    write_output(path, '{"new": true}\n', "--json")
+    assert json.loads(path.read_text()) == {"new": True}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # the file it replaced kept its mode
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_a_new_file_gets_the_mode_open_would_give(tmp_path):
+    umask = os.umask(0o027)
+    try:
+        write_output(tmp_path / "a.csv", "x\n")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "a.csv").stat().st_mode) == 0o640
+    write_output(tmp_path / "b.bin", b"\x00\x01")
+    assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_device_is_written_in_place_and_a_full_one_is_a_clear_error():
+    with pytest.raises(OutputError, match="No space left"):
+        write_output("/dev/full", "x" * 10_000, "OUT")
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)  # not replaced by a rename
+    write_output("/dev/null", "discarded\n", "OUT")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_named_pipe_is_written_in_place(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_output(fifo, "through the pipe\n", "--json")
+        assert os.read(reader, 100) == b"through the pipe\n"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
