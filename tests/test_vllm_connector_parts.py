@@ -58,6 +58,19 @@ def test_defaults_and_sizes():
     ({"checkpoint_tokens": "16k"}, "checkpoint_tokens must be a positive int"),
     ({"on_load_failure": "ignore"}, "recompute or fail"),
     ({"durable": "yes"}, "true or false"),
+    ({"dram_gb": 1e400}, "dram_gb must be >= 0 and <= "),
+    ({"dram_gb": float("nan")}, "dram_gb must be >= 0"),
+    ({"dram_gb": True}, "dram_gb must be a number"),
+    ({"dram_bytes": 2**70}, "dram_bytes must be an int >= 0 and <= 2[*][*]60"),
+    ({"b_gpu_gbps": "fast"}, "b_gpu_gbps must be a number"),
+    ({"b_disk_gbps": [20]}, "b_disk_gbps must be a number"),
+    ({"b_dram_gbps": 0}, "b_dram_gbps must be > 0"),
+    ({"ssd_paths": 5}, "list of directories"),
+    ({"ssd_paths": None}, "list of directories"),
+    ({"ssd_paths": [""]}, "list of directories"),
+    ({"policy": ["saria"]}, "unknown policy"),
+    ({"log_interval_s": float("inf")}, "log_interval_s must be >= 0"),
+    ({"chunk_tokens": 2**64}, "chunk_tokens must be a positive int"),
 ])
 def test_bad_options_are_refused_clearly(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -169,3 +182,9 @@ def test_session_priming_is_refused_where_it_would_not_give_the_same_split(kwarg
 
     with pytest.raises(ValueError, match="prime needs prefix_caching"):
         run_session("no-such-model", [[1, 2, 3]], **kwargs)
+
+
+@pytest.mark.parametrize("extra", [["policy", "saria"], "saria", 5])
+def test_extra_config_that_is_not_a_mapping_is_refused(extra):
+    with pytest.raises(ValueError, match="must be a mapping"):
+        ConnectorSettings.from_extra_config(extra)

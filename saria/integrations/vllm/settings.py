@@ -45,20 +45,46 @@ _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", 
          "log_interval_s", "on_load_failure"} | _POLICY_FIELDS
 
 
+MAX_BYTES = 1 << 60  # an exabyte: beyond any tier a machine could give
+MAX_GBPS = 1e5  # 100 TB/s
+
+
+def _number(extra: Mapping[str, Any], key: str, default: float, low: float, high: float, *,
+            strict: bool = False) -> float:
+    """``extra[key]`` (``default`` if absent): a finite number in ``[low, high]`` (``(low, high]``
+    if ``strict``); booleans and strings are refused, not read as numbers."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {value!r:.60}")
+    if not (low < value <= high if strict else low <= value <= high):  # False for NaN
+        raise ValueError(f"{key} must be {'>' if strict else '>='} {low:g} and <= {high:g}, got {value!r:.60}")
+    return float(value)
+
+
+def _positive_int(extra: Mapping[str, Any], key: str) -> int | None:
+    value = extra.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 40):
+        raise ValueError(f"{key} must be a positive int, got {value!r:.60}")
+    return value
+
+
+def _choice(extra: Mapping[str, Any], key: str, default: str, choices) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str) or value not in choices:
+        known = ", ".join(choices[:-1]) + " or " + choices[-1]
+        raise ValueError(f"unknown {key} {value!r:.60}: must be {known}")
+    return value
+
+
 def _size(extra: Mapping[str, Any], name: str, default: int) -> int:
-    gb, nbytes = extra.get(f"{name}_gb"), extra.get(f"{name}_bytes")
-    if gb is not None and nbytes is not None:
+    """``{name}_bytes`` (an int) or ``{name}_gb`` (a number of GiB), at most one of them."""
+    if extra.get(f"{name}_gb") is not None and extra.get(f"{name}_bytes") is not None:
         raise ValueError(f"give {name}_gb or {name}_bytes, not both")
-    if nbytes is not None:
-        value = nbytes
-    elif gb is not None:
-        if not isinstance(gb, (int, float)) or gb < 0:
-            raise ValueError(f"{name}_gb must be a number >= 0, got {gb!r}")
-        value = int(gb * GiB)
-    else:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}_bytes must be an int >= 0, got {value!r}")
+    if extra.get(f"{name}_gb") is not None:
+        return int(_number(extra, f"{name}_gb", 0, 0.0, MAX_BYTES / GiB) * GiB)
+    value = extra.get(f"{name}_bytes", default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
+        raise ValueError(f"{name}_bytes must be an int >= 0 and <= 2**60, got {value!r:.60}")
     return value
 
 
@@ -79,48 +105,35 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(f"kv_connector_extra_config must be a mapping of options, got {extra!r:.60}")
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - _KEYS)
+        unknown = sorted(map(str, set(extra) - _KEYS))
         if unknown:
             raise ValueError(f"unknown saria connector option(s) {unknown}; known: {sorted(_KEYS)}")
-        policy = extra.get("policy", "saria")
-        if policy not in POLICY_PRESETS:
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_PRESETS)}")
+        policy = _choice(extra, "policy", "saria", tuple(POLICY_PRESETS))
         paths = extra.get("ssd_paths", [])
-        if isinstance(paths, str) or not all(isinstance(p, str) for p in paths):
-            raise ValueError(f"ssd_paths must be a list of directories, got {paths!r}")
-        coordinator = extra.get("coordinator", "coordinated")
-        if coordinator not in ("coordinated", "overlap", "serial"):
-            raise ValueError(f"coordinator must be coordinated, overlap or serial, got {coordinator!r}")
-        checkpoint_tokens = extra.get("checkpoint_tokens")
-        if checkpoint_tokens is not None and (isinstance(checkpoint_tokens, bool)
-                                              or not isinstance(checkpoint_tokens, int) or checkpoint_tokens < 1):
-            raise ValueError(f"checkpoint_tokens must be a positive int, got {checkpoint_tokens!r}")
-        chunk_tokens = extra.get("chunk_tokens")
-        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                         or chunk_tokens < 1):
-            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):
+            raise ValueError(f"ssd_paths must be a list of directories, got {paths!r:.60}")
+        coordinator = _choice(extra, "coordinator", "coordinated", ("coordinated", "overlap", "serial"))
         defaults = Bandwidths()
-        bandwidth = Bandwidths(gpu_gbps=float(extra.get("b_gpu_gbps", defaults.gpu_gbps)),
-                               disk_gbps_per_drive=float(extra.get("b_disk_gbps", defaults.disk_gbps_per_drive)),
+        bandwidth = Bandwidths(gpu_gbps=_number(extra, "b_gpu_gbps", defaults.gpu_gbps, 0.0, MAX_GBPS, strict=True),
+                               disk_gbps_per_drive=_number(extra, "b_disk_gbps", defaults.disk_gbps_per_drive, 0.0,
+                                                           MAX_GBPS, strict=True),
                                drives=max(1, len(paths)),
-                               dram_gbps=float(extra.get("b_dram_gbps", defaults.dram_gbps)))
+                               dram_gbps=_number(extra, "b_dram_gbps", defaults.dram_gbps, 0.0, MAX_GBPS, strict=True))
         durable = extra.get("durable", True)
         if not isinstance(durable, bool):
-            raise ValueError(f"durable must be true or false, got {durable!r}")
-        log_interval = extra.get("log_interval_s", 60.0)
-        if not isinstance(log_interval, (int, float)) or log_interval < 0:
-            raise ValueError(f"log_interval_s must be a number >= 0, got {log_interval!r}")
-        on_load_failure = extra.get("on_load_failure", "recompute")
-        if on_load_failure not in ("recompute", "fail"):
-            raise ValueError(f"on_load_failure must be recompute or fail, got {on_load_failure!r}")
+            raise ValueError(f"durable must be true or false, got {durable!r:.60}")
         overrides = {k: v for k, v in extra.items() if k in _POLICY_FIELDS}
         Policy.preset(policy, **overrides)  # validates the overrides now, with the field's name in the error
         return cls(policy=policy, policy_overrides=overrides, dram_bytes=_size(extra, "dram", 8 * GiB),
                    ssd_paths=tuple(paths), ssd_bytes=_size(extra, "ssd", 64 * GiB if paths else 0),
-                   chunk_tokens=chunk_tokens, checkpoint_tokens=checkpoint_tokens,
+                   chunk_tokens=_positive_int(extra, "chunk_tokens"),
+                   checkpoint_tokens=_positive_int(extra, "checkpoint_tokens"),
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
-                   log_interval_s=float(log_interval), on_load_failure=on_load_failure)
+                   log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
+                   on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")))
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
         """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only
