@@ -79,6 +79,9 @@ def test_evict_hook_that_cannot_help_ends_in_refusal():
     (dict(capacity_bytes=SLOT, slot_bytes=1000), "multiple of 4096"),
     (dict(capacity_bytes=100, slot_bytes=SLOT), "at least one"),
     (dict(capacity_bytes=4 * SLOT, slot_bytes=SLOT, segment_bytes=100), "segment_bytes"),
+    (dict(capacity_bytes=1 << 62, slot_bytes=SLOT), "does not fit in this machine's"),  # before any allocation
+    (dict(capacity_bytes=4.0 * SLOT, slot_bytes=SLOT), "capacity_bytes must be an int"),
+    (dict(capacity_bytes=4 * SLOT, slot_bytes=True), "slot_bytes must be an int"),
 ])
 def test_bad_configuration(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -14,6 +14,7 @@ before refusing with :class:`HostPoolFull`.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -40,6 +41,11 @@ class HostPoolCounters:
         return asdict(self)
 
 
+def physical_memory_bytes() -> int:
+    """This machine's memory (what a host pool can never exceed)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _register(ptr: int, nbytes: int) -> None:
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
@@ -56,8 +62,16 @@ class HostPool:
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 4 << 20, *, segment_bytes: int = 1 << 30,
                  pin: bool | None = None, evict: Callable[[int], None] | None = None, evict_attempts: int = 3):
+        for name, value in (("capacity_bytes", capacity_bytes), ("slot_bytes", slot_bytes),
+                            ("segment_bytes", segment_bytes), ("evict_attempts", evict_attempts)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
         if slot_bytes < PAGE or slot_bytes % PAGE:
             raise ValueError(f"slot_bytes must be a positive multiple of {PAGE}, got {slot_bytes}")
+        memory = physical_memory_bytes()
+        if capacity_bytes > memory:
+            raise ValueError(f"a host pool of {capacity_bytes / 2**30:,.1f} GiB does not fit in this machine's "
+                             f"{memory / 2**30:,.1f} GiB of memory")
         if capacity_bytes < slot_bytes:
             raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one {slot_bytes}-byte slot")
         if segment_bytes < slot_bytes:
