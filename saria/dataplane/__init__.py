@@ -8,7 +8,8 @@ coordinator's bandwidth estimates from them.
 
 SSD store: :class:`SSDStore` keeps opaque objects striped over one preallocated file per drive,
 verified on every read and found again after a restart (``ssd_store``; on-disk format in
-``ssd_format``; POSIX / kvikio backends and the ``IoOps`` syscall layer in ``ssd_backends``).
+``ssd_format``; POSIX / kvikio backends, drive locks and the ``IoOps`` syscall layer in
+``ssd_backends``; checks on the caller's memory in ``ssd_memory``).
 """
 
 from .coordinator import Coordinator, pace_bytes_per_s
@@ -18,15 +19,15 @@ from .keys import object_key
 from .pcie import PCIeMonitor, calibrate
 from .ssd_backends import IoOps, probe_direct_io
 from .ssd_counters import PathCounters, SSDCounters
-from .ssd_errors import (ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable, ObjectWriteError,
-                         SSDStoreError, StoreClosed, StoreConfigError, StoreFull)
+from .ssd_errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable,
+                         ObjectWriteError, SSDStoreError, StoreClosed, StoreConfigError, StoreFull)
 from .ssd_index import ObjectInfo, PartLocation
 from .ssd_store import SSDStore
 
 __all__ = [
     "Completion", "Coordinator", "DramObject", "HostPool", "HostPoolFull", "LoadJob", "LoadResult", "PCIeMonitor",
     "TransferEngine", "calibrate", "object_key", "pace_bytes_per_s",
-    "IoOps", "ObjectCorrupt", "ObjectInfo", "ObjectNotFound", "ObjectReadError", "ObjectUnreadable",
+    "DriveLost", "IoOps", "ObjectCorrupt", "ObjectInfo", "ObjectNotFound", "ObjectReadError", "ObjectUnreadable",
     "ObjectWriteError", "PartLocation", "PathCounters", "SSDCounters", "SSDStore", "SSDStoreError",
     "StoreClosed", "StoreConfigError", "StoreFull", "probe_direct_io",
 ]

@@ -12,12 +12,15 @@ class SlotAllocator:
     (the next drive with a free slot when that one is full), and ``start`` moves on by the number
     of parts, so consecutive objects continue one stripe across the drives.
 
+    A retired drive (:meth:`retire`) has no free slots from then on: allocations skip it.
+
     Not thread-safe on its own: the store calls it under its lock.
     """
 
     def __init__(self, free_per_drive: list[Iterable[int]]):
         # pop() takes from the end: keep each list descending so low slots go first
         self._free = [sorted(set(slots), reverse=True) for slots in free_per_drive]
+        self._retired: set[int] = set()
         self._start = 0
 
     @property
@@ -48,5 +51,12 @@ class SlotAllocator:
         return [(d, self._free[d].pop()) for d in drives]
 
     def release(self, slots: Iterable[tuple[int, int]]) -> None:
+        """Give slots back (slots of a retired drive are ignored: that drive is out of service)."""
         for drive, slot in slots:
-            self._free[drive].append(slot)
+            if drive not in self._retired:
+                self._free[drive].append(slot)
+
+    def retire(self, drive: int) -> None:
+        """Take ``drive`` out of service: its free slots are forgotten and never handed out again."""
+        self._retired.add(drive)
+        self._free[drive] = []

@@ -1,11 +1,15 @@
 """Byte movement for the SSD store: the syscall layer, drive files, and the payload backends.
 
 * :class:`IoOps` makes the POSIX path's syscalls that open, move, sync or size a drive file (open,
-  pread, pwrite, fdatasync, fallocate, ftruncate, close; only ``fstat`` and ``flock`` are called
-  directly). Tests wrap it to inject ENOSPC, EIO or short transfers at chosen calls; everything
-  above it is the real code. kvikio's own I/O on CUDA tensors does not pass through it.
+  pread, pwrite, fdatasync, fallocate, ftruncate, close; only ``fstat``, ``stat`` and ``flock``, and
+  the directory lock's own open and close, are called directly). Tests wrap it to inject ENOSPC,
+  EIO or short transfers at chosen calls; everything above it is the real code. kvikio's own I/O on
+  CUDA tensors does not pass through it.
+* :class:`DirectoryLock` is the exclusive ``flock`` on a drive directory that keeps a second store
+  (in this process or another) off it while one has it open.
 * :class:`DriveFile` is one open drive file: whole-buffer reads and writes that resume after short
-  transfers, 4 KiB block I/O for headers, per-path byte and time counters.
+  transfers, 4 KiB block I/O for headers, per-path byte and time counters, and
+  :meth:`DriveFile.vanished`, which tells when the file at its path is no longer the one it has open.
 * :class:`PosixPayloadIO` moves a part's payload between a drive file and a tensor with
   ``os.preadv`` / ``os.pwritev`` on memoryviews of the tensor's memory. Under O_DIRECT every buffer
   address, length and file offset must be a multiple of 4096: an aligned destination gets its whole
@@ -22,6 +26,7 @@ verification and index of the store.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -109,14 +114,75 @@ def host_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).numpy()).cast("B")
 
 
+def flock_holder(path: str | os.PathLike) -> int | None:
+    """The pid of the process holding a ``flock`` on ``path``, from ``/proc/locks`` (Linux);
+    ``None`` when it cannot be told (no procfs, the holder is in another pid namespace, ...)."""
+    try:
+        st = os.stat(path)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 2587 fd:01:1835027 0 EOF"; waiters read "1: -> FLOCK ..."
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            found = (int(major, 16), int(minor, 16), int(inode))
+            pid = int(fields[4])
+        except ValueError:
+            continue
+        if found == want and pid > 0:
+            return pid
+    return None
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on a drive directory, held while a store has the directory open.
+
+    The lock is on the directory, not on the drive file: deleting or replacing the drive file cannot
+    release it, so a second store on the directory (in this process or another; flock locks belong
+    to open file descriptions) is refused with :class:`StoreConfigError` naming the directory and,
+    where ``/proc/locks`` tells, the pid holding it.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        try:
+            self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StoreConfigError(f"SSD path {directory} is not usable: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreConfigError(f"cannot lock SSD path {directory}: {exc.strerror or exc}") from exc
+            pid = flock_holder(directory)
+            who = ("the lock holder is unknown" if pid is None else
+                   f"held by this process, pid {pid}: another SSDStore on it is still open" if pid == os.getpid()
+                   else f"held by process {pid}")
+            raise StoreConfigError(f"SSD path {directory} is in use by another SSD store ({who}); "
+                                   "close that store first") from exc
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
 class DriveFile:
     """One open drive file. Transfers move whole buffers or raise; short transfers are resumed
-    (from the last whole block under O_DIRECT) and counted, and OS errors are counted."""
+    (from the last whole block under O_DIRECT) and counted, and OS errors are counted.
+
+    ``lock``, when given, is the lock of the file's directory: released by :meth:`close`.
+    """
 
     MAX_STALLS = 3  # consecutive attempts without progress before a transfer is given up
 
     def __init__(self, path: Path, fd: int, direct: bool, ops: IoOps, counters: SSDCounters,
-                 created: bool = False):
+                 created: bool = False, lock: DirectoryLock | None = None):
         self.path = path
         self.fd = fd
         self.direct = direct
@@ -124,6 +190,23 @@ class DriveFile:
         self._ops = ops
         self._counters = counters
         self._blocks = AlignedPool(BLOCK)
+        self._lock = lock
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
+        self._abs_path = os.path.abspath(path)  # stat()ed by vanished(), whatever the working directory
+
+    def vanished(self) -> str | None:
+        """Why the file at :attr:`path` is no longer the file this object has open (``"was deleted"``,
+        ``"was replaced by another file ..."``), or ``None`` while it still is. One ``stat`` of the
+        path (a microsecond or two). Other errors of that ``stat`` (EACCES, EIO) are raised."""
+        try:
+            st = os.stat(self._abs_path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "was deleted"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return (f"was replaced by another file (inode {st.st_ino} on device {st.st_dev:#x}; the store has "
+                    f"inode {self._identity[1]} on device {self._identity[0]:#x} open)")
+        return None
 
     def read_exact(self, buf: memoryview, offset: int) -> None:
         self._transfer(self._ops.pread, buf, offset, "read")
@@ -159,9 +242,14 @@ class DriveFile:
         self._call(self._ops.ftruncate, self.fd, length)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            self._ops.close(fd)
+        """Close the file, then release the directory lock (idempotent)."""
+        try:
+            if self.fd >= 0:
+                fd, self.fd = self.fd, -1
+                self._ops.close(fd)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def _call(self, fn, *args):
         try:

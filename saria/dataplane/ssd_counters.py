@@ -36,6 +36,8 @@ class SSDCounters:
     corrupt_headers: int = 0  # slot headers that failed validation at open
     truncated_slots: int = 0  # slots a drive file had (per its superblock) but no longer holds at open
     store_full: int = 0  # writes refused for lack of free slots
+    drives_lost: int = 0  # drive files found deleted or replaced while open (drive taken out of service)
+    objects_lost: int = 0  # objects dropped because a drive they had a part on was lost
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

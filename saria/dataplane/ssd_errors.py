@@ -1,12 +1,16 @@
 """Exceptions of the SSD store: start-up errors, refusals, and per-object failures.
 
-Start-up problems (a bad path, a file that cannot be preallocated, a file of another format) raise
-:class:`StoreConfigError` from the constructor. At run time a refusal (:class:`StoreFull`,
-:class:`ObjectNotFound`, :class:`StoreClosed`) is raised by the call itself, before anything
-changes; an I/O or verification failure reaches the caller through the operation's Future.
+Start-up problems (a bad path, a directory another store has open, a file that cannot be
+preallocated, a file of another format) raise :class:`StoreConfigError` from the constructor. At
+run time a refusal (:class:`StoreFull`, :class:`ObjectNotFound`, :class:`StoreClosed`,
+:class:`DriveLost` when no drive is left, ``TypeError`` / ``ValueError`` for bad arguments) is
+raised by the call itself, before anything changes; an I/O or verification failure reaches the
+caller through the operation's Future.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class SSDStoreError(Exception):
@@ -23,6 +27,20 @@ class StoreClosed(SSDStoreError):
 
 class StoreFull(SSDStoreError):
     """Not enough free slots for an object; nothing was changed."""
+
+
+class DriveLost(SSDStoreError):
+    """A drive file was deleted or replaced while the store had it open: the drive is out of service.
+
+    Its objects are lost (gone from the index); a write with a part on it fails with
+    :class:`ObjectWriteError` caused by this error; ``write`` raises it at once when no drive is left.
+    ``path`` is the drive file, ``reason`` what happened to it (``None`` for "no drive left").
+    """
+
+    def __init__(self, message: str, path: Path | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
 
 
 class ObjectNotFound(SSDStoreError, KeyError):

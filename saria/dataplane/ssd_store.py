@@ -22,6 +22,18 @@ on the destination's device. A mismatch, an I/O error or a short read that canno
 fails the Future (:class:`ObjectCorrupt` / :class:`ObjectUnreadable`) and drops the object: its
 headers are erased and its slots freed.
 
+Caller memory (``ssd_memory``): a read's destinations must not overlap each other nor any memory
+another read or write in flight uses, and a write's source must not overlap a read destination in
+flight; CPU destinations must be writable. Such a misuse is refused with ``ValueError`` before any
+I/O, and the object stays served: only evidence against the stored copy drops it.
+
+Drives: each drive directory is locked (``flock`` on the directory) while the store is open, so a
+second store on it fails at open. Before a write is published, the store checks that each drive
+file it touched is still the file at its path (one ``stat``); a drive file found deleted or
+replaced is taken out of service: the write fails, the objects with a part on it leave the index
+(they are lost), one error line is logged, and writes go on with the drives left (``DriveLost``
+once none is left). :meth:`SSDStore.check_drives` runs the same check on demand.
+
 At open every slot header is scanned; each key's newest complete generation is served, and
 everything else (half-committed writes, torn or flipped headers, parts beyond the end of a
 truncated file, older generations) is erased and counted (``dropped_at_open``,
@@ -53,13 +65,14 @@ from saria.kernels import checksum
 
 from .nvtx import SSD_READ, SSD_WRITE, VERIFY, nvtx_range
 from .ssd_alloc import SlotAllocator
-from .ssd_backends import DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
+from .ssd_backends import DirectoryLock, DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
 from .ssd_counters import SSDCounters
-from .ssd_errors import (ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable, ObjectWriteError,
+from .ssd_errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable, ObjectWriteError,
                          StoreClosed, StoreConfigError, StoreFull)
 from .ssd_format import (BLOCK, EMPTY_HEADER, FILE_NAME, HEADER_BYTES, MAX_KEY_BYTES, SUPERBLOCK_BYTES, Geometry,
                          SlotHeader, SuperBlock, decode_header)
 from .ssd_index import ObjectInfo, PartLocation, assemble
+from .ssd_memory import Claim, MemoryInUse, WritableProbe
 
 log = logging.getLogger("saria.dataplane.ssd")
 
@@ -126,8 +139,13 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.uint8:
         raise ValueError(f"{what} must be uint8, got {t.dtype}")
-    if t.layout != torch.strided or not t.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous tensor")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what} must be a contiguous tensor, got layout {t.layout}")
+    if not t.is_contiguous():
+        expanded = any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
+        note = " (an expanded tensor: stride 0 repeats the same bytes)" if expanded else ""
+        raise ValueError(f"{what} must be a contiguous tensor, got shape {tuple(t.shape)} with strides "
+                         f"{t.stride()}{note}")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{what} must be on CPU or CUDA, not {t.device}")
     return t.reshape(-1)
@@ -145,7 +163,8 @@ class SSDStore:
 
     Args:
         paths: one existing, writable directory per drive; the store keeps ``saria-ssd-store.bin``
-            in each (created and preallocated when missing, locked while open).
+            in each (created and preallocated when missing); each directory is locked while the
+            store is open (a second store on it fails with :class:`StoreConfigError`).
         capacity_bytes_per_drive: size of each drive file; it holds
             ``(capacity - 4096) // (4096 + part_bytes)`` slots.
         part_bytes: payload bytes per slot, the striping unit (a multiple of 4096).
@@ -186,6 +205,9 @@ class SSDStore:
         self._pending: dict[bytes, int] = {}  # writes in flight per key
         self._tombstones: dict[bytes, int] = {}  # key -> in-flight writes below this generation are void
         self._quarantined: set[tuple[int, int]] = set()  # slots whose header could not be erased
+        self._lost: dict[int, str] = {}  # drive -> what happened to its file (the drive is out of service)
+        self._memory = MemoryInUse()  # caller memory of the parts in flight
+        self._probe = WritableProbe()
         self._closed = False
         self._files: list[DriveFile] = []
         self._payload: PayloadIO | None = None
@@ -205,10 +227,19 @@ class SSDStore:
     # ---------------------------------------------------------------- start-up
 
     def _open_drive(self, directory: Path, direct: bool | str) -> DriveFile:
+        """Lock ``directory`` (before anything is created in it), then open its drive file."""
         if not directory.exists():
             raise StoreConfigError(f"SSD path {directory} does not exist")
         if not directory.is_dir():
             raise StoreConfigError(f"SSD path {directory} is not a directory")
+        lock = DirectoryLock(directory)
+        try:
+            return self._open_drive_file(directory, direct, lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    def _open_drive_file(self, directory: Path, direct: bool | str, lock: DirectoryLock) -> DriveFile:
         path = directory / FILE_NAME
         use_direct = False
         if direct is not False:
@@ -229,8 +260,12 @@ class SSDStore:
                 fd = self._open_plain(path, flags & ~O_DIRECT)
             else:
                 raise StoreConfigError(f"cannot open {path}: {exc.strerror or exc}") from exc
-        f = DriveFile(path, fd, use_direct, self._ops, self._counters, created=not existed)
         try:
+            f = DriveFile(path, fd, use_direct, self._ops, self._counters, created=not existed, lock=lock)
+        except BaseException:
+            self._ops.close(fd)
+            raise
+        try:  # the same file reached through another directory (a hard link)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             f.close()
@@ -354,8 +389,24 @@ class SSDStore:
 
     @property
     def total_parts(self) -> int:
-        """Slots in the store (each holds one part)."""
-        return self._geometry.slots * len(self._files)
+        """Slots on the drives in service (each holds one part)."""
+        with self._lock:
+            return self._geometry.slots * (len(self._files) - len(self._lost))
+
+    @property
+    def lost_drives(self) -> dict[Path, str]:
+        """Drive files taken out of service, each with what happened to it (e.g. ``"was deleted"``)."""
+        with self._lock:
+            return {self._files[d].path: why for d, why in sorted(self._lost.items())}
+
+    def check_drives(self) -> dict[Path, str]:
+        """Check now that each drive file in service is still the file at its path (one ``stat``
+        each); take any that was deleted or replaced out of service (see the module docstring).
+        Returns :attr:`lost_drives`. Writes run this check on their own drives before publishing."""
+        self._check_open()
+        for d in range(len(self._files)):
+            self._drive_lost(d)
+        return self.lost_drives
 
     @property
     def free_parts(self) -> int:
@@ -392,26 +443,37 @@ class SSDStore:
         ``checksums`` are the parts' ``saria.kernels.checksum`` values if the caller has them
         (they are trusted, not recomputed). The source must stay unchanged until the Future is done.
 
-        Raises at once (nothing changed): ``TypeError`` / ``ValueError`` for bad input,
-        :class:`StoreFull` when not enough slots are free, :class:`StoreClosed`. The Future
-        resolves to the new :class:`ObjectInfo`; to ``None`` if the key was deleted while this write
-        was in flight or a later write of it committed first (nothing of this one is kept); or fails
-        with :class:`ObjectWriteError`.
+        Sources may share memory with each other (the same tensor twice is fine: writes only read
+        it) but not with the destination of a read in flight.
+
+        Raises at once (nothing changed): ``TypeError`` / ``ValueError`` for bad input (including
+        a source overlapping a read destination in flight), :class:`StoreFull` when not enough
+        slots are free, :class:`DriveLost` when every drive is out of service,
+        :class:`StoreClosed`. The Future resolves to the new :class:`ObjectInfo`; to ``None`` if the
+        key was deleted while this write was in flight or a later write of it committed first
+        (nothing of this one is kept); or fails with :class:`ObjectWriteError` (caused by
+        :class:`DriveLost` when a drive file it used vanished).
         """
         _check_key(key)
         parts = self._split(data)
         sums = self._check_checksums(checksums, len(parts))
+        names = ["data"] * len(parts) if isinstance(data, torch.Tensor) else [f"data[{i}]" for i in range(len(parts))]
         with self._lock:
             self._check_open()
+            if len(self._lost) == len(self._files):
+                lost = "; ".join(f"{self._files[d].path} {why}" for d, why in sorted(self._lost.items()))
+                raise DriveLost(f"every drive of the SSD store is out of service ({lost}): nothing can be written")
+            claim = self._memory.claim(f"the write of object {key.hex()}", False, list(zip(names, parts)))
             try:
                 slots = self._alloc.allocate(len(parts))
             except StoreFull:
+                self._memory.release(claim)
                 self._counters.add(store_full=1)
                 raise
             generation = self._next_gen
             self._next_gen += 1
             self._pending[key] = self._pending.get(key, 0) + 1
-        job = _WriteJob(self, key, generation, parts, slots, sums, _ready_events(parts))
+        job = _WriteJob(self, key, generation, parts, slots, sums, claim, _ready_events(parts))
         for i in range(len(parts)):
             self._writers.submit(job.write_part, i)
         return job.future
@@ -421,12 +483,18 @@ class SSDStore:
 
         ``out`` is a contiguous uint8 tensor (CPU or CUDA) of at least the object's length (part
         ``i`` lands at ``i * part_bytes``; bytes past the object are not touched) or a list of
-        per-part tensors, each at least that part's length. ``out`` must not be used until the
-        Future is done; on CUDA the read waits for work already queued on the caller's stream.
+        per-part tensors, each at least that part's length. The bytes a read writes (part ``i``'s
+        length at the start of ``out[i]``) must not overlap each other, nor memory that another
+        read or write in flight uses, and CPU destinations must be writable. ``out`` must not be
+        used until the Future is done; on CUDA the read waits for work already queued on the
+        caller's stream.
 
-        Raises at once: :class:`ObjectNotFound`, ``TypeError`` / ``ValueError`` for a bad ``out``,
-        :class:`StoreClosed`. The Future fails with :class:`ObjectCorrupt` (checksum mismatch) or
-        :class:`ObjectUnreadable` (I/O error, short read), and the object is then dropped.
+        Raises at once, with nothing read and the object still served: :class:`ObjectNotFound`,
+        ``TypeError`` / ``ValueError`` for a bad ``out`` (wrong type, dtype, device, size, layout,
+        overlapping or read-only memory), :class:`StoreClosed`. The Future fails with
+        :class:`ObjectCorrupt` (checksum mismatch) or :class:`ObjectUnreadable` (I/O error, short
+        read), and the object is then dropped; or with ``ValueError`` (the object kept) when the
+        kernel finds a destination page read-only (EFAULT) that the up-front probe missed.
         """
         _check_key(key)
         with self._lock:
@@ -434,13 +502,19 @@ class SSDStore:
             entry = self._index.get(key)
             if entry is None:
                 raise ObjectNotFound(f"no object under key {key.hex()}")
+            targets = self._read_targets(entry.info, out)
+            claim = self._memory.claim(f"the read of object {key.hex()}", True, targets)
             entry.pins += 1
         try:
-            dests = self._read_targets(entry.info, out)
+            for name, dest in targets:
+                if dest.device.type == "cpu" and not self._probe.writable(dest):
+                    raise ValueError(f"{name} is read-only memory (e.g. torch.frombuffer over a read-only "
+                                     "buffer or mapping): a read needs writable destinations; nothing was read")
         except BaseException:
-            self._unpin(entry)
+            self._end_read(entry, claim)
             raise
-        job = _ReadJob(self, entry, dests, _ready_events(dests))
+        dests = [dest for _, dest in targets]
+        job = _ReadJob(self, entry, dests, claim, _ready_events(dests))
         for i in range(len(dests)):
             self._readers.submit(job.read_part, i)
         return job.future
@@ -463,7 +537,9 @@ class SSDStore:
         return entry is not None or pending
 
     def close(self) -> None:
-        """Wait for reads and writes in flight, sync (``durable``), close the files. Idempotent."""
+        """Wait for reads and writes in flight, check the drive files are still in place (a vanished
+        one is taken out of service and logged), sync the others (``durable``), close the files.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -484,9 +560,11 @@ class SSDStore:
         self._writers.shutdown(wait=True)
         try:
             if sync:
-                for f in self._files:
-                    f.sync()
+                for d, f in enumerate(self._files):
+                    if self._drive_lost(d) is None:
+                        f.sync()
         finally:
+            self._probe.close()
             if self._payload is not None:
                 self._payload.close()
             for f in self._files:
@@ -525,23 +603,24 @@ class SSDStore:
             raise ValueError(f"checksums must be {n} integers in [0, 2**64), one per part")
         return sums
 
-    def _read_targets(self, info: ObjectInfo, out: Any) -> list[torch.Tensor]:
+    def _read_targets(self, info: ObjectInfo, out: Any) -> list[tuple[str, torch.Tensor]]:
+        """``(name, destination)`` of each part: exactly the bytes the read will write."""
         pb = self._geometry.part_bytes
         if isinstance(out, torch.Tensor):
             flat = _check_tensor(out, "out")
             if flat.numel() < info.length:
                 raise ValueError(f"out has {flat.numel()} bytes, the object has {info.length}")
-            return [flat[i * pb:i * pb + p.length] for i, p in enumerate(info.parts)]
+            return [("out", flat[i * pb:i * pb + p.length]) for i, p in enumerate(info.parts)]
         if isinstance(out, (list, tuple)):
             if len(out) != len(info.parts):
                 raise ValueError(f"out has {len(out)} tensors, the object has {len(info.parts)} parts")
-            dests = []
+            targets = []
             for i, (t, p) in enumerate(zip(out, info.parts)):
                 flat = _check_tensor(t, f"out[{i}]")
                 if flat.numel() < p.length:
                     raise ValueError(f"out[{i}] has {flat.numel()} bytes, part {i} has {p.length}")
-                dests.append(flat[:p.length])
-            return dests
+                targets.append((f"out[{i}]", flat[:p.length]))
+            return targets
         raise TypeError(f"out must be a uint8 tensor or a list of them, got {type(out).__name__}")
 
     def _retire(self, entry: _Entry) -> bool:
@@ -549,9 +628,11 @@ class SSDStore:
         entry.dead = True
         return entry.pins == 0
 
-    def _unpin(self, entry: _Entry, drop: bool = False) -> None:
-        """End one read of ``entry``; ``drop`` removes it from the index (its copy is bad)."""
+    def _end_read(self, entry: _Entry, claim: Claim, drop: bool = False) -> None:
+        """End one read of ``entry``: release its memory claim and its pin; ``drop`` removes the
+        object from the index (its copy is bad)."""
         with self._lock:
+            self._memory.release(claim)
             if drop and self._index.get(entry.info.key) is entry:
                 del self._index[entry.info.key]
                 entry.dead = True
@@ -559,6 +640,47 @@ class SSDStore:
             release = entry.dead and entry.pins == 0
         if release:
             self._release(entry.info.parts)
+
+    def _release_memory(self, claim: Claim) -> None:
+        with self._lock:
+            self._memory.release(claim)
+
+    def _drive_lost(self, drive: int) -> DriveLost | None:
+        """``None`` while ``drive`` is in service and its file is still the one at its path; else
+        the :class:`DriveLost` error, after taking the drive out of service (the first time)."""
+        if drive not in self._lost:
+            why = self._files[drive].vanished()
+            if why is not None:
+                self._lose_drive(drive, why)
+        return self._lost_error(drive)
+
+    def _lost_error(self, drive: int) -> DriveLost | None:
+        why = self._lost.get(drive)
+        if why is None:
+            return None
+        path = self._files[drive].path
+        return DriveLost(f"SSD drive file {path} {why} while the store had it open; the drive is out of service",
+                         path, why)
+
+    def _lose_drive(self, drive: int, why: str) -> None:
+        """Take ``drive`` out of service: no more slots from it, its objects leave the index (their
+        parts on other drives are erased and freed once no read pins them), one log line."""
+        with self._lock:
+            if drive in self._lost:
+                return
+            self._lost[drive] = why
+            self._alloc.retire(drive)
+            lost = [e for e in self._index.values() if any(p.drive == drive for p in e.info.parts)]
+            for e in lost:
+                del self._index[e.info.key]
+            free_now = [e for e in lost if self._retire(e)]
+            left = len(self._files) - len(self._lost)
+        self._counters.add(drives_lost=1, objects_lost=len(lost))
+        log.error("SSD drive file %s %s while the store had it open: drive taken out of service, %d object(s) on "
+                  "it lost; %s", self._files[drive].path, why, len(lost),
+                  f"{left} drive(s) left in service" if left else "no drive left: writes will fail")
+        for e in free_now:
+            self._release(e.info.parts)
 
     def _erase_header(self, drive: int, slot: int) -> bool:
         try:
@@ -570,15 +692,18 @@ class SSDStore:
             return False
 
     def _release(self, parts: Sequence[PartLocation] | Sequence[tuple[int, int]]) -> None:
-        """Erase the headers of these slots and free them (a slot that cannot be erased is set aside)."""
+        """Erase the headers of these slots and free them (a slot that cannot be erased is set
+        aside; slots of a drive out of service are left alone: its file is gone)."""
         slots = [(p.drive, p.slot) if isinstance(p, PartLocation) else p for p in parts]
+        slots = [s for s in slots if s[0] not in self._lost]
         ok = [s for s in slots if self._erase_header(*s)]
         with self._lock:
             self._alloc.release(ok)
             self._quarantined.update(set(slots) - set(ok))
 
     def _finish_write(self, key: bytes, generation: int, info: ObjectInfo | None) -> ObjectInfo | None:
-        """Publish a written object (``None``: it failed). ``None`` back if it was overtaken."""
+        """Publish a written object (``None``: it failed). ``None`` back if it was overtaken;
+        :class:`DriveLost` (the object released) if one of its drives went out of service first."""
         old = None
         with self._lock:
             n = self._pending[key] - 1
@@ -587,7 +712,8 @@ class SSDStore:
             else:
                 del self._pending[key]
             current = self._index.get(key)
-            void = info is None or generation < self._tombstones.get(key, -1) or (
+            lost = None if info is None else next((p.drive for p in info.parts if p.drive in self._lost), None)
+            void = info is None or lost is not None or generation < self._tombstones.get(key, -1) or (
                 current is not None and current.info.generation > generation)
             if not n:
                 self._tombstones.pop(key, None)
@@ -597,6 +723,8 @@ class SSDStore:
                     old = current
         if info is not None and void:
             self._release(info.parts)
+            if lost is not None:
+                raise self._lost_error(lost)
             return None
         if old is not None:
             self._release(old.info.parts)
@@ -607,9 +735,9 @@ class _WriteJob:
     """One object's write: payload tasks on the writer pool, then sync, headers, sync, publish."""
 
     def __init__(self, store: SSDStore, key: bytes, generation: int, parts: list[torch.Tensor],
-                 slots: list[tuple[int, int]], sums: list[int | None], events: list[Any]):
+                 slots: list[tuple[int, int]], sums: list[int | None], claim: Claim, events: list[Any]):
         self.store, self.key, self.generation = store, key, generation
-        self.parts, self.slots, self.sums, self.events = parts, slots, sums, events
+        self.parts, self.slots, self.sums, self.claim, self.events = parts, slots, sums, claim, events
         self.gather = _Gather(len(parts))
         self.future: Future = Future()
         self.future.set_running_or_notify_cancel()
@@ -652,6 +780,10 @@ class _WriteJob:
                 if store._durable:
                     for d in drives:
                         store._files[d].sync()
+                for d in drives:  # never report success for bytes in a file no longer at its path
+                    lost = store._drive_lost(d)
+                    if lost is not None:
+                        raise lost
         except BaseException as exc:
             error = exc
         if error is not None:
@@ -661,12 +793,16 @@ class _WriteJob:
             PartLocation(d, s, t.numel(), c) for (d, s), t, c in zip(self.slots, self.parts, self.sums)))
         try:
             result = store._finish_write(self.key, self.generation, info)
+        except DriveLost as exc:  # a drive of it went out of service before it was published
+            store._counters.add(write_failures=1)
+            self._complete(error=self._write_error(exc))
+            return
         except BaseException as exc:  # an erase of a superseded copy failed: the write itself is done
-            self.future.set_exception(exc)
+            self._complete(error=exc)
             return
         if result is not None:
             store._counters.add(writes=1)
-        self.future.set_result(result)
+        self._complete(result)
 
     def _fail(self, error: BaseException, headers_started: bool) -> None:
         store = self.store
@@ -677,18 +813,29 @@ class _WriteJob:
                 store._alloc.release(self.slots)
         store._finish_write(self.key, self.generation, None)
         store._counters.add(write_failures=1)
+        self._complete(error=self._write_error(error))
+
+    def _write_error(self, error: BaseException) -> ObjectWriteError:
         code = error.errno if isinstance(error, OSError) else None
         why = f"{error.strerror or error}" if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
         exc = ObjectWriteError(f"writing object {self.key.hex()} failed: {why}; nothing of it is stored", code)
         exc.__cause__ = error
-        self.future.set_exception(exc)
+        return exc
+
+    def _complete(self, result: ObjectInfo | None = None, error: BaseException | None = None) -> None:
+        """Release the source memory, then resolve the Future (its callbacks may reuse that memory)."""
+        self.store._release_memory(self.claim)
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
 
 
 class _ReadJob:
     """One object's read: part tasks on the reader pool, each verified where it landed."""
 
-    def __init__(self, store: SSDStore, entry: _Entry, dests: list[torch.Tensor], events: list[Any]):
-        self.store, self.entry, self.dests, self.events = store, entry, dests, events
+    def __init__(self, store: SSDStore, entry: _Entry, dests: list[torch.Tensor], claim: Claim, events: list[Any]):
+        self.store, self.entry, self.dests, self.claim, self.events = store, entry, dests, claim, events
         self.gather = _Gather(len(dests))
         self.future: Future = Future()
         self.future.set_running_or_notify_cancel()
@@ -712,8 +859,12 @@ class _ReadJob:
                     raise ObjectCorrupt(f"object {key} part {i} (drive {store._files[part.drive].path}, "
                                         f"slot {part.slot}) does not match its checksum")
         except OSError as exc:
-            error = ObjectUnreadable(f"object {key} part {i} (drive {store._files[part.drive].path}, slot "
-                                     f"{part.slot}) unreadable: {exc.strerror or exc}", exc.errno)
+            if exc.errno == errno.EFAULT:  # the destination memory, not the stored copy: keep the object
+                error = ValueError(f"reading object {key} part {i}: the kernel refused to write into the "
+                                   "destination (EFAULT: read-only or unmapped memory); the object is kept")
+            else:
+                error = ObjectUnreadable(f"object {key} part {i} (drive {store._files[part.drive].path}, slot "
+                                         f"{part.slot}) unreadable: {exc.strerror or exc}", exc.errno)
             error.__cause__ = exc
         except BaseException as exc:
             error = exc
@@ -723,7 +874,7 @@ class _ReadJob:
     def _finish(self) -> None:
         error, store = self.gather.error, self.store
         bad_copy = isinstance(error, ObjectReadError)
-        store._unpin(self.entry, drop=bad_copy)
+        store._end_read(self.entry, self.claim, drop=bad_copy)
         if error is None:
             store._counters.add(reads=1)
             self.future.set_result(self.entry.info)
