@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .backend import launch_guard, resolve_backend
+from .page_table import check_memory
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -99,13 +100,16 @@ def _finish(total: int, n_words: int, tail: bytes, n_bytes: int) -> int:
 
 
 def _as_bytes(staging: torch.Tensor) -> torch.Tensor:
+    """``staging``'s bytes as a flat uint8 view, after checking they are real memory in order."""
     if not isinstance(staging, torch.Tensor):
         raise ValueError(f"checksum needs a torch.Tensor, got {type(staging).__name__}")
-    if staging.layout != torch.strided or not staging.is_contiguous():
+    if staging.layout != torch.strided or staging.is_nested or not staging.is_contiguous():
         raise ValueError("checksum needs a contiguous tensor (its bytes are checksummed in memory order)")
     if staging.device.type not in ("cpu", "cuda"):
         raise ValueError(f"checksum supports CUDA and CPU tensors, not {staging.device}")
-    data = staging.reshape(-1).view(torch.uint8) if staging.dtype != torch.uint8 else staging.reshape(-1)
+    check_memory(staging, "the tensor to checksum")
+    data = staging.detach().reshape(-1)
+    data = data.view(torch.uint8) if data.dtype != torch.uint8 else data
     if data.numel() > MAX_BYTES:
         raise ValueError(f"checksum covers at most {MAX_BYTES} bytes per call, got {data.numel()}")
     return data

@@ -18,6 +18,7 @@ for that page. Each program decides for itself, so one unaligned tensor does not
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -87,13 +88,15 @@ def _copy_pages_kernel(
 
 def _launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, per_chunk: int, pack: bool, *,
             words: int = WORDS_PER_ITER, num_warps: int = NUM_WARPS) -> None:
-    """One launch over every (page id, tensor) pair. ``words``/``num_warps``: for benchmark sweeps."""
+    """One launch over every (page id, tensor) pair. ``words``/``num_warps``: for benchmark sweeps.
+    Trusts its input: ``table`` verified, ``ids`` from :func:`check_block_ids`, ``staging`` from
+    :func:`check_staging` (as the public ops below pass them)."""
     if ids.numel() == 0:
         return
     grid = (ids.numel(), len(table))
     with launch_guard():
         _copy_pages_kernel[grid](
-            table.device_table(), ids, staging.data_ptr(), per_chunk, table.staging_bytes(per_chunk),
+            table._addresses(), ids, staging.data_ptr(), per_chunk, table.staging_bytes(per_chunk),
             PACK=pack, WORDS=words, BYTES=BYTES_PER_ITER, num_warps=num_warps)
 
 
@@ -145,9 +148,11 @@ def pack_pages(caches: PageTable | Sequence[torch.Tensor], block_ids: torch.Tens
     :mod:`saria.kernels.page_table`) or a prebuilt :class:`PageTable`. ``block_ids``: 1-D integer
     ids, or 2-D ``[chunks, pages_per_chunk]`` for a batch of chunks (returned as
     ``[chunks, bytes_per_chunk]``, each row one chunk). ``out``: optional contiguous uint8 tensor
-    of exactly the right size on the caches' device. Returns the staging tensor, laid out tensor
-    after tensor, pages in ``block_ids`` order (module docstring). Never synchronizes when
-    ``block_ids`` are on the CPU.
+    of exactly the right size on the caches' device, 1-D or ``[chunks, bytes_per_chunk]``, sharing
+    no memory with the caches. Returns the staging tensor, laid out tensor after tensor, pages in
+    ``block_ids`` order (module docstring). Never synchronizes when ``block_ids`` are on the CPU.
+    Everything is checked before anything is copied (:mod:`saria.kernels.page_table`): a stale
+    table raises ``StaleTableError``, bad ids ``IndexError`` or ``ValueError``, bad staging ``ValueError``.
     """
     table = PageTable.of(caches)
     ids, chunks, per_chunk = check_block_ids(block_ids, table, unique=False)
@@ -170,11 +175,12 @@ def unpack_pages(staging: torch.Tensor, caches: PageTable | Sequence[torch.Tenso
     ``block_ids`` of every tensor in ``caches``, in place. The exact inverse of ``pack_pages``.
 
     Duplicate ids and tables whose tensors share page bytes are refused: the writes would race.
+    So is a ``staging`` sharing memory with any page of the table. Errors as for :func:`pack_pages`.
     """
     table = PageTable.of(caches)
     if table.overlap is not None:
         a, b = table.overlap
-        raise ValueError(f"caches[{a}] and caches[{b}] share memory: unpacking into them would overwrite "
+        raise ValueError(f"{table.names[a]} and {table.names[b]} share memory: unpacking into them would overwrite "
                          "one tensor's pages with the other's")
     ids, chunks, per_chunk = check_block_ids(block_ids, table, unique=True)
     check_staging(staging, table, chunks, per_chunk, "staging")
@@ -188,13 +194,30 @@ def drop_leading_pages(staging: torch.Tensor, caches: PageTable | Sequence[torch
                        skip: int) -> torch.Tensor:
     """One chunk's staging without its first ``skip`` pages in every tensor: the staging that
     :func:`unpack_pages` expects for the chunk's remaining ``pages_per_chunk - skip`` ids (a copy).
-    Used when the engine already holds the start of a chunk and must not have it overwritten."""
+    Used when the engine already holds the start of a chunk and must not have it overwritten.
+    ``staging``: one chunk (1-D, or ``[1, bytes]``); ``pages_per_chunk``, ``skip``: integers."""
     table = PageTable.of(caches)
+    pages_per_chunk, skip = _count(pages_per_chunk, "pages_per_chunk"), _count(skip, "skip")
     if not 0 <= skip < pages_per_chunk:
-        raise ValueError(f"skip must be in [0, {pages_per_chunk}), got {skip}")
-    check_staging(staging.reshape(-1), table, 1, pages_per_chunk, "staging")
+        raise ValueError(f"skip must be in [0, pages_per_chunk) = [0, {pages_per_chunk}), got {skip}")
+    if not isinstance(staging, torch.Tensor):
+        raise ValueError(f"staging must be a torch.Tensor, got {type(staging).__name__}")
+    if staging.dim() != 1 and not (staging.dim() == 2 and staging.shape[0] == 1):
+        raise ValueError(f"staging has shape {tuple(staging.shape)}: drop_leading_pages takes one chunk's "
+                         "staging (1-D or [1, bytes]); pass one row at a time")
     flat = staging.reshape(-1)
+    check_staging(flat, table, 1, pages_per_chunk, "staging")
     if skip == 0:
         return flat
     return torch.cat([flat[off * pages_per_chunk + skip * seg.page_bytes:(off + seg.page_bytes) * pages_per_chunk]
                       for off, seg in zip(table.tensor_offsets, table.segments)])
+
+
+def _count(value, name: str) -> int:
+    """``value`` as an int (ints and integer scalars; not bools, floats or strings)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None

@@ -26,8 +26,7 @@ TEMPORAL_DTYPES = (torch.float32, torch.bfloat16)
 def state_table(temporal: torch.Tensor | Sequence[torch.Tensor],
                 conv: torch.Tensor | Sequence[torch.Tensor]) -> PageTable:
     """Validate saria-format GDN state tensors and return their page table (one page = one slot)."""
-    temporal = [temporal] if isinstance(temporal, torch.Tensor) else list(temporal)
-    conv = [conv] if isinstance(conv, torch.Tensor) else list(conv)
+    temporal, conv = _layers(temporal, "temporal"), _layers(conv, "conv")
     if not temporal:
         raise ValueError("no GDN layers: temporal and conv must hold one tensor per layer")
     if len(temporal) != len(conv):
@@ -49,7 +48,18 @@ def state_table(temporal: torch.Tensor | Sequence[torch.Tensor],
             raise ValueError(f"temporal[{l}] has dtype {t.dtype}; GDN temporal state is float32 or bfloat16")
         if not c.dtype.is_floating_point:
             raise ValueError(f"conv[{l}] has dtype {c.dtype}; GDN conv state is a float tensor")
-    return PageTable([x for pair in zip(conv, temporal) for x in pair])
+    return PageTable([x for pair in zip(conv, temporal) for x in pair],
+                     names=[f"{name}[{l}]" for l in range(len(conv)) for name in ("conv", "temporal")])
+
+
+def _layers(x, name: str) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    try:
+        return list(x)
+    except TypeError:
+        raise ValueError(f"{name} must be a tensor or a sequence of tensors (one per GDN layer), "
+                         f"got {type(x).__name__}") from None
 
 
 def pack_state(temporal: torch.Tensor | Sequence[torch.Tensor], conv: torch.Tensor | Sequence[torch.Tensor],
