@@ -9,8 +9,8 @@ import math
 import re
 from typing import Callable
 
-__all__ = ["MAX_SIZE_BYTES", "float_range", "fraction", "int_range", "listed", "parse_size", "positive_float",
-           "positive_int", "tokens"]
+__all__ = ["MAX_SIZE_BYTES", "MAX_TOKEN_COUNT", "float_range", "fraction", "int_range", "listed", "parse_size",
+           "positive_float", "positive_int", "tokens"]
 
 MAX_SIZE_BYTES = 10**18  # an exabyte: beyond any drive or memory saria could be given
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -50,8 +50,12 @@ def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
 positive_int = int_range(1)
 
 
+MAX_TOKEN_COUNT = 10**13  # ten trillion tokens: petabytes of KV for any model
+
+
 def tokens(text: str) -> int:
-    """A token count >= 0, accepting 1,000,000 / 1_000_000 / 1e6 / 1M / 500K."""
+    """A token count from 0 to :data:`MAX_TOKEN_COUNT`, accepting 1,000,000 / 1_000_000 / 1e6 /
+    1M / 500K."""
     raw = text.strip().replace(",", "").replace("_", "")
     scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(raw[-1:].lower(), 1)
     if scale != 1:
@@ -62,6 +66,8 @@ def tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
     if not math.isfinite(value) or value < 0 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a whole token count >= 0: {text!r}")
+    if value > MAX_TOKEN_COUNT:
+        raise argparse.ArgumentTypeError(f"at most {MAX_TOKEN_COUNT:.0e} tokens, got {text!r}")
     return int(value)
 
 

@@ -7,6 +7,8 @@ import json
 import sys
 import traceback
 
+from saria.argtypes import int_range
+
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from saria import doctor
@@ -56,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "128, bf16, 16-token pages) into staging, checksum them, unpack into a fresh cache "
                                    "and verify every byte, with the Triton kernels (compiled on CUDA, interpreted on "
                                    "CPU) and the torch reference.")
-    p.add_argument("--chunks", type=int, default=None,
+    p.add_argument("--chunks", type=int_range(1, 4096), default=None,
                    help="chunks to pack in one call (default 2 on CUDA, 1 on CPU where the interpreter is slow)")
-    p.add_argument("--chunk-tokens", type=int, default=512, help="tokens per chunk (default 512, 32 pages)")
+    p.add_argument("--chunk-tokens", type=int_range(16, 1 << 20), default=512,
+                   help="tokens per chunk, a multiple of the 16-token page (default 512, 32 pages)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.set_defaults(func=_cmd_roundtrip)
 

@@ -39,6 +39,8 @@ LOOKUP_MODES = ("unified", "tier-prefix")
 # Policy.prewrite_depth above this is refused: it is more DRAM objects than any host holds (2^30
 # chunks of even one token of Qwen3-8B are 144 TiB), and a depth must fit the LRU walk's index.
 MAX_PREWRITE_DEPTH = 1 << 30
+MAX_THRESHOLD = 1_000_000  # theta_E / theta_R: a chunk evicted or reused a million times
+MAX_DRIVES = 1024
 # WriteBudget.theta_max above this is refused: the governor's theta_E is a float, and no chunk is
 # evicted a million times.
 MAX_GOVERNOR_THETA = 1_000_000
@@ -146,7 +148,7 @@ class Bandwidths:
     def __post_init__(self) -> None:
         _check_float("Bandwidths", "gpu_gbps", self.gpu_gbps, 0.0, strict=True)
         _check_float("Bandwidths", "disk_gbps_per_drive", self.disk_gbps_per_drive, 0.0, strict=True)
-        _check_int("Bandwidths", "drives", self.drives, 1)
+        _check_int("Bandwidths", "drives", self.drives, 1, MAX_DRIVES)
         _check_float("Bandwidths", "dram_gbps", self.dram_gbps, 0.0, strict=True)
 
     @property
@@ -208,9 +210,9 @@ class Policy:
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise ValueError(f"Policy.{threshold} must be an int or None (branch off), got {value!r}")
-                if value < 1:
-                    raise ValueError(f"Policy.{threshold} must be >= 1 (or None to disable that admission "
-                                     f"branch), got {value}")
+                if not 1 <= value <= MAX_THRESHOLD:
+                    raise ValueError(f"Policy.{threshold} must be from 1 to {MAX_THRESHOLD:,} (or None to disable "
+                                     f"that admission branch), got {value}")
         _check_int("Policy", "prewrite_depth", self.prewrite_depth, 0, MAX_PREWRITE_DEPTH)
         if self.r is not None:
             _check_float("Policy", "r", self.r, 0.0, maximum=1.0)

@@ -5,8 +5,10 @@ A command that writes results (``--json``, ``--csv``, ``--plot``, ``saria synth 
 second, not a replay's results. :func:`atomic_output` then writes into a temporary file beside
 the target and renames it over the target only once everything is written and flushed: a reader
 sees the old file or the complete new one, never half of it, and a failed write leaves nothing
-behind. A path that exists and is not a regular file (``/dev/stdout``, a named pipe) cannot be
-replaced by a rename, so it is written in place.
+behind. A path that exists and is not a regular file cannot be replaced by a rename: a named pipe,
+``/dev/null`` and the process's own streams (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``) are
+written in place; any other device (``/dev/full``, a disk) is refused, since whether it takes the
+bytes can only be learnt by writing them, after the work.
 
 Problems are :class:`OutputError` (a ``ValueError``): the command reports one line naming the
 option and the path, and exits with status 2.
@@ -17,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["OutputError", "atomic_output", "check_output", "write_output"]
+__all__ = ["OutputError", "atomic_output", "check_output", "same_file_check", "write_output"]
 
 
 class OutputError(ValueError):
@@ -45,8 +48,8 @@ def check_output(path: str | os.PathLike, flag: str | None = None) -> Path:
 
     The folder must exist and be a folder, the path must not be a folder, and the folder must
     take a new file (tried for real, with a temporary file removed at once: permission bits do
-    not tell about read-only mounts, and root ignores them). An existing non-regular file (a
-    device, a pipe) must be writable by this process."""
+    not tell about read-only mounts, and root ignores them). A pipe, /dev/null or one of this
+    process's own streams must be writable by it; other devices are refused."""
     text = os.fspath(path)
     if not isinstance(text, str) or not text.strip():
         raise OutputError(f"{flag or 'output'}: an output path must not be empty")
@@ -58,7 +61,10 @@ def check_output(path: str | os.PathLike, flag: str | None = None) -> Path:
         mode = _mode(path)
         if mode is not None and stat.S_ISDIR(mode):
             raise OutputError(f"{what}: is a folder, not a file")
-        if mode is not None and not stat.S_ISREG(mode):
+        if _in_place(text, mode):
+            if not (stat.S_ISFIFO(mode) or _stream(text)):
+                raise OutputError(f"{what}: is a device, not a file (results go to files, pipes, /dev/null or "
+                                  f"/dev/stdout)")
             if not os.access(path, os.W_OK):
                 raise OutputError(f"{what}: not writable")
             return path
@@ -86,9 +92,16 @@ def atomic_output(path: str | os.PathLike, flag: str | None = None, *, mode: str
     what = _label(path, flag)
     encoding = None if "b" in mode else "utf-8"
     target_mode = _mode(path)
-    if target_mode is not None and not stat.S_ISREG(target_mode):  # a device or a pipe: in place
+    if _in_place(os.fspath(path), target_mode):
+        fd = _stream_fd(os.fspath(path))
         try:
-            with open(path, mode, encoding=encoding, newline=newline) as f:
+            if fd is None:
+                f = open(path, mode, encoding=encoding, newline=newline)
+            else:  # a duplicate shares the stream's offset: what was printed before stays, in order
+                sys.stdout.flush()
+                sys.stderr.flush()
+                f = os.fdopen(os.dup(fd), mode, encoding=encoding, newline=newline)
+            with f:
                 yield f
         except OSError as exc:
             raise OutputError(f"{what}: cannot write ({exc.strerror or exc})") from None
@@ -118,6 +131,47 @@ def write_output(path: str | os.PathLike, data: str | bytes, flag: str | None = 
     """Write ``data`` (text or bytes) to ``path`` whole or not at all (see :func:`atomic_output`)."""
     with atomic_output(path, flag, mode="wb" if isinstance(data, bytes) else "w") as f:
         f.write(data)
+
+
+_STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
+
+
+def _stream(text: str) -> bool:
+    """Whether ``text`` names /dev/null or one of this process's own open files."""
+    return os.path.realpath(text) == os.devnull or text.startswith(_STREAMS)
+
+
+def _stream_fd(text: str) -> int | None:
+    """The descriptor a stream path names (/dev/stdout: 1, /dev/fd/5: 5), or None."""
+    named = {"/dev/stdout": 1, "/dev/stderr": 2}
+    if text in named:
+        return named[text]
+    for prefix in ("/dev/fd/", "/proc/self/fd/"):
+        if text.startswith(prefix) and text[len(prefix):].isdigit():
+            return int(text[len(prefix):])
+    return None
+
+
+def _in_place(text: str, mode: int | None) -> bool:
+    """Whether an output is written in place (it exists and a rename cannot replace it: a pipe, a
+    device, or a stream of this process, whatever it leads to) rather than through a temporary."""
+    return mode is not None and (not stat.S_ISREG(mode) or _stream(text))
+
+
+def same_file_check(paths: dict[str, str | os.PathLike | None], inputs: dict[str, str | os.PathLike | None]) -> None:
+    """Refuse two outputs naming one file, and an output naming an input (``{flag: path}``; None
+    entries and non-files are ignored): one would silently overwrite the other."""
+    seen: dict[str, str] = {}
+    for flag, path in inputs.items():
+        if path is not None and os.path.isfile(path):
+            seen[os.path.realpath(path)] = flag
+    for flag, path in paths.items():
+        if path is None or _stream(os.fspath(path)) or os.path.exists(path) and not os.path.isfile(path):
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise OutputError(f"{flag} {path}: the same file as {seen[key]}; one would overwrite the other")
+        seen[key] = flag
 
 
 def _remove(path: str) -> None:

@@ -59,7 +59,7 @@ def test_kernel_round_trip(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["roundtrip", "--chunk-tokens", "100"], "multiple of the 16-token page"),
-    (["roundtrip", "--chunks", "0"], "--chunks must be >= 1"),
+    (["roundtrip", "--chunks", "0"], "argument --chunks: must be from 1 to 4,096, got 0"),
     (["demo", "--turns", "1"], "argument --turns: must be from 2 to 1,000, got 1"),
 ])
 def test_bad_arguments(args, message):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from saria.outputs import OutputError, atomic_output, check_output, write_output
+from saria.outputs import OutputError, atomic_output, check_output, same_file_check, write_output
 
 
 def test_a_good_path_is_checked_without_leaving_anything(tmp_path):
@@ -71,12 +71,32 @@ def test_a_new_file_gets_the_mode_open_would_give(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
-def test_a_device_is_written_in_place_and_a_full_one_is_a_clear_error():
-    with pytest.raises(OutputError, match="No space left"):
+def test_devices_other_than_null_and_own_streams_are_refused_before_any_write():
+    """Whether /dev/full takes the bytes can only be learnt by writing them, after the work."""
+    with pytest.raises(OutputError, match="is a device, not a file"):
+        check_output("/dev/full", "OUT")
+    with pytest.raises(OutputError, match="is a device"):
         write_output("/dev/full", "x" * 10_000, "OUT")
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)  # not replaced by a rename
     write_output("/dev/null", "discarded\n", "OUT")
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_the_process_own_streams_are_written_in_place(tmp_path):
+    path = tmp_path / "captured"
+    with open(path, "w") as f:
+        write_output(f"/dev/fd/{f.fileno()}", "to my own stream\n", "--json")
+    assert path.read_text() == "to my own stream\n"
+
+
+def test_two_outputs_or_an_output_and_the_input_naming_one_file_are_refused(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("{}\n")
+    with pytest.raises(OutputError, match="--csv .* the same file as --json"):
+        same_file_check({"--json": tmp_path / "r.out", "--csv": tmp_path / "." / "r.out"}, {})
+    with pytest.raises(OutputError, match="--json .* the same file as TRACE"):
+        same_file_check({"--json": trace}, {"TRACE": str(trace)})
+    same_file_check({"--json": "/dev/stdout", "--csv": "/dev/stdout", "--plot": None}, {"TRACE": "synth"})
 
 
 def test_a_named_pipe_is_written_in_place(tmp_path):

@@ -89,7 +89,7 @@ def test_mooncake_file_with_recorded_arrivals(tmp_path):
     pytest.param(["replay", "missing.jsonl"], "trace file not found", id="missing-file"),
     pytest.param(["replay", SMALL, "--policy", "sarai"], "unknown policy 'sarai'", id="unknown-policy"),
     pytest.param(["replay", SMALL, "--policy", "saria:theta_X=2"], "unknown setting 'theta_X'", id="bad-override"),
-    pytest.param(["replay", SMALL, "--policy", "saria:theta_E=0"], "Policy.theta_E must be >= 1", id="bad-value"),
+    pytest.param(["replay", SMALL, "--policy", "saria:theta_E=0"], "Policy.theta_E must be from 1 to 1,000,000", id="bad-value"),
     pytest.param(["replay", SMALL, "--chunk-tokens", "700"], "not a multiple of the trace's 512-token blocks",
                  id="chunk-not-multiple"),
     pytest.param(["replay", SMALL, "--policy", "dram-only", "--write-budget", "auto"],

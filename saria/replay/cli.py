@@ -12,15 +12,15 @@ import sys
 from dataclasses import fields
 
 from saria.argtypes import float_range, fraction, int_range, listed, parse_size, positive_float, positive_int, tokens
-from saria.config import POLICY_PRESETS, Bandwidths, WriteBudget
+from saria.config import MAX_DRIVES, MAX_THRESHOLD, POLICY_PRESETS, Bandwidths, WriteBudget
 from saria.models import MODELS
 from saria.replay.arrivals import ARRIVAL_MODES
 from saria.replay.experiment import Experiment, Point, open_trace
 from saria.replay.policies import BaseSettings, parse_policy
 from saria.replay.replay import ReplaySettings
-from saria.outputs import atomic_output, check_output, write_output
-from saria.replay.report import (PlotUnavailable, check_plot_path, format_table, plot_results, plot_tradeoffs,
-                                 write_csv, write_json)
+from saria.outputs import atomic_output, check_output, same_file_check, write_output
+from saria.replay.report import (PlotUnavailable, check_plot_path, format_table, json_text, plot_results,
+                                 plot_tradeoffs, write_csv, write_json)
 from saria.replay.synth import SessionStats, synthesize
 from saria.replay.timing import LOADING_MODES
 from saria.replay.traces import MAX_SPAN_S, MAX_TOKENS
@@ -33,6 +33,7 @@ _GBPS = float_range(1e-3, 1e5)  # 1 MB/s to 100 TB/s
 _TOKENS_PER_S = float_range(1.0, 1e9)
 _HOURS = float_range(1e-3, MAX_SPAN_S / 3600)  # 3.6 s to the longest span a trace may have
 _CHUNK_TOKENS = int_range(1, MAX_TOKENS)
+_THRESHOLD = int_range(1, MAX_THRESHOLD)
 
 # ========================================================================================= arguments
 def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) -> None:
@@ -70,7 +71,7 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
     g.add_argument("--b-gpu", type=_GBPS, default=48.0, metavar="GB/s", help="GPU ingress (default 48)")
     g.add_argument("--b-disk", type=_GBPS, default=20.0, metavar="GB/s",
                    help="SSD read bandwidth per drive, GDS (default 20)")
-    g.add_argument("--drives", type=positive_int, default=1, help="SSDs objects are striped over (default 1)")
+    g.add_argument("--drives", type=int_range(1, MAX_DRIVES), default=1, help="SSDs objects are striped over (default 1)")
     g.add_argument("--b-dram", type=_GBPS, default=48.0, metavar="GB/s",
                    help="DRAM -> GPU copies, and GPU -> DRAM stores and promotions (default 48)")
     g.add_argument("--b-disk-write", type=_GBPS, default=None, metavar="GB/s",
@@ -129,13 +130,21 @@ def _experiment(args: argparse.Namespace, auto: bool = False) -> Experiment:
                       window_hours=args.window_hours, seed=args.seed, workers=args.jobs, progress=not args.no_progress)
 
 
+def _policy(spec: str, flag: str):
+    """``spec`` parsed, an error naming ``flag``."""
+    try:
+        return parse_policy(spec)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every output path the command was given, checked before any work (see saria.outputs)."""
-    for flag in ("json", "csv"):
-        if getattr(args, flag, None) is not None:
-            check_output(getattr(args, flag), f"--{flag}")
-    if getattr(args, "plot", None) is not None:
-        check_plot_path(args.plot)
+    outputs = {f"--{flag}": getattr(args, flag, None) for flag in ("json", "csv", "plot")}
+    for flag, path in outputs.items():
+        if path is not None:
+            check_plot_path(path) if flag == "--plot" else check_output(path, flag)
+    same_file_check(outputs, {"TRACE": args.trace})
 
 
 def _describe(exp: Experiment) -> str:
@@ -180,7 +189,7 @@ def _queueing_note(exp: Experiment, runs) -> None:
 
 # ============================================================================================ replay
 def _cmd_replay(args: argparse.Namespace) -> int:
-    specs = [parse_policy(p) for p in (args.policy or DEFAULT_POLICIES)]
+    specs = [_policy(p, "--policy") for p in (args.policy or DEFAULT_POLICIES)]
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"a policy is listed twice: {labels}")
@@ -215,11 +224,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from saria.replay.sweep import SweepGrid, run_sweep
 
-    base = parse_policy(args.policy)
+    base = _policy(args.policy, "--policy")
     grid = SweepGrid(args.theta_e or (), args.theta_r or (), args.r or (), args.windows or ())
     if not any((grid.theta_E, grid.theta_R, grid.r, grid.window_hours)):
         raise ValueError("nothing to sweep: give --theta-e, --theta-r, --r and/or --windows")
-    references = [parse_policy(p) for p in (args.reference or ["full-duplicate"]) if p != "none"]
+    references = [_policy(p, "--reference") for p in (args.reference or ["full-duplicate"]) if p != "none"]
     _check_outputs(args)
     exp = _experiment(args)
     print(_describe(exp))
@@ -229,8 +238,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         write_csv(args.csv, rows, "--csv")
         print(f"wrote {args.csv}")
     if args.json:
-        write_output(args.json, json.dumps({"trace": args.trace, "config": exp.config_dict([]), "rows": rows},
-                                           indent=2, default=str) + "\n", "--json")
+        write_output(args.json, json_text({"trace": args.trace, "config": exp.config_dict([]), "rows": rows}),
+                     "--json")
         print(f"wrote {args.json}")
     if args.plot:
         _report_plot(lambda: plot_tradeoffs(args.plot, rows, f"{args.trace}: {exp.base.model} sweep"), args.plot,
@@ -242,7 +251,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from saria.replay.tune import DEFAULT_THETA_E, DEFAULT_THETA_R, tune
 
-    base = parse_policy(args.policy)
+    base = _policy(args.policy, "--policy")
     _check_outputs(args)
     exp = _experiment(args)
     print(_describe(exp))
@@ -262,9 +271,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
           f"(P25 bad {_pct(best['char_p25_bad'])}), {best['write_budget_ratio']:.3f} of the budget")
     print(f"use: --policy {result.spec}")
     if args.json:
-        write_output(args.json, json.dumps({"trace": args.trace, "config": exp.config_dict([]), "best": best,
-                                            "spec": result.spec, "probes": result.rows},
-                                           indent=2, default=str) + "\n", "--json")
+        write_output(args.json, json_text({"trace": args.trace, "config": exp.config_dict([]), "best": best,
+                                           "spec": result.spec, "probes": result.rows}), "--json")
         print(f"wrote {args.json}")
     if args.csv:
         write_csv(args.csv, result.rows, "--csv")
@@ -325,9 +333,9 @@ def add_commands(sub) -> None:
                     "against CHAR P25 bad and TTFT (paper Figures 10, 11, 13).")
     _add_common(p)
     p.add_argument("--policy", default="saria", metavar="NAME", help="the policy swept (default saria)")
-    p.add_argument("--theta-e", type=listed(positive_int), metavar="LIST",
+    p.add_argument("--theta-e", type=listed(_THRESHOLD), metavar="LIST",
                    help="theta_E values, e.g. 1,2,3,4,6 (none: off)")
-    p.add_argument("--theta-r", type=listed(positive_int), metavar="LIST", help="theta_R values, e.g. 4,8,16,none")
+    p.add_argument("--theta-r", type=listed(_THRESHOLD), metavar="LIST", help="theta_R values, e.g. 4,8,16,none")
     p.add_argument("--r", type=listed(fraction), metavar="LIST", help="promotion ratios, e.g. 0,0.5,1 (none: r*)")
     p.add_argument("--windows", type=listed(_HOURS, allow_none=False), metavar="HOURS",
                    help="session-start windows in hours, e.g. 0.1667,0.3333,0.5,0.6667 (needs re-windowed arrivals)")
@@ -345,9 +353,9 @@ def add_commands(sub) -> None:
                     "for each theta_R, each probe a replay).")
     _add_common(p, budget_required=True)
     p.add_argument("--policy", default="saria", metavar="NAME", help="the policy tuned (default saria)")
-    p.add_argument("--theta-e", type=listed(positive_int), metavar="LIST",
+    p.add_argument("--theta-e", type=listed(_THRESHOLD), metavar="LIST",
                    help="theta_E ladder, ascending (default 1,2,3,4,5,6,8,10,12,16,none)")
-    p.add_argument("--theta-r", type=listed(positive_int), metavar="LIST",
+    p.add_argument("--theta-r", type=listed(_THRESHOLD), metavar="LIST",
                    help="theta_R candidates (default none,4,8,16,32)")
     p.add_argument("--objective", choices=("char_mean", "char_p25_bad"), default="char_mean",
                    help="what 'best' maximizes (default char_mean)")

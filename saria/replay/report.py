@@ -17,8 +17,8 @@ from typing import Iterable, Sequence
 from saria.outputs import OutputError, atomic_output, check_output, write_output
 from saria.replay.metrics import RESULT_KEYS
 
-__all__ = ["PLOT_FORMATS", "PlotUnavailable", "check_plot_path", "format_table", "plot_results", "plot_tradeoffs",
-           "write_csv", "write_json"]
+__all__ = ["PLOT_FORMATS", "PlotUnavailable", "check_plot_path", "format_table", "json_text", "plot_results",
+           "plot_tradeoffs", "write_csv", "write_json"]
 
 # What a plot path's suffix may name (matplotlib's Agg backend writes these; no suffix: PNG).
 PLOT_FORMATS = ("png", "pdf", "svg", "eps", "ps", "jpg", "jpeg")
@@ -76,8 +76,8 @@ def format_table(results: Sequence[dict]) -> str:
 
 
 def _clean(value):
-    """NaN -> None (JSON has no NaN), recursively."""
-    if isinstance(value, float) and math.isnan(value):
+    """NaN and infinities -> None (JSON has neither), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
@@ -86,14 +86,19 @@ def _clean(value):
     return value
 
 
+def json_text(document: dict) -> str:
+    """``document`` as strict JSON (NaN and infinities -> null; other non-JSON values as their
+    str), indented."""
+    return json.dumps(_clean(document), indent=2, allow_nan=False, default=str) + "\n"
+
+
 def write_json(path: str | Path, trace: str, config: dict, results: Sequence[dict], flag: str | None = None) -> None:
     """``{"trace", "config", "results"}``; every record has exactly :data:`RESULT_KEYS`. Written
     whole or not at all; ``flag`` names the option in errors."""
     for record in results:
         if tuple(record) != RESULT_KEYS:
             raise ValueError(f"result record keys {tuple(record)} are not {RESULT_KEYS}")
-    document = {"trace": trace, "config": _clean(config), "results": [_clean(dict(r)) for r in results]}
-    write_output(path, json.dumps(document, indent=2, allow_nan=False) + "\n", flag)
+    write_output(path, json_text({"trace": trace, "config": config, "results": [dict(r) for r in results]}), flag)
 
 
 def write_csv(path: str | Path, rows: Iterable[dict], flag: str | None = None) -> None:

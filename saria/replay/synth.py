@@ -40,7 +40,8 @@ __all__ = ["SessionStats", "synthesize", "parse_synth_spec"]
 # may span (saria.replay.traces), or more requests than a replay can hold in memory are refused.
 _BOUNDS = {
     "sessions": (0, 1_000_000), "requests_per_session": (1, 10_000), "prompt_tokens": (0, MAX_TOKENS),
-    "first_prompt_tokens": (0, MAX_TOKENS), "interval_s": (0, MAX_GAP_S), "interval_median_s": (0, MAX_GAP_S),
+    "first_prompt_tokens": (0, MAX_TOKENS), "interval_s": (1e-3, MAX_GAP_S),
+    "interval_median_s": (1e-3, MAX_GAP_S),
     "output_tokens": (0, MAX_TOKENS), "context_limit_tokens": (0, MAX_TOKENS), "span_hours": (0, MAX_SPAN_S / 3600),
     "shared_prefix_tokens": (0, MAX_TOKENS), "prefix_variants": (0, 10_000), "block_tokens": (0, MAX_TOKENS),
     "seed": (0, 2**64 - 1),
@@ -162,7 +163,9 @@ def synthesize(stats: SessionStats = SessionStats()) -> Trace:
                                     tuple(blocks), session, 0))
             kept = blocks[:length // block]
     if not requests:
-        raise TraceError("the synthetic trace has no requests (context limit below the first prompt?)")
+        raise TraceError(f"the synthetic trace has no requests: context_limit_tokens ({stats.context_limit_tokens:,}) "
+                         f"is below every session's first prompt (first_prompt_tokens {stats.first_prompt_tokens:,.0f} "
+                         f"on average, plus shared_prefix_tokens {stats.shared_prefix_tokens:,})")
     requests.sort(key=lambda r: r.arrival_s)
     return Trace(f"synth(seed={stats.seed})", tuple(requests), block, "synthetic")
 
