@@ -878,7 +878,7 @@ def build_argv(command: str, tmp: Path, fuzzed) -> tuple[list[str], list[Output]
         if text is not None and len(str(text).strip()) >= 2:
             names.append(str(text).strip())
         if action.dest in ("policy", "reference", "trace") and isinstance(text, str):
-            # a spec's error may name the key at fault (Policy.theta_E must be >= 1)
+            # a spec's error may name the key at fault (Policy.theta_E must be from 1 to 1,000,000)
             keys = re.findall(r"[A-Za-z_][\w-]*(?==)", text)
             names += [f"Policy.{key}" for key in keys] + [key for key in keys if len(key) >= 2]
         if action.dest == "trace" and isinstance(text, str) and text.startswith("synth"):
