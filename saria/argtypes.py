@@ -71,31 +71,7 @@ def tokens(text: str) -> int:
     return int(value)
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def float_range(low: float, high: float) -> Callable[[str], float]:
-    """A number in ``[low, high]``: for physical quantities, where a value off by orders of
-    magnitude is a typo (a bandwidth of 1e-300 GB/s), not a setting."""
-
-    def parse(text: str) -> float:
-        value = positive_float(text) if low > 0 else _number(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g}, got {text}")
-        return value
-
-    return parse
-
-
-def _number(text: str) -> float:
+def _finite(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -105,15 +81,28 @@ def _number(text: str) -> float:
     return value
 
 
-def fraction(text: str) -> float:
-    """A number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def float_range(low: float, high: float) -> Callable[[str], float]:
+    """A number in ``[low, high]``: for physical quantities, where a value off by orders of
+    magnitude is a typo (a bandwidth of 1e-300 GB/s), not a setting."""
+
+    def parse(text: str) -> float:
+        value = _finite(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g}, got {text}")
+        return value
+
+    return parse
+
+
+fraction = float_range(0.0, 1.0)  # a number in [0, 1]
 
 
 def listed(kind: Callable[[str], object], *, allow_none: bool = True) -> Callable[[str], tuple]:

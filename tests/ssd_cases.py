@@ -24,6 +24,13 @@ def payload(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
 
 
+def read_back(store, key, length: int) -> torch.Tensor:
+    """Object ``key`` of ``length`` bytes read into a fresh CPU tensor."""
+    out = torch.zeros(length, dtype=torch.uint8)
+    store.read(key, out).result(timeout=30)
+    return out
+
+
 def drives(tmp_path: Path, n: int) -> list[Path]:
     out = []
     for i in range(n):

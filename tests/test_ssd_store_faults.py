@@ -19,7 +19,7 @@ import torch
 from saria.dataplane import (ObjectCorrupt, ObjectUnreadable, ObjectWriteError, SSDStore, StoreConfigError,
                              probe_direct_io)
 from ssd_cases import PB, Fault, FaultyOps, capacity, drive_file, drives, flip_byte, geometry, is_header, \
-    is_payload, payload
+    is_payload, payload, read_back
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -29,12 +29,6 @@ SLOTS = 8
 def open_store(tmp_path, n_drives=2, **kw):
     kw.setdefault("read_threads", 4)
     return SSDStore(drives(tmp_path, n_drives), capacity(SLOTS), PB, **kw)
-
-
-def read_back(store, key, length):
-    out = torch.zeros(length, dtype=torch.uint8)
-    store.read(key, out).result(timeout=30)
-    return out
 
 
 def assert_clean_reopen(tmp_path, expect: dict[bytes, torch.Tensor], n_drives=2):

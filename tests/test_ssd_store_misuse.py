@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from saria.dataplane import DriveLost, ObjectNotFound, ObjectWriteError, SSDStore, StoreConfigError
 from saria.dataplane.ssd_memory import MemoryInUse, byte_span
-from ssd_cases import PB, Fault, FaultyOps, capacity, drive_file, drives, is_payload, payload
+from ssd_cases import PB, Fault, FaultyOps, capacity, drive_file, drives, is_payload, payload, read_back
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -35,12 +35,6 @@ LENGTH = 2 * PB + 100  # three parts: PB, PB, 100
 def open_store(tmp_path, n_drives=1, slots=16, **kw):
     kw.setdefault("read_threads", 4)
     return SSDStore(drives(tmp_path, n_drives), capacity(slots), PB, **kw)
-
-
-def read_back(store, key, length):
-    out = torch.zeros(length, dtype=torch.uint8)
-    store.read(key, out).result(timeout=30)
-    return out
 
 
 def assert_kept(store, key, data):

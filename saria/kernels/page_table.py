@@ -167,14 +167,10 @@ class PageTable:
                 how.append(f"it now lives in a storage of {nbytes2} bytes (was {nbytes})")
         elif nbytes2 != nbytes:
             how.append(f"its storage {'shrank' if nbytes2 < nbytes else 'grew'} from {nbytes} to {nbytes2} bytes")
-        if offset2 != offset:
-            how.append(f"its storage offset changed from {offset} to {offset2}")
-        if shape2 != shape:
-            how.append(f"its shape changed from {tuple(shape)} to {tuple(shape2)}")
-        if stride2 != stride:
-            how.append(f"its strides changed from {stride} to {stride2}")
-        if dtype2 != dtype:
-            how.append(f"its dtype changed from {dtype} to {dtype2}")
+        for what, old, new in (("storage offset", offset, offset2), ("shape", tuple(shape), tuple(shape2)),
+                               ("strides", stride, stride2), ("dtype", dtype, dtype2)):
+            if new != old:
+                how.append(f"its {what} changed from {old} to {new}")
         if base2 != base:
             how.append(f"it is a view whose base tensor was re-pointed (the base's memory moved from "
                        f"{base or 0:#x} to {base2 or 0:#x}), so the view no longer shows the base's data")
