@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["OutputError", "atomic_output", "check_output", "same_file_check", "write_output"]
+__all__ = ["OutputError", "atomic_output", "check_output", "is_stream", "same_file_check", "write_output"]
 
 
 class OutputError(ValueError):
@@ -62,7 +62,7 @@ def check_output(path: str | os.PathLike, flag: str | None = None) -> Path:
         if mode is not None and stat.S_ISDIR(mode):
             raise OutputError(f"{what}: is a folder, not a file")
         if _in_place(text, mode):
-            if not (stat.S_ISFIFO(mode) or _stream(text)):
+            if not (stat.S_ISFIFO(mode) or is_stream(text)):
                 raise OutputError(f"{what}: is a device, not a file (results go to files, pipes, /dev/null or "
                                   f"/dev/stdout)")
             if not os.access(path, os.W_OK):
@@ -136,8 +136,10 @@ def write_output(path: str | os.PathLike, data: str | bytes, flag: str | None = 
 _STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/self/fd/")
 
 
-def _stream(text: str) -> bool:
-    """Whether ``text`` names /dev/null or one of this process's own open files."""
+def is_stream(text: str | os.PathLike) -> bool:
+    """Whether ``text`` names /dev/null or one of this process's own open files (written in place;
+    a command whose results go to /dev/stdout says what it did on stderr)."""
+    text = os.fspath(text)
     return os.path.realpath(text) == os.devnull or text.startswith(_STREAMS)
 
 
@@ -155,7 +157,7 @@ def _stream_fd(text: str) -> int | None:
 def _in_place(text: str, mode: int | None) -> bool:
     """Whether an output is written in place (it exists and a rename cannot replace it: a pipe, a
     device, or a stream of this process, whatever it leads to) rather than through a temporary."""
-    return mode is not None and (not stat.S_ISREG(mode) or _stream(text))
+    return mode is not None and (not stat.S_ISREG(mode) or is_stream(text))
 
 
 def same_file_check(paths: dict[str, str | os.PathLike | None], inputs: dict[str, str | os.PathLike | None]) -> None:
@@ -166,7 +168,7 @@ def same_file_check(paths: dict[str, str | os.PathLike | None], inputs: dict[str
         if path is not None and os.path.isfile(path):
             seen[os.path.realpath(path)] = flag
     for flag, path in paths.items():
-        if path is None or _stream(os.fspath(path)) or os.path.exists(path) and not os.path.isfile(path):
+        if path is None or is_stream(os.fspath(path)) or os.path.exists(path) and not os.path.isfile(path):
             continue
         key = os.path.realpath(path)
         if key in seen:

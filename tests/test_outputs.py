@@ -109,3 +109,15 @@ def test_a_named_pipe_is_written_in_place(tmp_path):
     finally:
         os.close(reader)
     assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_synth_to_stdout_keeps_stdout_for_the_trace(capfd):
+    """``saria synth /dev/stdout | ...``: the requests on stdout, what was done on stderr."""
+    import saria.cli
+
+    code = saria.cli.main(["synth", "/dev/stdout", "--sessions", "2", "--requests-per-session", "2",
+                           "--prompt-tokens", "3000", "--first-prompt-tokens", "1000"])
+    out, err = capfd.readouterr()
+    assert code == 0 and err.startswith("wrote /dev/stdout: ")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert records and all({"timestamp", "input_length", "hash_ids"} <= set(r) for r in records)

@@ -18,7 +18,7 @@ from saria.replay.arrivals import ARRIVAL_MODES
 from saria.replay.experiment import Experiment, Point, open_trace
 from saria.replay.policies import BaseSettings, parse_policy
 from saria.replay.replay import ReplaySettings
-from saria.outputs import atomic_output, check_output, same_file_check, write_output
+from saria.outputs import atomic_output, check_output, is_stream, same_file_check, write_output
 from saria.replay.report import (PlotUnavailable, check_plot_path, format_table, json_text, plot_results,
                                  plot_tradeoffs, write_csv, write_json)
 from saria.replay.synth import SessionStats, synthesize
@@ -71,7 +71,8 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
     g.add_argument("--b-gpu", type=_GBPS, default=48.0, metavar="GB/s", help="GPU ingress (default 48)")
     g.add_argument("--b-disk", type=_GBPS, default=20.0, metavar="GB/s",
                    help="SSD read bandwidth per drive, GDS (default 20)")
-    g.add_argument("--drives", type=int_range(1, MAX_DRIVES), default=1, help="SSDs objects are striped over (default 1)")
+    g.add_argument("--drives", type=int_range(1, MAX_DRIVES), default=1,
+                   help=f"SSDs objects are striped over, 1 to {MAX_DRIVES} (default 1)")
     g.add_argument("--b-dram", type=_GBPS, default=48.0, metavar="GB/s",
                    help="DRAM -> GPU copies, and GPU -> DRAM stores and promotions (default 48)")
     g.add_argument("--b-disk-write", type=_GBPS, default=None, metavar="GB/s",
@@ -298,7 +299,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     mean = sum(r.input_tokens for r in trace.requests) / len(trace.requests)
     print(f"wrote {args.out}: {len(trace.requests):,} requests in {sessions} sessions "
           f"({len(trace.requests) / sessions:.1f} per session), mean prompt {mean:,.0f} tokens, "
-          f"{stats.block_tokens}-token blocks")
+          f"{stats.block_tokens}-token blocks", file=sys.stderr if is_stream(args.out) else sys.stdout)
     return 0
 
 

@@ -184,7 +184,7 @@ def _finish(path: Path, bad: list[tuple[int, str]], skip: bool) -> tuple[str, ..
     if not skip:
         shown = "\n  ".join(lines[:MAX_REPORTED])
         more = f"\n  ... and {len(lines) - MAX_REPORTED} more" if len(lines) > MAX_REPORTED else ""
-        raise TraceError(f"{len(lines)} malformed line(s) in {path} (nothing was replayed; "
+        raise TraceError(f"{len(lines)} malformed line(s) in {path} (nothing was loaded; "
                          f"--skip-bad-lines loads the others):\n  {shown}{more}")
     return tuple(lines)
 
