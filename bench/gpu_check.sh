@@ -34,10 +34,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/saria-site:$PYTHONPATH
 fi
 step kernel_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_pages.py \
-  tests/test_kernels_state.py tests/test_kernels_checksum.py tests/test_kernels_codegen.py
+  tests/test_kernels_state.py tests/test_kernels_checksum.py tests/test_kernels_codegen.py \
+  tests/test_kernels_misuse.py
 step bench_kernels 240 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" --sweep-block
 step dataplane_tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_dataplane_engine.py \
-  tests/test_dataplane_host_pool.py tests/test_dataplane_coordinator.py tests/test_ssd_store.py
+  tests/test_dataplane_host_pool.py tests/test_dataplane_coordinator.py tests/test_ssd_store.py \
+  tests/test_ssd_store_misuse.py
 # The SSD under test: the VM disk here (O_DIRECT where it allows, else the page cache is dropped).
 mkdir -p "$out/ssd"
 step bench_ingress 300 "$PY" bench/bench_ingress.py --ssd-dir "${SARIA_SSD_DIR:-$out/ssd}" \

@@ -43,13 +43,13 @@ def _mode(path: Path) -> int | None:
         return None
 
 
-def check_output(path: str | os.PathLike, flag: str | None = None) -> Path:
+def check_output(path: str | os.PathLike, flag: str | None = None, *, probe: bool = True) -> Path:
     """``path`` as a :class:`Path` if it can be written, else :class:`OutputError` saying why.
 
-    The folder must exist and be a folder, the path must not be a folder, and the folder must
-    take a new file (tried for real, with a temporary file removed at once: permission bits do
-    not tell about read-only mounts, and root ignores them). A pipe, /dev/null or one of this
-    process's own streams must be writable by it; other devices are refused."""
+    The folder must exist and be a folder, the path must not be a folder, and (``probe``) the
+    folder must take a new file (tried for real, with a temporary file removed at once:
+    permission bits do not tell about read-only mounts, and root ignores them). A pipe, /dev/null
+    or one of this process's own streams must be writable by it; other devices are refused."""
     text = os.fspath(path)
     if not isinstance(text, str) or not text.strip():
         raise OutputError(f"{flag or 'output'}: an output path must not be empty")
@@ -74,9 +74,10 @@ def check_output(path: str | os.PathLike, flag: str | None = None) -> Path:
             raise OutputError(f"{what}: the folder {folder} does not exist")
         if not stat.S_ISDIR(folder_mode):
             raise OutputError(f"{what}: {folder} is not a folder")
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        if probe:
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+            os.close(fd)
+            os.unlink(name)
     except OSError as exc:
         raise OutputError(f"{what}: cannot write there ({exc.strerror or exc})") from None
     return path
@@ -88,7 +89,7 @@ def atomic_output(path: str | os.PathLike, flag: str | None = None, *, mode: str
     """A file to write ``path``'s new contents to; it replaces ``path`` when the block ends
     without an exception (flushed and synced first), and is removed if it raises. Errors while
     writing are :class:`OutputError`."""
-    path = check_output(path, flag)
+    path = check_output(path, flag, probe=False)  # creating the temporary below is the probe
     what = _label(path, flag)
     encoding = None if "b" in mode else "utf-8"
     target_mode = _mode(path)
@@ -106,7 +107,10 @@ def atomic_output(path: str | os.PathLike, flag: str | None = None, *, mode: str
         except OSError as exc:
             raise OutputError(f"{what}: cannot write ({exc.strerror or exc})") from None
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"{what}: cannot write there ({exc.strerror or exc})") from None
     try:
         with os.fdopen(fd, mode, encoding=encoding, newline=newline) as f:
             yield f

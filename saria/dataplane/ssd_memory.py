@@ -30,6 +30,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from saria.kernels import extent_bytes
+
 from .ssd_backends import host_view
 
 
@@ -49,10 +51,7 @@ def byte_span(t: torch.Tensor) -> Span:
     objects): exact for a contiguous tensor, and for a strided one the conservative span from its
     lowest to its highest byte (the gaps between its elements count as used)."""
     start = t.data_ptr()
-    if t.is_contiguous() or t.numel() == 0:
-        return Span(t.device, start, start + t.nbytes)
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # torch strides are never negative
-    return Span(t.device, start, start + (last + 1) * t.element_size())
+    return Span(t.device, start, start + extent_bytes(t))
 
 
 class _Use(NamedTuple):

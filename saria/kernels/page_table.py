@@ -241,6 +241,15 @@ def _page_meets(s: Segment, lo: int, hi: int) -> bool:
     return k < s.num_pages and s.base + k * s.page_stride < hi
 
 
+def extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last (0 when empty): its size when
+    contiguous, the conservative span of a strided view otherwise (torch strides are never
+    negative)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def check_memory(t: torch.Tensor, what: str) -> None:
     """Refuse a tensor whose memory the kernels cannot address as the bytes of its values: sparse,
     nested, quantized, lazily conjugated or negated, not on CPU or CUDA, a ``__torch_dispatch__``
@@ -269,8 +278,7 @@ def check_memory(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} has no addressable memory ({exc})") from None
     if ptr == 0:
         raise ValueError(f"{what} has no memory (data_ptr is 0: a fake tensor, or its storage was freed)")
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    need = (t.storage_offset() + span) * t.element_size()
+    need = t.storage_offset() * t.element_size() + extent_bytes(t)
     if need > storage_bytes:
         raise ValueError(f"{what} reaches {need} bytes into a storage of {storage_bytes} bytes: its memory was "
                          "freed or shrunk (untyped_storage().resize_)")

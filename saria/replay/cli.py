@@ -143,8 +143,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Every output path the command was given, checked before any work (see saria.outputs)."""
     outputs = {f"--{flag}": getattr(args, flag, None) for flag in ("json", "csv", "plot")}
     for flag, path in outputs.items():
-        if path is not None:
-            check_plot_path(path) if flag == "--plot" else check_output(path, flag)
+        if flag == "--plot" and path is not None:
+            check_plot_path(path)
+        elif path is not None:
+            check_output(path, flag)
     same_file_check(outputs, {"TRACE": args.trace})
 
 
