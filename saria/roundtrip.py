@@ -19,6 +19,7 @@ from saria.outputs import check_output, write_output
 # 2 + 2 + 2 = 6 bytes of memory per byte of chunks moved (the caches hold twice the pages moved).
 MEMORY_PER_CHUNK_BYTE = 6
 MEMORY_SHARE = 0.8  # of what the device reports free
+CPU_MAX_TOKENS = 512  # the default chunk: seconds under the Triton interpreter
 
 
 def _prepare_backend() -> None:
@@ -81,7 +82,12 @@ def run(chunks: int | None, chunk_tokens: int, block_size: int = 16) -> dict:
     if chunk_tokens < block_size or chunk_tokens % block_size:
         raise ValueError(f"--chunk-tokens must be a positive multiple of the {block_size}-token page, got {chunk_tokens}")
     spec = get_model("qwen3-8b")
-    _check_memory(chunks * chunk_tokens * spec.kv_bytes_per_token, device)
+    moved = chunks * chunk_tokens * spec.kv_bytes_per_token
+    if device.type == "cpu" and chunk_tokens * chunks > CPU_MAX_TOKENS:  # the interpreter: ~10 MB/s
+        raise ValueError(f"--chunks x --chunk-tokens is {chunks * chunk_tokens:,} tokens ({moved / 2**20:,.0f} MiB); "
+                         f"without CUDA the Triton interpreter moves about 10 MB/s, so a round trip here takes at "
+                         f"most {CPU_MAX_TOKENS} tokens (one 512-token chunk)")
+    _check_memory(moved, device)
     pages = chunk_tokens // block_size
     num_blocks = 2 * chunks * pages  # half the pages stay untouched: the round trip must not write them
     caches = dense_layer_caches(spec, num_blocks, block_size, device=device, seed=1)
