@@ -62,13 +62,14 @@ class DataPlane:
 def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: int,
                     state_table: PageTable | None = None, state_pages: int = 1,
                     ssd_paths: Sequence[str] | None = None, coordinator_mode: str = "coordinated",
-                    durable: bool = True, direct: bool | str = "auto") -> DataPlane:
+                    durable: bool = True, direct: bool | str = "auto", ssd_identity: str = "") -> DataPlane:
     """A data plane whose host pool and SSD store hold what ``config``'s control plane may place
     there. ``config`` must already carry the tables' object sizes (:func:`sized_config`).
 
     Objects round up to whole slots, so both tiers get room for as many objects as the control
     plane's byte capacity admits. ``ssd_paths`` defaults to ``config.ssd_paths``; a policy that
-    uses SSD needs at least one.
+    uses SSD needs at least one. ``ssd_identity`` is what the SSD store's objects are written for
+    (see :class:`SSDStore`): drive files written for another identity are wiped at open.
     """
     chunk = config.chunk
     expected = sized_config(config, kv_table, block_tokens, state_table, state_pages).chunk
@@ -89,7 +90,8 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
                 raise ValueError("the policy uses SSD but no ssd_paths were given (one directory per drive)")
             parts = -(-config.ssd_bytes // slot) + config.ssd_bytes // min(sizes) + 1
             per_drive = -(-parts // len(paths)) + max(slots_per)
-            ssd = SSDStore(paths, PAGE + per_drive * (PAGE + slot), slot, durable=durable, direct=direct)
+            ssd = SSDStore(paths, PAGE + per_drive * (PAGE + slot), slot, durable=durable, direct=direct,
+                           identity=ssd_identity)
         coordinator = Coordinator(config.bandwidth, mode=coordinator_mode)
         engine = TransferEngine(kv_table, host_pool=host_pool, coordinator=coordinator,
                                 pages_per_chunk=config.chunk.chunk_tokens // block_tokens, ssd=ssd,

@@ -35,6 +35,8 @@ class SSDCounters:
     dropped_at_open: int = 0  # objects not served after a restart (incomplete, inconsistent, stale)
     corrupt_headers: int = 0  # slot headers that failed validation at open
     truncated_slots: int = 0  # slots a drive file had (per its superblock) but no longer holds at open
+    wiped_files: int = 0  # drive files wiped at open: written for another identity, or unusable
+    wiped_at_open: int = 0  # objects with a part in a wiped drive file (those a wiped file's headers name)
     store_full: int = 0  # writes refused for lack of free slots
     drives_lost: int = 0  # drive files found deleted or replaced while open (drive taken out of service)
     objects_lost: int = 0  # objects dropped because a drive they had a part on was lost

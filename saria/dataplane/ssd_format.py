@@ -1,4 +1,4 @@
-"""On-disk format of an SSD store drive file (format version 1, all integers little-endian).
+"""On-disk format of an SSD store drive file (format version 2, all integers little-endian).
 
 A drive file is a 4 KiB superblock followed by an array of slots::
 
@@ -8,19 +8,27 @@ A drive file is a 4 KiB superblock followed by an array of slots::
 
 so every header and every payload starts on a 4 KiB boundary (O_DIRECT).
 
-Superblock (bytes 0..40, the rest zero)::
+Superblock (version 2; the whole 4 KiB block is checksummed)::
 
     0   8s  magic b"SARIADRV"          16  Q  part_bytes (payload capacity of a slot)
-    8   H   format version (1)         24  Q  slots (the file holds this many whole slots)
-    10  H   reserved (0)               32  Q  blake2b-64 of bytes 0..32
-    12  I   header bytes (4096)
+    8   H   format version (2)         24  Q  slots (the file holds this many whole slots)
+    10  H   reserved (0)               32  I  identity length n (0..3000 bytes)
+    12  I   header bytes (4096)        36  I  reserved (0)
+    40      identity: n bytes of UTF-8 text, then zeros up to byte 4088
+    4088 Q  blake2b-64 of bytes 0..4088
+
+The identity says what the objects in the file were written for (e.g. a canonical JSON of model,
+dtype, page geometry, TP size and rank, built by the caller; ``""``: nothing said). A version-1
+superblock (written by saria before identities) is still read, as identity ``""``: bytes 0..32 as
+above with version 1, then ``Q`` blake2b-64 of bytes 0..32 at offset 32, the rest zero. Slot
+headers did not change: they are slot format version 1 in files of either superblock version.
 
 Slot header (bytes 0..136, the rest zero). An all-zero header is an empty slot; a header is
 *committed* only if its magic, version, state and checksum are all right, so a torn or flipped
 header never reads as valid::
 
     0   8s  magic b"SARIASLT"          32  Q  object length (bytes)
-    8   H   format version (1)         40  Q  part length (bytes of payload in this slot)
+    8   H   slot format version (1)    40  Q  part length (bytes of payload in this slot)
     10  B   state (1 = committed)      48  Q  part capacity (part_bytes, checked at open)
     11  B   key length (1..64)         56  Q  payload checksum (saria.kernels.checksum)
     12  I   part index                 64  64s key, zero padded
@@ -41,7 +49,9 @@ from dataclasses import dataclass
 BLOCK = 4096  # O_DIRECT alignment of buffer addresses, lengths and file offsets used here
 HEADER_BYTES = 4096
 SUPERBLOCK_BYTES = 4096
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # of the superblock written; version 1 superblocks are read too
+SLOT_VERSION = 1  # of slot headers (unchanged since format version 1)
+MAX_IDENTITY_BYTES = 3000  # UTF-8 bytes of a superblock's identity
 MAX_KEY_BYTES = 64
 FILE_NAME = "saria-ssd-store.bin"
 
@@ -49,7 +59,9 @@ SUPER_MAGIC = b"SARIADRV"
 SLOT_MAGIC = b"SARIASLT"
 STATE_COMMITTED = 1
 
-_SUPER = struct.Struct("<8sHHIQQ")  # 32 bytes, then the checksum
+_SUPER = struct.Struct("<8sHHIQQ")  # 32 bytes: version 1 puts its checksum next, version 2 the identity
+_IDENTITY = struct.Struct("<II")  # version 2: identity length, reserved; the identity's bytes follow
+_SUPER_SUMMED = SUPERBLOCK_BYTES - 8  # version 2: the checksum covers the block up to its last 8 bytes
 _SLOT = struct.Struct("<8sHBBIIIQQQQQ64s")  # 128 bytes, then the checksum
 _CSUM = struct.Struct("<Q")
 _SLOT_USED = _SLOT.size + _CSUM.size
@@ -93,39 +105,79 @@ class Geometry:
         return Geometry(part_bytes, max(0, (capacity_bytes - SUPERBLOCK_BYTES) // (HEADER_BYTES + part_bytes)))
 
 
+def encode_identity(identity: str) -> bytes:
+    """``identity`` as the UTF-8 bytes a superblock stores; ``TypeError`` / ``ValueError`` if it
+    is not text or does not fit (more than :data:`MAX_IDENTITY_BYTES` bytes, lone surrogates)."""
+    if not isinstance(identity, str):
+        raise TypeError(f"identity must be a str, got {type(identity).__name__}")
+    try:
+        data = identity.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"identity is not valid UTF-8 text: {exc}") from None
+    if len(data) > MAX_IDENTITY_BYTES:
+        raise ValueError(f"identity is {len(data)} bytes of UTF-8, at most {MAX_IDENTITY_BYTES} fit in a superblock")
+    return data
+
+
 @dataclass(frozen=True)
 class SuperBlock:
+    """A drive file's superblock: its slot geometry and what its objects were written for."""
+
     part_bytes: int
     slots: int
+    identity: str = ""
+
+    def __post_init__(self) -> None:
+        encode_identity(self.identity)
 
     def encode(self) -> bytes:
-        head = _SUPER.pack(SUPER_MAGIC, FORMAT_VERSION, 0, HEADER_BYTES, self.part_bytes, self.slots)
-        return (head + _CSUM.pack(_digest(head))).ljust(SUPERBLOCK_BYTES, b"\0")
+        """The version-2 superblock block (4096 bytes)."""
+        ident = encode_identity(self.identity)
+        body = (_SUPER.pack(SUPER_MAGIC, FORMAT_VERSION, 0, HEADER_BYTES, self.part_bytes, self.slots)
+                + _IDENTITY.pack(len(ident), 0) + ident).ljust(_SUPER_SUMMED, b"\0")
+        return body + _CSUM.pack(_digest(body))
 
     @staticmethod
     def decode(block: bytes) -> "SuperBlock | None":
-        """The superblock in ``block``; ``None`` if it is all zeros (a file never formatted).
+        """The superblock in ``block`` (version 1 or 2); ``None`` if it is all zeros (a file never
+        formatted).
 
-        Raises ``ValueError`` saying why for anything else that is not a valid version-1 superblock.
+        Raises ``ValueError`` saying why for anything else: not a saria superblock, a damaged one,
+        or one of a format version this saria does not read.
         """
-        used = block[:_SUPER.size + _CSUM.size]
-        if len(used) < _SUPER.size + _CSUM.size:
-            if not any(used):
-                return None
-            raise ValueError(f"superblock is cut short ({len(block)} bytes)")
-        if not any(used):
+        if not any(block[:SUPERBLOCK_BYTES]):
             return None
-        magic, version, _, header_bytes, part_bytes, slots = _SUPER.unpack_from(used)
+        if len(block) < _SUPER.size + _CSUM.size:
+            raise ValueError(f"superblock is cut short ({len(block)} bytes)")
+        magic, version, reserved, header_bytes, part_bytes, slots = _SUPER.unpack_from(block)
         if magic != SUPER_MAGIC:
             raise ValueError(f"no saria superblock (magic {magic!r})")
-        (stored,) = _CSUM.unpack_from(used, _SUPER.size)
-        if stored != _digest(used[:_SUPER.size]):
+        if version == 1:
+            summed, (stored,) = block[:_SUPER.size], _CSUM.unpack_from(block, _SUPER.size)
+        elif version == FORMAT_VERSION:
+            if len(block) < SUPERBLOCK_BYTES:
+                raise ValueError(f"superblock is cut short ({len(block)} bytes)")
+            summed, (stored,) = block[:_SUPER_SUMMED], _CSUM.unpack_from(block, _SUPER_SUMMED)
+        else:
+            raise ValueError(f"format version {version}: this saria reads versions 1 and {FORMAT_VERSION} "
+                             "(a newer saria's file, or a corrupt superblock)")
+        if stored != _digest(summed):
             raise ValueError("superblock checksum mismatch (corrupt superblock)")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"format version {version}, this saria reads version {FORMAT_VERSION}")
         if header_bytes != HEADER_BYTES:
             raise ValueError(f"header size {header_bytes}, expected {HEADER_BYTES}")
-        return SuperBlock(part_bytes, slots)
+        if reserved or part_bytes < BLOCK or part_bytes % BLOCK:
+            raise ValueError(f"malformed superblock (part_bytes={part_bytes}, reserved={reserved})")
+        if version == 1:
+            return SuperBlock(part_bytes, slots)
+        length, reserved = _IDENTITY.unpack_from(block, _SUPER.size)
+        start = _SUPER.size + _IDENTITY.size
+        if reserved or length > MAX_IDENTITY_BYTES or any(block[start + length:_SUPER_SUMMED]):
+            raise ValueError(f"malformed identity field (length {length})")
+        try:
+            identity = block[start:start + length].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"identity is not UTF-8 ({exc})") from None
+        return SuperBlock(part_bytes, slots, identity)
 
 
 @dataclass(frozen=True)
@@ -142,7 +194,7 @@ class SlotHeader:
     checksum: int
 
     def encode(self) -> bytes:
-        body = _SLOT.pack(SLOT_MAGIC, FORMAT_VERSION, STATE_COMMITTED, len(self.key), self.part_index,
+        body = _SLOT.pack(SLOT_MAGIC, SLOT_VERSION, STATE_COMMITTED, len(self.key), self.part_index,
                           self.part_count, 0, self.generation, self.object_length, self.part_length,
                           self.part_capacity, self.checksum, self.key)
         return (body + _CSUM.pack(_digest(body))).ljust(HEADER_BYTES, b"\0")
@@ -168,7 +220,7 @@ def decode_header(block: bytes) -> SlotHeader | None:
     (stored,) = _CSUM.unpack_from(used, _SLOT.size)
     if stored != _digest(used[:_SLOT.size]):
         raise ValueError("header checksum mismatch (torn or corrupt header)")
-    if version != FORMAT_VERSION:
+    if version != SLOT_VERSION:
         raise ValueError(f"header format version {version}")
     if state != STATE_COMMITTED:
         raise ValueError(f"header state {state} is not committed")

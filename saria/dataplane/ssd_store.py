@@ -37,8 +37,32 @@ once none is left). :meth:`SSDStore.check_drives` runs the same check on demand.
 At open every slot header is scanned; each key's newest complete generation is served, and
 everything else (half-committed writes, torn or flipped headers, parts beyond the end of a
 truncated file, older generations) is erased and counted (``dropped_at_open``,
-``corrupt_headers``). A truncated drive file is re-extended; a file of another ``part_bytes`` or
-format is refused with :class:`StoreConfigError`.
+``corrupt_headers``). A truncated drive file is re-extended.
+
+Identity: a store is opened for an ``identity`` (text of at most 3,000 UTF-8 bytes, e.g. a
+canonical JSON of model, dtype, page geometry, TP size and rank; ``""``: none), which every drive
+file's superblock records. Objects written for another identity are never served: at open, a drive
+file whose content is not this store's to serve is *wiped* (truncated to nothing, then preallocated
+and formatted like a new file; the directory lock makes that safe), with one warning line per file
+naming what it was written for and what this store is, and how many objects went (counters
+``wiped_files``, ``wiped_at_open``). With an identity given the store is a cache that must start,
+so no content of a drive file refuses the start-up; with ``""`` the refusals of stores from before
+identities stay. Per drive file, by its superblock:
+
+=======================================================  =======================  =========================
+superblock                                               identity given           identity ``""``
+=======================================================  =======================  =========================
+this identity, this ``part_bytes``                       served                   served
+this identity, other ``part_bytes``                      wiped                    :class:`StoreConfigError`
+other identity (a version-1 superblock has ``""``)        wiped                    wiped
+damaged, not saria's, or of a newer format version       wiped (count unknown)    :class:`StoreConfigError`
+blank (all zeros) over committed headers                 wiped                    served
+none (a new file, or one shorter than a superblock)      formatted                formatted
+=======================================================  =======================  =========================
+
+An I/O error reading a superblock is a drive failure, not a foreign file: it fails the start-up
+(:class:`StoreConfigError`) either way. Parts on other drives of an object striped over a wiped
+file are incomplete and dropped as such (``dropped_at_open``): nothing half is served.
 
 Durability: with ``durable=True`` a write's Future completes only after its headers are synced.
 Deletes and the erasures that free slots are not synced on their own (the next write's sync or
@@ -55,7 +79,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +94,7 @@ from .ssd_counters import SSDCounters
 from .ssd_errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable, ObjectWriteError,
                          StoreClosed, StoreConfigError, StoreFull)
 from .ssd_format import (BLOCK, EMPTY_HEADER, FILE_NAME, HEADER_BYTES, MAX_KEY_BYTES, SUPERBLOCK_BYTES, Geometry,
-                         SlotHeader, SuperBlock, decode_header)
+                         SlotHeader, SuperBlock, decode_header, encode_identity)
 from .ssd_index import ObjectInfo, PartLocation, assemble
 from .ssd_memory import Claim, MemoryInUse, WritableProbe
 
@@ -105,6 +129,17 @@ class _Entry:
     dead: bool = False
 
 
+@dataclass
+class _DriveScan:
+    """What the open-time scan of one drive file found."""
+
+    found: list[tuple[int, int, SlotHeader]] = field(default_factory=list)  # committed (drive, slot, header)
+    corrupt: list[int] = field(default_factory=list)  # slots whose header is damaged or unreadable
+    partial: list[int] = field(default_factory=list)  # the slot a truncation cut mid-payload
+    foreign: str | None = None  # what the file was written for, when it is not this store's to serve
+    foreign_objects: set[tuple[bytes, int]] | None = None  # (key, generation) it has parts of (None: unknown)
+
+
 class _Gather:
     """Completion of ``n`` part tasks: the first error wins; the last task to finish runs ``done``."""
 
@@ -124,6 +159,11 @@ class _Gather:
                 self.error = error
             self.remaining -= 1
             return self.remaining == 0
+
+
+def _written_for(identity: str, part_bytes: int) -> str:
+    """How a log line names what a drive file is (or was) written for."""
+    return f"{f'identity {identity!r}' if identity else 'no identity'} with part_bytes={part_bytes}"
 
 
 def _check_key(key: Any) -> bytes:
@@ -175,12 +215,14 @@ class SSDStore:
         durable: ``fdatasync`` payloads before headers and headers before a write completes.
         read_threads, write_threads: sizes of the separate reader and writer pools.
         io_ops: the syscall layer (default the real ``os`` calls); tests pass a wrapper to inject faults.
+        identity: what the objects are written for (at most 3,000 UTF-8 bytes; ``""``: none). Drive
+            files written for another identity are wiped at open (module docstring).
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike], capacity_bytes_per_drive: int,
                  part_bytes: int = 4 << 20, *, backend: str = "auto", direct: bool | str = "auto",
                  durable: bool = True, read_threads: int = 8, write_threads: int = 2,
-                 io_ops: IoOps | None = None):
+                 io_ops: IoOps | None = None, identity: str = ""):
         if isinstance(paths, (str, os.PathLike)) or not len(paths):
             raise ValueError("paths must be a non-empty list of directories, one per drive")
         if not isinstance(part_bytes, int) or part_bytes < BLOCK or part_bytes % BLOCK:
@@ -189,6 +231,7 @@ class SSDStore:
             raise ValueError(f"direct must be 'auto', True or False, got {direct!r}")
         if read_threads < 1 or write_threads < 1:
             raise ValueError("read_threads and write_threads must be >= 1")
+        encode_identity(identity)
         self._geometry = Geometry.for_capacity(int(capacity_bytes_per_drive), part_bytes)
         if self._geometry.slots < 1:
             raise ValueError(f"capacity_bytes_per_drive={capacity_bytes_per_drive} holds no slot: one needs "
@@ -197,6 +240,7 @@ class SSDStore:
         if len({os.path.realpath(d) for d in dirs}) != len(dirs):
             raise ValueError(f"paths must be distinct directories, got {[str(d) for d in dirs]}")
         self._durable = bool(durable)
+        self._identity = identity
         self._ops = io_ops or IoOps()
         self._counters = SSDCounters()
         self._streams = _WorkerStreams()
@@ -283,7 +327,7 @@ class SSDStore:
         """Scan every drive's headers, rebuild the index, erase what is not served, size the files."""
         g = self._geometry
         scans = list(self._readers.map(self._scan_drive, range(len(self._files))))
-        headers = [h for scan in scans for h in scan[0]]
+        headers = [h for scan in scans for h in scan.found]
         rec = assemble(headers, g.part_bytes)
         erase = [(d, s) for d, s in rec.erase if s < g.slots]
         for key, info in list(rec.objects.items()):  # parts cut off by a smaller capacity
@@ -291,14 +335,16 @@ class SSDStore:
                 del rec.objects[key]
                 rec.dropped_objects += 1
                 erase.extend((p.drive, p.slot) for p in info.parts if p.slot < g.slots)
-        for d, (_, corrupt, partial) in enumerate(scans):
-            erase.extend((d, s) for s in corrupt + partial if s < g.slots)
+        for d, scan in enumerate(scans):
+            erase.extend((d, s) for s in scan.corrupt + scan.partial if s < g.slots)
+            if scan.foreign is not None:  # after every scan: a start-up refused over another file wipes nothing
+                self._wipe(d, scan)
         for f in self._files:
             self._size_file(f)
         failed = {(d, s) for d, s in erase if not self._erase_header(d, s)}
         self._quarantined |= failed
         for f in self._files:
-            f.write_block(SuperBlock(g.part_bytes, g.slots).encode(), 0)
+            f.write_block(SuperBlock(g.part_bytes, g.slots, self._identity).encode(), 0)
             if self._durable:
                 f.sync()
         used = {(p.drive, p.slot) for info in rec.objects.values() for p in info.parts} | failed
@@ -307,22 +353,30 @@ class SSDStore:
         self._index = {k: _Entry(info) for k, info in rec.objects.items()}
         self._next_gen = rec.max_generation + 1
         self._counters.add(dropped_at_open=rec.dropped_objects,
-                           corrupt_headers=sum(len(scan[1]) for scan in scans))
+                           corrupt_headers=sum(len(scan.corrupt) for scan in scans),
+                           wiped_files=sum(scan.foreign is not None for scan in scans),
+                           wiped_at_open=len(set().union(*(scan.foreign_objects or () for scan in scans))))
         if rec.dropped_objects:
             log.warning("SSD store: %d object(s) dropped at open (incomplete, inconsistent or stale)",
                         rec.dropped_objects)
 
-    def _scan_drive(self, drive: int) -> tuple[list[tuple[int, int, SlotHeader]], list[int], list[int]]:
-        """Committed headers ``(drive, slot, header)``, corrupt slots, and the slot cut mid-payload."""
+    def _scan_drive(self, drive: int) -> _DriveScan:
+        """Committed headers, corrupt slots, and the slot cut mid-payload of ``drive``'s file; or,
+        when its content is not this store's to serve, what it was written for (module docstring)."""
         f, g = self._files[drive], self._geometry
         size = f.size()
         if size < SUPERBLOCK_BYTES:
-            return [], [], []
+            return _DriveScan()
         try:
             sb = SuperBlock.decode(f.read_block(0))
         except ValueError as exc:
-            raise StoreConfigError(f"{f.path} is not a usable saria SSD store file: {exc} "
-                                   "(remove it to start an empty store)") from exc
+            if not self._identity:
+                raise StoreConfigError(f"{f.path} is not a usable saria SSD store file: {exc} "
+                                       "(remove it to start an empty store)") from exc
+            return _DriveScan(foreign=f"unknown (unusable superblock: {exc})")
+        if sb is not None and (sb.identity != self._identity or (self._identity and sb.part_bytes != g.part_bytes)):
+            return _DriveScan(foreign=_written_for(sb.identity, sb.part_bytes),
+                              foreign_objects=self._objects_in(f, Geometry(sb.part_bytes, sb.slots)))
         if sb is not None and sb.part_bytes != g.part_bytes:
             raise StoreConfigError(f"{f.path} was formatted with part_bytes={sb.part_bytes}, the store was "
                                    f"opened with part_bytes={g.part_bytes} (remove the file to reformat)")
@@ -330,22 +384,48 @@ class SSDStore:
         if sb is not None and whole < sb.slots:
             log.warning("SSD drive file %s is truncated: %d of its %d slots remain", f.path, whole, sb.slots)
             self._counters.add(truncated_slots=sb.slots - whole)
-        found, corrupt = [], []
+        scan = _DriveScan()
         for s in range(whole):
             try:
                 h = decode_header(f.read_block(g.header_offset(s)))
             except ValueError as exc:
                 log.warning("SSD drive file %s slot %d: %s", f.path, s, exc)
-                corrupt.append(s)
+                scan.corrupt.append(s)
                 continue
             except OSError as exc:
                 log.warning("SSD drive file %s slot %d header unreadable: %s", f.path, s, exc)
-                corrupt.append(s)
+                scan.corrupt.append(s)
                 continue
             if h is not None:
-                found.append((drive, s, h))
-        partial = [whole] if g.header_offset(whole) < size else []
-        return found, corrupt, partial
+                scan.found.append((drive, s, h))
+        scan.partial = [whole] if g.header_offset(whole) < size else []
+        if sb is None and self._identity and scan.found:  # objects, but nothing says what they were written for
+            return _DriveScan(foreign="unknown (blank superblock)",
+                              foreign_objects={(h.key, h.generation) for _, _, h in scan.found})
+        return scan
+
+    def _wipe(self, drive: int, scan: _DriveScan) -> None:
+        """Wipe ``drive``'s file, whose content is not this store's to serve: truncate it to nothing
+        (``_recover`` then preallocates and formats it like a new file) and log one line."""
+        f, objects = self._files[drive], scan.foreign_objects
+        f.truncate(0)
+        what = "an unknown number of objects" if objects is None else f"{len(objects)} object(s)"
+        log.warning("SSD drive file %s was written for %s, this store is for %s: not served, wiped (%s dropped)",
+                    f.path, scan.foreign, _written_for(self._identity, self._geometry.part_bytes), what)
+
+    @staticmethod
+    def _objects_in(f: DriveFile, layout: Geometry) -> set[tuple[bytes, int]]:
+        """``(key, generation)`` of every object with a committed header in ``f`` (slots as in
+        ``layout``; damaged or unreadable headers are passed over)."""
+        objects = set()
+        for s in range(layout.whole_slots_in(f.size())):
+            try:
+                h = decode_header(f.read_block(layout.header_offset(s)))
+            except (ValueError, OSError):
+                continue
+            if h is not None:
+                objects.add((h.key, h.generation))
+        return objects
 
     def _size_file(self, f: DriveFile) -> None:
         """Make ``f`` exactly the configured size, fully allocated (clear error if it cannot be)."""
@@ -375,6 +455,11 @@ class SSDStore:
     @property
     def part_bytes(self) -> int:
         return self._geometry.part_bytes
+
+    @property
+    def identity(self) -> str:
+        """What this store's objects are written for (recorded in every drive file's superblock)."""
+        return self._identity
 
     @property
     def backend_name(self) -> str:
