@@ -51,6 +51,33 @@ def make_config(preset: str, hybrid: bool) -> SariaConfig:
                        policy=Policy.preset(preset, metadata_window_s=300.0, prewrite_depth=4))
 
 
+def expected_sources(hashes: list, readable, hybrid: bool, tier_prefix: bool) -> tuple:
+    """A plan's (kv sources, state source) by the planning rule (the ``unified`` or ``tier-prefix``
+    lookup, a hybrid plan cut back to its deepest readable checkpoint), given ``readable(depth, h)``:
+    chunk ``h``'s (kv in DRAM, kv in SSD, state in DRAM, state in SSD), or None where it stops."""
+    sources, in_dram_phase, cut, state_source = [], True, 0, None
+    for depth, h in enumerate(hashes):
+        where = readable(depth, h)
+        if where is None:
+            break
+        in_dram, in_ssd, state_dram, state_ssd = where
+        if tier_prefix:
+            if in_dram_phase and in_dram:
+                sources.append(Tier.DRAM)
+            elif in_ssd:
+                in_dram_phase = False
+                sources.append(Tier.SSD)
+            else:
+                break
+        elif in_dram or in_ssd:
+            sources.append(Tier.DRAM if in_dram else Tier.SSD)
+        else:
+            break
+        if hybrid and (state_dram or state_ssd):
+            cut, state_source = len(sources), Tier.DRAM if state_dram else Tier.SSD
+    return (tuple(sources[:cut]), state_source) if hybrid else (tuple(sources), None)
+
+
 @dataclass
 class Driver:
     cp: ControlPlane
@@ -127,28 +154,18 @@ class Driver:
     # ------------------------------------------------------------------------------- checks
     def oracle(self, hashes: list) -> tuple:
         """The plan's sources, from the chunks' residency as chunk_info shows it."""
-        hybrid, tier_prefix = self.cp.config.chunk.hybrid, self.policy.lookup == "tier-prefix"
-        sources, in_dram_phase, cut, state_source = [], True, 0, None
-        for h in hashes:
-            info = self.cp.chunk_info(h)
-            if info is None:
-                break
-            in_dram, in_ssd = info.kv.dram in READABLE_DRAM, info.kv.ssd == "ready"
-            if tier_prefix:
-                if in_dram_phase and in_dram:
-                    sources.append(Tier.DRAM)
-                elif in_ssd:
-                    in_dram_phase = False
-                    sources.append(Tier.SSD)
-                else:
-                    break
-            elif in_dram or in_ssd:
-                sources.append(Tier.DRAM if in_dram else Tier.SSD)
-            else:
-                break
-            if hybrid and info.state is not None and (info.state.dram in READABLE_DRAM or info.state.ssd == "ready"):
-                cut, state_source = len(sources), Tier.DRAM if info.state.dram in READABLE_DRAM else Tier.SSD
-        return (tuple(sources[:cut]), state_source) if hybrid else (tuple(sources), None)
+        return expected_sources(hashes, self.readable, self.cp.config.chunk.hybrid,
+                                self.policy.lookup == "tier-prefix")
+
+    def readable(self, depth: int, h) -> tuple[bool, bool, bool, bool] | None:
+        """Chunk ``h`` (at ``depth``): its kv object readable in DRAM, in SSD, its state object in
+        DRAM, in SSD; None if the tree does not know it."""
+        info = self.cp.chunk_info(h)
+        if info is None:
+            return None
+        state = info.state
+        return (info.kv.dram in READABLE_DRAM, info.kv.ssd == "ready", state is not None and state.dram in READABLE_DRAM,
+                state is not None and state.ssd == "ready")
 
     def check_pinned(self, plan: ReloadPlan, fresh: bool = True) -> None:
         """Every object of ``plan`` is resident in its source tier and pinned. An SSD copy that

@@ -75,6 +75,10 @@ def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Itera
             problems.append(f"{node!r}: dormant and idle but not reclaimed")
     if queued:
         problems.append(f"window queue: {sum(queued.values())} entries of {len(queued)} nodes not in the tree")
+    used[tiers.ssd.tier] += sum(tiers.recovered.values())
+    for key in tiers.recovered:
+        if key.chunk in tree.nodes:
+            problems.append(f"recovered SSD object {key!r} belongs to a chunk the tree knows")
     for tier in (tiers.dram, tiers.ssd):
         if tier.used != used[tier.tier]:
             problems.append(f"{tier.tier}: used {tier.used} bytes, copies hold {used[tier.tier]}")

@@ -44,6 +44,9 @@ class Counters:
     ssd_reads: int = 0
     ssd_bytes_read: int = 0
     ssd_read_failures: int = 0
+    recovered: int = 0           # SSD objects of a previous run taken over at start (recover_ssd)
+    recovered_adopted: int = 0   # of those, reached by a request: now in the context tree
+    recovered_dropped: int = 0   # of those, dropped for room, or stale
     # Lazy partial promotion.
     promotions: int = 0          # chunks promoted (orders issued)
     promotion_bytes: int = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import abc
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterable, Sequence
 
@@ -17,7 +18,7 @@ from saria.control.checks import (check_hashes, check_id, check_key, check_names
                                   objects_named, short)
 from saria.control.counters import Counters
 from saria.control.governor import EnduranceGovernor
-from saria.orders import (DRAM, GPU, KV, SSD, ControlPlaneError, DropOrder, ObjectKey, Order,
+from saria.orders import (DRAM, GPU, KV, SSD, STATE, ControlPlaneError, DropOrder, ObjectKey, Order,
                                   PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder)
 from saria.control.planner import find_prefix
 from saria.control.promotion import promotion_target
@@ -120,6 +121,9 @@ class ControlPlane:
         self._now = -math.inf
         self._plans: dict[int, _PlanRecord] = {}
         self._in_flight: dict[int, _InFlight] = {}
+        # Recovered objects dropped where no batch was at hand (plan() returns no orders): emitted,
+        # first, by the next call that returns orders.
+        self._pending_drops = OrderBatch()
         self._governor = None
         if config.write_budget.auto:  # theta_E becomes fractional, moved by the governor
             self._governor = EnduranceGovernor.from_config(config.write_budget, config.write_budget_bytes_per_s,
@@ -135,8 +139,9 @@ class ControlPlane:
             now = check_now(now, self._now)
             hashes = check_hashes(chunk_hashes)
             nodes = self._resolve(hashes)
-            prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
             # ---- valid: from here on, state changes
+            self._adopt_run(hashes, nodes, now)
+            prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
             self._now = self._tree.clock = now
             n = prefix.length
             sources = tuple(prefix.kv_sources)
@@ -155,7 +160,7 @@ class ControlPlane:
                               prefix.state_source, n * self._chunk_tokens, dram_bytes, ssd_bytes, self._serial)
             self._plans[plan.plan_id] = _PlanRecord(plan, hashes, nodes, self._tree.generation, state)
             self._counters.plans += 1
-            self._finish(OrderBatch(), now)
+            self._finish(None, now)  # plan() returns no orders: drops it decided wait in _pending_drops
             return plan
 
     def release(self, plan: ReloadPlan | int, now: float, failed: Iterable[Hashable | ObjectKey] = ()) -> list[Order]:
@@ -244,6 +249,52 @@ class ControlPlane:
                 self._tiers.dram_filled(record.objects, failing, batch)
             return self._finish(batch, now)
 
+    def recover_ssd(self, keys: Iterable[ObjectKey], now: float) -> list[Order]:
+        """Take over SSD objects a previous run left on the drives (the data plane found them whole
+        and verified, written for this same model and layout). A recovered object holds its SSD
+        bytes at once but has no place in the context tree until a request's chunks reach it:
+        then :meth:`plan` reloads it like any SSD copy (the run of recovered chunks right after the
+        known prefix joins the tree; a recovered chunk that a request recomputes keeps its SSD
+        copy). When SSD room is needed, recovered objects no request reached go first, oldest
+        first. Objects that do not fit, that the tree already knows without an SSD copy (this run
+        computed them before the list came: the drives' copy is stale to it) and state objects of a
+        model without any are dropped; a repeat (in the list, or of an object already recovered or
+        being dropped) counts once; an object this run wrote or is writing is left to that write.
+        Returns the drop orders, to run before any order returned earlier that could write the
+        same keys."""
+        with self._lock:
+            now = check_now(now, self._now)
+            if isinstance(keys, (str, bytes, ObjectKey)) or not isinstance(keys, abc.Iterable):
+                raise ControlPlaneError(f"keys must be a list of ObjectKeys, got {type(keys).__name__}")
+            keys = list(keys)
+            for key in keys:
+                if not isinstance(key, ObjectKey):
+                    raise ControlPlaneError(f"recover_ssd takes ObjectKeys, got {type(key).__name__} {short([key])}")
+                check_key(key.chunk)
+                if key.kind not in (KV, STATE):  # ObjectKey checks its kind, unless it was got around
+                    raise ControlPlaneError(f"ObjectKey.kind must be 'kv' or 'state', got {key.kind!r}")
+            keys = list(dict.fromkeys(keys))  # a repeat is the same object: one decision, one drop at most
+            self._now = self._tree.clock = now
+            batch = OrderBatch()
+            tiers, counters = self._tiers, self._counters
+            sizes = {KV: self._kv_bytes, STATE: self.config.chunk.state_bytes}
+            waiting = set(self._pending_drops.recovered_drops)  # dropped by plan(): go out first below
+            for key in keys:
+                if key in tiers.recovered or key in waiting:
+                    continue
+                node = self._tree.nodes.get(key.chunk)
+                obj = None if node is None else (node if key.kind == KV else node.state)
+                if node is not None and obj is not None and obj.ssd != ABSENT:
+                    continue  # this run's write of it supersedes the drives' copy
+                if node is not None or not sizes[key.kind] or tiers.ssd.free < sizes[key.kind]:
+                    batch.recovered_drops.append(key)
+                    counters.recovered_dropped += 1
+                    continue
+                tiers.recovered[key] = sizes[key.kind]
+                tiers.ssd.used += sizes[key.kind]
+                counters.recovered += 1
+            return self._finish(batch, now)
+
     @property
     def governor(self) -> EnduranceGovernor | None:
         """The endurance governor moving theta_E (``config.write_budget.auto``), or None. Read its
@@ -309,6 +360,8 @@ class ControlPlane:
             self._tiers.touch(nodes[:known])
         if known < len(nodes):
             nodes[known:] = self._tree.extend(hashes[known:], nodes[known - 1] if known else None, now)
+            if self._tiers.recovered:
+                self._adopt(nodes[known:])
         counters = self._counters
         counters.requests += 1
         counters.references += len(nodes)
@@ -409,13 +462,14 @@ class ControlPlane:
                 tiers.write(obj, DRAM, "prewrite", batch)
 
     # =============================================================================== bookkeeping
-    def _finish(self, batch: OrderBatch, now: float) -> list[Order]:
+    def _finish(self, batch: OrderBatch | None, now: float) -> list[Order]:
         """End of a mutating call: expire metadata, let the governor (if any) set theta_E for the
-        next calls, build the orders, free reclaimed nodes."""
+        next calls, build the orders (none for ``batch`` None: a call that returns no orders),
+        free reclaimed nodes."""
         self._tree.expire(now)
         if self._governor is not None:
             self._admission.theta_E = self._governor.update(now, self._counters.ssd_bytes_written)
-        orders = self._emit(batch)
+        orders = self._emit(batch) if batch is not None else []
         self._tree.bury()
         return orders
 
@@ -424,6 +478,13 @@ class ControlPlane:
         (later orders may reuse their slots); then writes for evictions (their DRAM slots are held
         until they end), stores, the other writes by reason, promotions."""
         orders: list[Order] = []
+        pending, self._pending_drops = self._pending_drops, OrderBatch()
+        recovered = pending.recovered_drops + batch.recovered_drops
+        if recovered:
+            kv = tuple([key.chunk for key in recovered if key.kind == KV])
+            state = tuple([key.chunk for key in recovered if key.kind != KV])
+            sizes = self._kv_bytes * len(kv) + self.config.chunk.state_bytes * len(state)
+            orders.append(DropOrder(self._take_id(), kv, state, sizes, tier=SSD))
         if batch.dram_drops:
             orders.append(self._order(DropOrder, batch.dram_drops, tier=DRAM))
         if batch.ssd_drops:
@@ -459,6 +520,30 @@ class ControlPlane:
         order_id = self._next_id
         self._next_id += 1
         return order_id
+
+    def _adopt_run(self, hashes: tuple, nodes: list[Node | None], now: float) -> None:
+        """Give the run of recovered chunks right after the known prefix its nodes (``nodes``
+        filled in), so that a plan can reload them."""
+        recovered = self._tiers.recovered
+        if not recovered or nodes[-1:] != [None]:
+            return
+        first = end = nodes.index(None)
+        while end < len(hashes) and ObjectKey(hashes[end], KV) in recovered:
+            end += 1
+        if end > first:
+            nodes[first:end] = made = self._tree.extend(hashes[first:end], nodes[first - 1] if first else None, now)
+            self._adopt(made)
+
+    def _adopt(self, made: list[Node]) -> None:
+        """New nodes take over their recovered SSD objects; a recovered state object of a chunk that
+        keeps none is dropped."""
+        tiers = self._tiers
+        for node in made:
+            tiers.adopt_recovered(node)
+            if node.state is not None:
+                tiers.adopt_recovered(node.state)
+            elif ObjectKey(node.key, STATE) in tiers.recovered:
+                tiers.drop_recovered(ObjectKey(node.key, STATE), self._pending_drops)
 
     # ======================================================================== ids and lookups
     def _resolve(self, hashes: tuple, start: int = 0, prev: Node | None = None) -> list[Node | None]:

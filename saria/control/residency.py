@@ -10,7 +10,9 @@ Rules:
   per-object metadata). An admitted object that is not on SSD gets a write, and its DRAM slot is
   held (``DRAINING``, still readable) until the write ends; so is an object whose write is already
   in flight. Anything else is dropped at once.
-* SSD eviction drops the copy.
+* SSD eviction drops the copy. SSD objects found on the drives at start that no request has
+  reached yet (``recovered``: a previous run's, see ``ControlPlane.recover_ssd``) hold their bytes
+  too and are evicted first, oldest first, before any copy in the LRU.
 * A pinned copy is out of its LRU: it cannot be evicted. When its last pin goes it re-enters at the
   most recently used end, or, if it was draining or bad meanwhile, its slot is reclaimed.
 """
@@ -22,7 +24,7 @@ from itertools import islice
 
 from saria.control.admission import Admission
 from saria.control.counters import Counters
-from saria.orders import DRAM, SSD, Tier
+from saria.orders import DRAM, SSD, ObjectKey, Tier
 from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY, CacheObject, ContextTree, Node
 
 WRITE_REASONS = ("eviction", "write-through", "reuse", "prewrite")
@@ -49,11 +51,12 @@ class TierState:
 class OrderBatch:
     """What one control-plane call decided: slots to drop, copies to store, promote and write."""
 
-    __slots__ = ("dram_drops", "ssd_drops", "stores", "promotions", "writes")
+    __slots__ = ("dram_drops", "ssd_drops", "recovered_drops", "stores", "promotions", "writes")
 
     def __init__(self) -> None:
         self.dram_drops: list[CacheObject] = []
         self.ssd_drops: list[CacheObject] = []
+        self.recovered_drops: list[ObjectKey] = []
         self.stores: list[CacheObject] = []
         self.promotions: list[CacheObject] = []
         self.writes: dict[tuple[str, Tier], list[CacheObject]] = {}
@@ -74,6 +77,7 @@ class Residency:
                  counters: Counters) -> None:
         self.dram = TierState(DRAM, dram_bytes)
         self.ssd = TierState(SSD, ssd_bytes)
+        self.recovered: OrderedDict[ObjectKey, int] = OrderedDict()  # on SSD, not yet in the tree: bytes
         self._admission = admission
         self._tree = tree
         self._counters = counters
@@ -222,7 +226,9 @@ class Residency:
         ssd = self.ssd
         if need > ssd.capacity:
             return False
-        lru = ssd.lru
+        lru, recovered = ssd.lru, self.recovered
+        while ssd.capacity - ssd.used < need and recovered:
+            self.drop_recovered(next(iter(recovered)), batch)
         while ssd.capacity - ssd.used < need:
             if not lru:
                 return False
@@ -237,6 +243,24 @@ class Residency:
         batch.ssd_drops.append(obj)
         if obj.dram == ABSENT and obj.node.holds_nothing():
             self._tree.went_idle(obj.node)
+
+    def drop_recovered(self, key: ObjectKey, batch: OrderBatch) -> None:
+        """Drop a recovered SSD object no request has reached (its bytes are freed)."""
+        self.ssd.used -= self.recovered.pop(key)
+        batch.recovered_drops.append(key)
+        self._counters.recovered_dropped += 1
+
+    def adopt_recovered(self, obj: CacheObject) -> bool:
+        """If ``obj`` (a copy-less object just given a node) was recovered on SSD, make that its
+        ready SSD copy (its bytes are counted already). True if it was."""
+        nbytes = self.recovered.pop(ObjectKey(obj.node.key, obj.kind), None)
+        if nbytes is None:
+            return False
+        self.ssd.used += obj.nbytes - nbytes
+        obj.ssd = READY
+        self.ssd.lru[obj] = None
+        self._counters.recovered_adopted += 1
+        return True
 
     def ssd_written(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
         """Writes into these objects' SSD slots ended; ``failing`` ones failed (the chunk stays
