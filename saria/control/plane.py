@@ -56,7 +56,8 @@ class ChunkInfo:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Bytes held per tier (every non-absent copy) against capacity, and bookkeeping sizes."""
+    """Bytes held per tier (every non-absent copy; on SSD also the recovered objects no request has
+    reached yet) against capacity, and bookkeeping sizes."""
 
     dram_used: int
     dram_capacity: int
