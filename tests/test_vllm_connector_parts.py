@@ -109,6 +109,25 @@ def test_dense_and_hybrid_geometry():
     assert hybrid.state_bytes == 3 * 64 * 2 + 2 * 16 * 16 * 2
 
 
+def test_chunk_hashes_follow_vllms_hash_granularity():
+    """vLLM hashes a prompt every ``hash_block_size`` tokens, finer than a block for hybrid models
+    with partial prefix hits: a chunk's hash must be the one at its last token, or two prompts that
+    differ only late in a chunk would share a key (wrong KV)."""
+    from saria.integrations.vllm.scheduler import SariaScheduler
+
+    config = kv_config((["g0"], GDN), (["l1"], ATTN))
+    config.hash_block_size = 8  # four hashes per 32-token block
+    geometry = engine_geometry(config, cache_config("align"))
+    assert geometry.hash_tokens == 8
+    scheduler = SariaScheduler(ConnectorSettings.from_extra_config({"chunk_tokens": 64}), geometry)
+    request = types.SimpleNamespace(block_hashes=[f"h{i}".encode() for i in range(20)])  # 160 tokens
+    assert scheduler.chunk_hashes(request, 160) == [b"h7", b"h15"]  # tokens 0-63 and 64-127
+    assert scheduler.chunk_hashes(request, 127) == [b"h7"]
+    config.hash_block_size = 24
+    with pytest.raises(ValueError, match="does not divide"):
+        engine_geometry(config, cache_config("align"))
+
+
 def test_geometry_refuses_what_saria_cannot_cache():
     with pytest.raises(ValueError, match="enable_prefix_caching=True"):
         engine_geometry(kv_config((["g0"], GDN), (["l1"], ATTN)), cache_config("none"))

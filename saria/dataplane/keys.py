@@ -33,3 +33,26 @@ def object_key(chunk: Hashable, kind: str) -> bytes:
     if len(body) > MAX_HASH_BYTES + 1:
         raise ValueError(f"chunk hash too long for an SSD key ({len(body) - 1} bytes > {MAX_HASH_BYTES})")
     return prefix + body
+
+
+def parse_object_key(key: bytes) -> tuple[Hashable, str]:
+    """The ``(chunk hash, kind)`` an :func:`object_key` was made of; ``ValueError`` for bytes no
+    call of it could have made (a foreign key)."""
+    kinds = {v[0]: k for k, v in KINDS.items()}
+    if len(key) < 2 or key[0] not in kinds:
+        raise ValueError(f"not a saria object key: {bytes(key[:16])!r}")
+    kind, tag, body = kinds[key[0]], key[1:2], bytes(key[2:])
+    if tag == b"i" and len(body) == 32:
+        chunk: Hashable = int.from_bytes(body, "little", signed=True)
+    elif tag == b"b":
+        chunk = body
+    elif tag == b"s":
+        try:
+            chunk = body.decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"not a saria object key: {bytes(key[:16])!r}") from None
+    else:
+        raise ValueError(f"not a saria object key: {bytes(key[:16])!r}")
+    if object_key(chunk, kind) != key:
+        raise ValueError(f"not a saria object key: {bytes(key[:16])!r}")
+    return chunk, kind

@@ -18,6 +18,11 @@ class EngineGeometry:
     state_group: int | None = None  # hybrid models: the GDN (mamba) group
     state_layers: tuple[str, ...] = ()
     state_bytes: int = 0  # one checkpoint: every GDN layer's conv and temporal state
+    hash_block_size: int = 0  # tokens per vLLM block hash (Request.block_hashes); 0: the block size
+
+    @property
+    def hash_tokens(self) -> int:
+        return self.hash_block_size or self.block_size
 
     @property
     def hybrid(self) -> bool:
@@ -50,8 +55,15 @@ def engine_geometry(kv_cache_config: Any, cache_config: Any) -> EngineGeometry:
     if attention is None:
         raise ValueError("saria: the model has no full-attention layers")
     index, layers, spec = attention
+    # vLLM hashes prompts every hash_block_size tokens (finer than a block for hybrid models with
+    # partial prefix hits): a chunk's hash is the one at its last token, whatever the granularity.
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or spec.block_size
+    if spec.block_size % hash_block_size:
+        raise ValueError(f"saria: vLLM's block hash every {hash_block_size} tokens does not divide its block size "
+                         f"{spec.block_size}")
     geometry = EngineGeometry(block_size=spec.block_size, attention_group=index, attention_layers=layers,
-                              kv_bytes_per_token=len(layers) * spec.page_size_bytes // spec.block_size)
+                              kv_bytes_per_token=len(layers) * spec.page_size_bytes // spec.block_size,
+                              hash_block_size=hash_block_size)
     if state is None:
         return geometry
     s_index, s_layers, s_spec = state
@@ -63,4 +75,4 @@ def engine_geometry(kv_cache_config: Any, cache_config: Any) -> EngineGeometry:
         raise ValueError(f"saria: GDN block size {s_spec.block_size} differs from attention block size {spec.block_size}")
     return EngineGeometry(block_size=spec.block_size, attention_group=index, attention_layers=layers,
                           kv_bytes_per_token=geometry.kv_bytes_per_token, state_group=s_index, state_layers=s_layers,
-                          state_bytes=len(s_layers) * _state_bytes_per_layer(s_spec))
+                          state_bytes=len(s_layers) * _state_bytes_per_layer(s_spec), hash_block_size=hash_block_size)
