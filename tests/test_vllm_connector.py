@@ -143,11 +143,17 @@ def hybrid(tmp_path_factory):
     one with it, where vLLM switches the conv-state layout). The reference is vLLM with its own prefix cache, which resumes GDN layers
     from states kept at block boundaries; saria's run empties vLLM's cache before each turn, so
     every reused token is saria's, and must match bit for bit."""
-    root = tmp_path_factory.mktemp("hybrid")
+    return hybrid_session(tmp_path_factory.mktemp("hybrid"), synthetic_session(3, system_tokens=600, step_tokens=150,
+                                                                               seed=2))
+
+
+def hybrid_session(root, prompts: list[list[int]], **spec) -> dict:
+    """``prompts`` on the hybrid model built under ``root``: the reference (vLLM's own prefix cache)
+    and saria (full-duplicate, 1 MiB of DRAM, SSD under ``root``) emptying vLLM's cache before each
+    turn. ``spec``: more of ``run_session``'s arguments (``tensor_parallel_size``)."""
     model = str(build_model(root / "model", "hybrid"))
-    prompts = synthetic_session(3, system_tokens=600, step_tokens=150, seed=2)
     spec = {"model": model, "prompts": prompts, "max_tokens": 6, "block_size": None, "max_model_len": 4096,
-            "prefix_caching": True}
+            "prefix_caching": True, **spec}
     (root / "ssd").mkdir()
     config = {"dram_bytes": 1 << 20, "ssd_paths": [str(root / "ssd")], "ssd_bytes": 64 << 20,
               "policy": "full-duplicate", "log_interval_s": 0}

@@ -20,6 +20,7 @@ themselves; both count faults (:mod:`saria.integrations.vllm.faults`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
+from .layout import ParallelLayout, model_identity
 from .scheduler import SariaScheduler
 from .settings import ConnectorSettings
 from .worker import SariaWorker
@@ -75,11 +77,16 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             # A cache miss must never fail a request: vLLM reads this right after building us.
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
-            workers = vllm_config.parallel_config.world_size
-            self._scheduler = SchedulerGuard(lambda: SariaScheduler(self.settings, geometry, workers=workers),
-                                             log_interval_s=self.settings.log_interval_s)
+            workers = ParallelLayout.of_server(vllm_config.parallel_config).shards
+            builds = itertools.count()  # the first control plane takes over the SSD objects of a previous run
+            self._scheduler = SchedulerGuard(
+                lambda: SariaScheduler(self.settings, geometry, workers=workers,
+                                       recover=next(builds) == 0 and bool(self.settings.ssd_paths)),
+                log_interval_s=self.settings.log_interval_s)
         else:
-            self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks)
+            self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks,
+                                       layout=ParallelLayout.of_this_worker(vllm_config.parallel_config),
+                                       model=model_identity(vllm_config))
         self._faults_seen = 0
 
     @property

@@ -98,10 +98,16 @@ class CompletionReport:
 
 @dataclass
 class SariaWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's report of the workers. ``inventory`` (sent once, after a worker's data plane
+    opened): the SSD objects a previous run left, each with the number of ranks whose store holds
+    its shard, merged over ``inventory_reports`` ranks."""
+
     loads: list[LoadReport] = field(default_factory=list)
     completions: list[CompletionReport] = field(default_factory=list)
     epoch: int = 0
     off: bool = False
+    inventory: dict[ObjectKey, int] | None = None
+    inventory_reports: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel workers each hold a shard of every object: a load or order failed if it
@@ -111,11 +117,24 @@ class SariaWorkerMetadata(KVConnectorWorkerMetadata):
             return self
         if self.epoch != other.epoch:
             newer = self if self.epoch > other.epoch else other
-            return SariaWorkerMetadata(newer.loads, newer.completions, newer.epoch, self.off or other.off)
+            return SariaWorkerMetadata(newer.loads, newer.completions, newer.epoch, self.off or other.off,
+                                       newer.inventory, newer.inventory_reports)
         loads = {r.req_id: r for r in self.loads}
         for r in other.loads:
             loads[r.req_id] = loads[r.req_id].merge(r) if r.req_id in loads else r
         done = {c.order_id: c for c in self.completions}
         for c in other.completions:
             done[c.order_id] = done[c.order_id].merge(c) if c.order_id in done else c
-        return SariaWorkerMetadata(list(loads.values()), list(done.values()), self.epoch, self.off or other.off)
+        return SariaWorkerMetadata(list(loads.values()), list(done.values()), self.epoch, self.off or other.off,
+                                   *merge_inventories(self, other))
+
+
+def merge_inventories(a: "SariaWorkerMetadata", b: "SariaWorkerMetadata"
+                      ) -> tuple[dict[ObjectKey, int] | None, int]:
+    """Two ranks' (or groups of ranks') inventories: per object, how many ranks hold it."""
+    if a.inventory is None or b.inventory is None:
+        return (a.inventory, a.inventory_reports) if b.inventory is None else (b.inventory, b.inventory_reports)
+    merged = dict(a.inventory)
+    for key, count in b.inventory.items():
+        merged[key] = merged.get(key, 0) + count
+    return merged, a.inventory_reports + b.inventory_reports

@@ -16,6 +16,13 @@ Per request:
    chunk: the worker runs them after that forward, before the step ends.
 5. ``request_finished``: release a plan never committed (aborted or preempted requests).
 
+At start (``recover``), the SSD objects a previous run of this server left are taken over: each
+worker rank reports its store's inventory with its first report, and once every rank has, the
+objects every rank holds a shard of go to the control plane (``ControlPlane.recover_ssd``); the
+others are deleted on every rank (a chunk is served only whole). Until then (at most
+``recover_wait_s``) lookups answer "not yet" and vLLM asks again next step (the pending work keeps
+it stepping), so the first requests after a restart find the previous run's prefixes.
+
 vLLM calls it through :class:`~.guard.SchedulerGuard`, which replaces it (and its control plane)
 when it raises.
 """
@@ -36,6 +43,8 @@ from .geometry import EngineGeometry
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
+
+RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories at start
 
 
 @dataclass
@@ -71,12 +80,13 @@ class SariaScheduler:
     """Scheduler-side state of the connector (module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, workers: int = 1,
+                 recover: bool = False, recover_wait_s: float = RECOVER_WAIT_S,
                  clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.geometry = geometry
         block_size = geometry.block_size
         self.config = settings.saria_config(block_size=block_size, kv_bytes_per_token=geometry.kv_bytes_per_token,
-                                            state_bytes=geometry.state_bytes)
+                                            state_bytes=geometry.state_bytes, shards=workers)
         self.control = ControlPlane(self.config)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
@@ -88,19 +98,29 @@ class SariaScheduler:
         self._partial_loads: dict[str, LoadReport] = {}
         self._partial_orders: dict[int, CompletionReport] = {}
         self._in_flight: set[int] = set()
+        self._first: list[Order] = []  # drops to run before any other order (recovery's)
+        self.recovering = recover  # lookups wait for the ranks' inventories
+        self._recover_wait_s = recover_wait_s
+        self._waiting_since: float | None = None
+        self._inventory: dict[ObjectKey, int] = {}
+        self._inventory_reports = 0
 
     # --- hashing ---------------------------------------------------------------------------------
 
     def chunk_hashes(self, request: Any, max_tokens: int) -> list[bytes]:
-        """Hashes of the request's full chunks within its first ``max_tokens`` tokens: the vLLM
-        block hash of each chunk's last block (block hashes are prefix-chained)."""
-        k = self.blocks_per_chunk
+        """Hashes of the request's full chunks within its first ``max_tokens`` tokens: vLLM's
+        block hash at each chunk's last token (block hashes are prefix-chained; vLLM computes one
+        every ``hash_block_size`` tokens, a block or, for hybrid models with partial prefix hits,
+        a fraction of one)."""
+        k = self.config.chunk.chunk_tokens // self.geometry.hash_tokens  # hashes per chunk
         chunks = min(len(request.block_hashes) // k, max(0, max_tokens) // self.config.chunk.chunk_tokens)
         return [request.block_hashes[(i + 1) * k - 1] for i in range(chunks)]
 
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.recovering and self._still_waiting():
+            return None, False  # vLLM asks again next step
         self._drop_plan(request.request_id)  # a re-query (e.g. after preemption) plans afresh
         state = self._requests[request.request_id] = _Request(request)
         # vLLM must compute at least the prompt's last token itself.
@@ -156,6 +176,9 @@ class SariaScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
         self._track(scheduler_output)
         meta = SariaConnectorMetadata()
+        if self._first:
+            meta.orders.append(OrderBatch(None, tuple(self._first)))
+            self._first = []
         for state in self._requests.values():
             if state.load is not None:
                 meta.loads.append(state.load)
@@ -176,6 +199,8 @@ class SariaScheduler:
         report = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(report, SariaWorkerMetadata):
             return
+        if report.inventory is not None:
+            self._take_inventory(report.inventory, report.inventory_reports)
         lost = {}
         for load in report.loads:
             load = self._merge(self._partial_loads, load.req_id, load)
@@ -207,8 +232,51 @@ class SariaScheduler:
         return False, None
 
     def has_pending_work(self) -> bool:
-        """Orders not yet sent or not yet completed: the engine should keep stepping."""
-        return bool(self._follow_ups or self._in_flight)
+        """Orders not yet sent or not yet completed, or inventories awaited (for at most
+        ``recover_wait_s``: an idle engine steps to fetch them, and stops stepping if they never
+        come): the engine should keep stepping."""
+        return bool(self._follow_ups or self._first or self._in_flight or (self.recovering and self._still_waiting()))
+
+    # --- recovery --------------------------------------------------------------------------------
+
+    def _still_waiting(self) -> bool:
+        now = self.clock()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if now - self._waiting_since < self._recover_wait_s:
+            return True
+        self.recovering = False
+        log.warning("saria: SSD inventories came from %d of %d worker rank(s) within %g s; serving without the "
+                    "previous run's SSD objects until the rest arrive", self._inventory_reports, self.workers,
+                    self._recover_wait_s)
+        return False
+
+    def _on_ssd(self, key: ObjectKey) -> bool:
+        info = self.control.chunk_info(key.chunk)
+        copy = None if info is None else (info.kv if key.kind == "kv" else info.state)
+        return copy is not None and copy.ssd != "absent"
+
+    def _take_inventory(self, inventory: dict[ObjectKey, int], reports: int) -> None:
+        """Add ranks' inventories; once every rank's is in, take over the objects every rank holds
+        and delete the rest everywhere."""
+        for key, count in inventory.items():
+            self._inventory[key] = self._inventory.get(key, 0) + count
+        self._inventory_reports += reports
+        if self._inventory_reports < self.workers:
+            return
+        inventory, self._inventory = self._inventory, {}
+        whole = [key for key, count in inventory.items() if count >= self.workers]
+        # Held by some ranks only: deleted, unless this run wrote (or is writing) it already (an
+        # inventory that came after the wait): then the drives hold this run's copy.
+        part = [key for key, count in inventory.items() if count < self.workers and not self._on_ssd(key)]
+        self._first += self.control.recover_ssd(whole, self.clock())
+        if part:
+            self._first.append(DropOrder(-1, tuple(k.chunk for k in part if k.kind == "kv"),
+                                         tuple(k.chunk for k in part if k.kind != "kv"), 0, Tier.SSD))
+        self.recovering = False
+        if inventory:
+            log.info("saria: took over %d SSD object(s) of a previous run (%d held by all %d rank(s); %d held by some "
+                     "ranks only: deleted)", self.control.counters().recovered, len(whole), self.workers, len(part))
 
     # --- internals -------------------------------------------------------------------------------
 

@@ -136,6 +136,7 @@ class TurnResult:
     output_tokens: list[int]
     logprobs: list[float]
     ttft_s: float
+    ranks: list[dict[str, int]] = field(default_factory=list)  # per worker rank: bytes loaded per tier this turn
 
 
 @dataclass
@@ -146,6 +147,27 @@ class SessionResult:
     faults: dict[str, Any] = field(default_factory=dict)  # each half's faults, epoch, off (in-process)
     seconds: float = 0.0
     block_size: int = 0  # vLLM's KV block size in tokens (its own choice for hybrid models)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # each worker rank's snapshot at the end
+
+
+def rank_snapshot(worker: Any = None) -> dict[str, Any]:
+    """This worker process's saria counters (``SariaWorker.snapshot``) with its rank: run on every
+    worker by ``LLM.collective_rpc`` (vLLM passes its worker object, unused)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    saria = getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
+    if saria is None:
+        return {}
+    out = saria.snapshot()
+    out["layout"] = {"rank": saria.layout.rank, "shards": saria.layout.shards,
+                     "kv_bytes_per_token": saria.geometry.kv_bytes_per_token}
+    return out
+
+
+def _rank_loads(snapshots: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """Bytes each rank has loaded so far, per tier."""
+    return [{"dram": s.get("engine", {}).get("dram_to_gpu_bytes", 0), "ssd": s.get("engine", {}).get("ssd_to_gpu_bytes", 0),
+             "kv_bytes_per_token": s.get("layout", {}).get("kv_bytes_per_token", 0)} for s in snapshots]
 
 
 def _connectors(llm: Any) -> tuple[Any | None, Any | None]:
@@ -210,13 +232,14 @@ def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int],
     return arm, restore
 
 
-def corrupt_ssd(paths: list[str]) -> int:
-    """Flip one byte in the payload of every committed SSD part under ``paths`` (test fault)."""
+def corrupt_ssd(paths: list[str], rank: int | None = None) -> int:
+    """Flip one byte in the payload of every committed SSD part in the rank stores (``rank<r>``
+    directories; only rank ``rank``'s if given) under ``paths`` (test fault)."""
     from saria.dataplane.ssd_format import FILE_NAME, Geometry, SuperBlock, decode_header
 
     flipped = 0
-    for directory in paths:
-        file = Path(directory) / FILE_NAME
+    pattern = "rank*" if rank is None else f"rank{rank}"
+    for file in sorted(f for directory in paths for f in Path(directory).glob(f"{pattern}/{FILE_NAME}")):
         fd = os.open(file, os.O_RDWR)
         try:
             sb = SuperBlock.decode(os.pread(fd, 4096, 0))
@@ -237,7 +260,9 @@ def corrupt_ssd(paths: list[str]) -> int:
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
                 block_size: int | None = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
                 prefix_caching: bool = False, reset_prefix_cache: bool = True, prime: list[int] | None = None,
-                inject_faults: dict[str, list[int]] | None = None, progress: bool = False) -> SessionResult:
+                inject_faults: dict[str, list[int]] | None = None, progress: bool = False,
+                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                corrupt_rank: int | None = None, enforce_eager: bool = False) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -250,7 +275,11 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     those tokens from vLLM's cache, the same split of reused and computed tokens as a run with saria
     that reused them, so its outputs are the bit-for-bit reference for that run.
     ``inject_faults``: test faults, ``{target: [turn, ...]}`` (:func:`patch_faults`); needs the
-    engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``tensor_parallel_size`` /
+    ``pipeline_parallel_size``: vLLM's, with worker processes (the engine runs in its own process:
+    the per-turn tier split then comes from the ranks' byte counters, ``TurnResult.ranks``).
+    ``corrupt_rank``: corrupt only that rank's SSD objects (``corrupt_before``). ``enforce_eager``:
+    vLLM's (no graph capture: an engine starts in seconds less)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -264,8 +293,14 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                                         "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
     if block_size is not None:
         kwargs["block_size"] = block_size
+    parallel = tensor_parallel_size * pipeline_parallel_size > 1
+    if parallel:
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                      distributed_executor_backend="mp")
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
-              enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, **kwargs)
+              enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, enforce_eager=enforce_eager,
+              **kwargs)
+    ranks = (lambda: _rank_loads(llm.collective_rpc(rank_snapshot))) if parallel and extra_config is not None else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
     scheduler_side, worker_side = _connectors(llm) if extra_config is not None else (None, None)
     guard = getattr(scheduler_side, "_scheduler", None)  # SchedulerGuard; guard.inner: the current SariaScheduler
@@ -279,7 +314,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     start = time.perf_counter()
     for turn, prompt in enumerate(prompts):
         if turn in corrupt_before and extra_config is not None:
-            corrupt_ssd(extra_config.get("ssd_paths", []))
+            corrupt_ssd(extra_config.get("ssd_paths", []), rank=corrupt_rank)
         if prefix_caching and reset_prefix_cache:
             llm.reset_prefix_cache()
         if prime is not None and prime[turn]:
@@ -289,6 +324,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         before = control.counters() if guard else None
         if arm is not None:
             arm(turn)
+        loaded = ranks() if ranks is not None else None
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         wall = time.perf_counter() - t0
@@ -300,11 +336,17 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
             after, chunk = guard.inner.control.counters(), guard.inner.config.chunk.chunk_tokens
             dram = (after.hits_dram_chunks - before.hits_dram_chunks) * chunk
             ssd = (after.hits_ssd_chunks - before.hits_ssd_chunks) * chunk
+        per_rank = []
+        if loaded is not None:  # the tier split from rank 0's byte counters (GDN state bytes count as tokens)
+            per_rank = [{tier: now[tier] - was[tier] for tier in ("dram", "ssd")}
+                        for was, now in zip(loaded, ranks())]
+            per_token = max(1, loaded[0]["kv_bytes_per_token"])
+            dram, ssd = per_rank[0]["dram"] // per_token, per_rank[0]["ssd"] // per_token
         ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
         result.turns.append(TurnResult(
             len(prompt), out.num_cached_tokens or 0, dram, ssd, list(completion.token_ids),
             [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
-            ttft if ttft > 0 else wall))
+            ttft if ttft > 0 else wall, per_rank))
         if progress:
             t = result.turns[-1]
             print(f"  turn {turn + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, {t.cached_tokens:>5} reused "
@@ -319,6 +361,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     if worker is not None:
         result.worker = worker.snapshot()
         result.faults["worker"] = result.worker["connector"]
+    if ranks is not None:
+        result.ranks = llm.collective_rpc(rank_snapshot)
     return result
 
 
@@ -329,9 +373,14 @@ def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: flo
     with tempfile.TemporaryDirectory(prefix="saria-session-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(dict(spec, progress=echo is not None)))
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
+        ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing or ranks > 1 else "0",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
+        if ranks > 1:  # one core per rank; collective_rpc(rank_snapshot) pickles a function
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(ranks)))
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env.pop("TRITON_INTERPRET", None)  # the worker runs the torch reference kernels on CPU
+        env["VLLM_CACHE_ROOT"] = str(Path(tmp) / "vllm-cache")  # vLLM's compile cache: nothing left behind
         log_path = Path(tmp) / "log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "saria.integrations.vllm.session", str(spec_path),

@@ -9,9 +9,12 @@ key                           meaning (default)
                               full-promotion, reuse-only, lmcache-plus (``saria``)
 ``theta_E``, ``theta_R``,     any :class:`saria.config.Policy` field, overriding the preset
 ``r``, ``p_tau_s``, ...
-``dram_gb`` / ``dram_bytes``  DRAM tier size (8 GiB)
-``ssd_paths``                 one directory per NVMe drive; empty: no SSD tier (``[]``)
-``ssd_gb`` / ``ssd_bytes``    SSD tier size over all drives (64 GiB when ``ssd_paths`` is set)
+``dram_gb`` / ``dram_bytes``  DRAM tier size of the server, over all its ranks (8 GiB)
+``ssd_paths``                 one directory per NVMe drive; empty: no SSD tier (``[]``). Each
+                              worker rank keeps its own store in a subdirectory of every path
+                              (:func:`~saria.integrations.vllm.layout.rank_directories`)
+``ssd_gb`` / ``ssd_bytes``    SSD tier size of the server over all drives and ranks (64 GiB when
+                              ``ssd_paths`` is set)
 ``chunk_tokens``              tokens per cached chunk, a multiple of the block size (512; hybrid: one block)
 ``checkpoint_tokens``         hybrid models: tokens between kept GDN state checkpoints, besides the one at
                               each prompt's last chunk boundary; a multiple of ``chunk_tokens``
@@ -155,16 +158,23 @@ class ConnectorSettings:
                              f"({chunk_tokens})")
         return self.checkpoint_tokens
 
-    def saria_config(self, *, block_size: int, kv_bytes_per_token: int, state_bytes: int = 0) -> SariaConfig:
-        """The control plane's configuration for an engine with these page geometries. For hybrid
-        models every chunk may carry a state object; which ones exist is decided per request (the
+    def saria_config(self, *, block_size: int, kv_bytes_per_token: int, state_bytes: int = 0,
+                     shards: int = 1) -> SariaConfig:
+        """The configuration of one shard's cache for an engine with these page geometries (one
+        rank's: ``kv_bytes_per_token`` and ``state_bytes`` are what one worker's pages hold).
+        Under tensor and pipeline parallelism each of the ``shards`` worker ranks holds its shard of
+        every object, so each gets ``1 / shards`` of the server's DRAM and SSD capacity, and the
+        control plane, which counts one shard's bytes per object, the same. For hybrid models
+        every chunk may carry a state object; which ones exist is decided per request (the
         connector captures states at ``checkpoint_tokens`` multiples and at each prompt's last
         chunk boundary)."""
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be a positive int, got {shards!r}")
         chunk_tokens = self.chunk_tokens_for(block_size, bool(state_bytes))
         policy = Policy.preset(self.policy, **self.policy_overrides)
         if not self.ssd_paths and policy.use_ssd:
             policy = dataclasses.replace(policy, use_ssd=False)  # no drives: no SSD tier
-        return SariaConfig(dram=Capacity(nbytes=self.dram_bytes), ssd=Capacity(nbytes=self.ssd_bytes),
+        return SariaConfig(dram=Capacity(nbytes=self.dram_bytes // shards), ssd=Capacity(nbytes=self.ssd_bytes // shards),
                            chunk=ChunkSpec(chunk_tokens=chunk_tokens, kv_bytes_per_token=kv_bytes_per_token,
                                            state_bytes=state_bytes,
                                            checkpoint_tokens=chunk_tokens),

@@ -11,7 +11,15 @@
   completed: stores and promotions copy pages to host slots (finished before the step ends, so the
   blocks may be reused at once and the next lookup finds them), writes from HBM are packed before
   the step ends and written to SSD in the background, drops free slots.
-* ``build_connector_worker_meta``: load results and order completions, for the scheduler.
+* ``build_connector_worker_meta``: load results and order completions, for the scheduler; once,
+  after the data plane opened, the inventory: the objects a previous run of this server left in
+  this rank's SSD store (found whole and verified, written for the same model and layout), which
+  the scheduler takes over when every rank holds them.
+
+Parallelism (:mod:`.layout`): under tensor and pipeline parallelism this worker holds one shard of
+every object (its KV heads, its layers); it gets ``1 / shards`` of the server's DRAM and SSD
+capacity and keeps its SSD store in its own ``rank<r>`` directory of every drive path. The
+scheduler combines the ranks' reports: a load or order fails everywhere if it failed anywhere.
 
 Faults (:mod:`.faults`; no exception leaves these hooks):
 
@@ -38,11 +46,13 @@ import torch
 
 from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, WriteOrder
 from saria.dataplane.engine import LoadJob, LoadResult
+from saria.dataplane.keys import parse_object_key
 from saria.dataplane.setup import DataPlane, open_data_plane
 from saria.kernels import PageTable, pack_pages
 
 from .faults import Faults
 from .geometry import EngineGeometry
+from .layout import ParallelLayout, page_layout, rank_directories, store_identity
 from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata,
                        SariaWorkerMetadata)
 from .settings import ConnectorSettings
@@ -69,9 +79,12 @@ class SariaWorker:
     (or one half of one) and never raises."""
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, num_blocks: int,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, layout: ParallelLayout | None = None,
+                 model: dict | None = None):
         self.settings = settings
         self.geometry = geometry
+        self.layout = layout or ParallelLayout()
+        self.model = dict(model or {})  # the model identity (layout.model_identity) the SSD store records
         self.block_size = geometry.block_size
         self.num_blocks = num_blocks
         self.faults = faults or Faults("worker")
@@ -90,6 +103,7 @@ class SariaWorker:
         self._captured: dict[str, dict[Hashable, torch.Tensor]] = {}  # GDN states set aside, per request
         self._final_counters: dict = {}  # the engine's counters when its data plane closed
         self._stats_seen: dict[str, float] = {}
+        self._inventory: dict[ObjectKey, int] | None = None  # to report once: this rank's recovered SSD objects
 
     @property
     def engine(self):
@@ -122,13 +136,36 @@ class SariaWorker:
                 raise ValueError(f"saria: GDN pages hold {self.state_table.bytes_per_page} B of state, vLLM's spec "
                                  f"says {g.state_bytes}")
         config = self.settings.saria_config(block_size=self.block_size, kv_bytes_per_token=g.kv_bytes_per_token,
-                                            state_bytes=g.state_bytes)
+                                            state_bytes=g.state_bytes, shards=self.layout.shards)
+        layers = {name: page_views(name, kv_caches[name], self.num_blocks)
+                  for name in g.attention_layers + g.state_layers}
+        identity = store_identity(self.model, self.layout, block_size=self.block_size,
+                                  chunk_tokens=config.chunk.chunk_tokens, kv_bytes_per_token=g.kv_bytes_per_token,
+                                  state_bytes=g.state_bytes, pages=page_layout(layers))
+        directories = rank_directories(self.settings.ssd_paths, self.layout) if config.ssd_bytes else []
         self.data = open_data_plane(config, table, block_tokens=self.block_size, state_table=self.state_table,
-                                    ssd_paths=self.settings.ssd_paths, coordinator_mode=self.settings.coordinator,
-                                    durable=self.settings.durable)
-        log.info("saria worker: %d attention + %d GDN layers, %d B per page, host pool %s, SSD %s",
-                 len(g.attention_layers), len(g.state_layers), table.bytes_per_page, self.data.host_pool,
-                 f"{self.data.ssd.backend_name} on {len(self.data.ssd.paths)} drive(s)" if self.data.ssd else "off")
+                                    ssd_paths=directories, ssd_identity=identity,
+                                    coordinator_mode=self.settings.coordinator, durable=self.settings.durable)
+        self._inventory = self._take_inventory()
+        log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page, host pool %s, SSD %s",
+                 self.layout.rank, self.layout.shards, len(g.attention_layers), len(g.state_layers),
+                 table.bytes_per_page, self.data.host_pool,
+                 f"{self.data.ssd.backend_name} on {len(self.data.ssd.paths)} drive(s), {len(self._inventory)} "
+                 "object(s) from a previous run" if self.data.ssd else "off")
+
+    def _take_inventory(self) -> dict[ObjectKey, int]:
+        """The objects in this rank's SSD store (``{key: 1}``, one rank's count); a key no saria
+        object has (not ours) is deleted."""
+        ssd = self.data.ssd
+        inventory: dict[ObjectKey, int] = {}
+        for key in ssd.keys() if ssd is not None else ():
+            try:
+                chunk, kind = parse_object_key(key)
+            except ValueError:
+                ssd.delete(key)
+                continue
+            inventory[ObjectKey(chunk, kind)] = 1
+        return inventory
 
     # --- loads -----------------------------------------------------------------------------------
 
@@ -287,9 +324,11 @@ class SariaWorker:
             loads, self._load_reports = self._load_reports, []
         except Exception as exc:
             self._give_up("build_connector_worker_meta", exc)
-        if not loads and not completions and not self.off:
+        inventory, self._inventory = self._inventory, None
+        if not loads and not completions and not self.off and inventory is None:
             return None
-        return SariaWorkerMetadata(loads, completions, self.epoch, self.off)
+        return SariaWorkerMetadata(loads, completions, self.epoch, self.off, inventory=inventory,
+                                   inventory_reports=0 if inventory is None else 1)
 
     def _completion(self, order_id: int, future: Future) -> CompletionReport:
         if not future.done():  # the data plane closed before it finished
@@ -319,6 +358,7 @@ class SariaWorker:
         loads, self._loads = list(self._loads.values()), {}
         orders, self._orders = self._orders, []
         self._captured.clear()
+        self._inventory = None  # every object goes: nothing for the new control plane to take over
         if not self.off:
             try:
                 for _, job in loads:  # let every copy into vLLM's blocks end before the objects go
