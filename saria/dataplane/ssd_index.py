@@ -19,6 +19,15 @@ class PartLocation:
     checksum: int
 
 
+@dataclass
+class IndexEntry:
+    """An indexed object, its read pins, and whether it left the index (slots freed at pins == 0)."""
+
+    info: "ObjectInfo"
+    pins: int = 0
+    dead: bool = False
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """A committed object: ``length`` bytes in ``parts`` (part ``i`` is bytes ``[i*part_bytes, ...)``)."""

@@ -85,17 +85,14 @@ from typing import Any
 
 import torch
 
-from saria.kernels import checksum
-
-from .nvtx import SSD_READ, SSD_WRITE, VERIFY, nvtx_range
 from .ssd_alloc import SlotAllocator
 from .ssd_backends import DirectoryLock, DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
 from .ssd_counters import SSDCounters
-from .ssd_errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable, ObjectWriteError,
-                         StoreClosed, StoreConfigError, StoreFull)
+from .ssd_errors import DriveLost, ObjectNotFound, StoreClosed, StoreConfigError, StoreFull
 from .ssd_format import (BLOCK, EMPTY_HEADER, FILE_NAME, HEADER_BYTES, MAX_KEY_BYTES, SUPERBLOCK_BYTES, Geometry,
                          SlotHeader, SuperBlock, decode_header, encode_identity)
-from .ssd_index import ObjectInfo, PartLocation, assemble
+from .ssd_index import IndexEntry, ObjectInfo, PartLocation, assemble
+from .ssd_jobs import ReadJob, WriteJob
 from .ssd_memory import Claim, MemoryInUse, WritableProbe
 
 log = logging.getLogger("saria.dataplane.ssd")
@@ -121,15 +118,6 @@ class _WorkerStreams:
 
 
 @dataclass
-class _Entry:
-    """An indexed object, its read pins, and whether it left the index (slots freed at pins == 0)."""
-
-    info: ObjectInfo
-    pins: int = 0
-    dead: bool = False
-
-
-@dataclass
 class _DriveScan:
     """What the open-time scan of one drive file found."""
 
@@ -138,27 +126,6 @@ class _DriveScan:
     partial: list[int] = field(default_factory=list)  # the slot a truncation cut mid-payload
     foreign: str | None = None  # what the file was written for, when it is not this store's to serve
     foreign_objects: set[tuple[bytes, int]] | None = None  # (key, generation) it has parts of (None: unknown)
-
-
-class _Gather:
-    """Completion of ``n`` part tasks: the first error wins; the last task to finish runs ``done``."""
-
-    def __init__(self, n: int):
-        self.remaining = n
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    def finish_part(self, error: BaseException | None) -> bool:
-        """Record one part's outcome; ``True`` for the caller that finished the last part."""
-        with self._lock:
-            if error is not None and self.error is None:
-                self.error = error
-            self.remaining -= 1
-            return self.remaining == 0
 
 
 def _written_for(identity: str, part_bytes: int) -> str:
@@ -245,7 +212,7 @@ class SSDStore:
         self._counters = SSDCounters()
         self._streams = _WorkerStreams()
         self._lock = threading.Lock()
-        self._index: dict[bytes, _Entry] = {}
+        self._index: dict[bytes, IndexEntry] = {}
         self._pending: dict[bytes, int] = {}  # writes in flight per key
         self._tombstones: dict[bytes, int] = {}  # key -> in-flight writes below this generation are void
         self._quarantined: set[tuple[int, int]] = set()  # slots whose header could not be erased
@@ -350,7 +317,7 @@ class SSDStore:
         used = {(p.drive, p.slot) for info in rec.objects.values() for p in info.parts} | failed
         self._alloc = SlotAllocator([[s for s in range(g.slots) if (d, s) not in used]
                                      for d in range(len(self._files))])
-        self._index = {k: _Entry(info) for k, info in rec.objects.items()}
+        self._index = {k: IndexEntry(info) for k, info in rec.objects.items()}
         self._next_gen = rec.max_generation + 1
         self._counters.add(dropped_at_open=rec.dropped_objects,
                            corrupt_headers=sum(len(scan.corrupt) for scan in scans),
@@ -558,7 +525,7 @@ class SSDStore:
             generation = self._next_gen
             self._next_gen += 1
             self._pending[key] = self._pending.get(key, 0) + 1
-        job = _WriteJob(self, key, generation, parts, slots, sums, claim, _ready_events(parts))
+        job = WriteJob(self, key, generation, parts, slots, sums, claim, _ready_events(parts))
         for i in range(len(parts)):
             self._writers.submit(job.write_part, i)
         return job.future
@@ -599,7 +566,7 @@ class SSDStore:
             self._end_read(entry, claim)
             raise
         dests = [dest for _, dest in targets]
-        job = _ReadJob(self, entry, dests, claim, _ready_events(dests))
+        job = ReadJob(self, entry, dests, claim, _ready_events(dests))
         for i in range(len(dests)):
             self._readers.submit(job.read_part, i)
         return job.future
@@ -708,12 +675,12 @@ class SSDStore:
             return targets
         raise TypeError(f"out must be a uint8 tensor or a list of them, got {type(out).__name__}")
 
-    def _retire(self, entry: _Entry) -> bool:
+    def _retire(self, entry: IndexEntry) -> bool:
         """Under the lock: mark ``entry`` out of the index; ``True`` if its slots can go now."""
         entry.dead = True
         return entry.pins == 0
 
-    def _end_read(self, entry: _Entry, claim: Claim, drop: bool = False) -> None:
+    def _end_read(self, entry: IndexEntry, claim: Claim, drop: bool = False) -> None:
         """End one read of ``entry``: release its memory claim and its pin; ``drop`` removes the
         object from the index (its copy is bad)."""
         with self._lock:
@@ -803,7 +770,7 @@ class SSDStore:
             if not n:
                 self._tombstones.pop(key, None)
             if not void:
-                self._index[key] = _Entry(info)
+                self._index[key] = IndexEntry(info)
                 if current is not None and self._retire(current):
                     old = current
         if info is not None and void:
@@ -814,155 +781,3 @@ class SSDStore:
         if old is not None:
             self._release(old.info.parts)
         return info
-
-
-class _WriteJob:
-    """One object's write: payload tasks on the writer pool, then sync, headers, sync, publish."""
-
-    def __init__(self, store: SSDStore, key: bytes, generation: int, parts: list[torch.Tensor],
-                 slots: list[tuple[int, int]], sums: list[int | None], claim: Claim, events: list[Any]):
-        self.store, self.key, self.generation = store, key, generation
-        self.parts, self.slots, self.sums, self.claim, self.events = parts, slots, sums, claim, events
-        self.gather = _Gather(len(parts))
-        self.future: Future = Future()
-        self.future.set_running_or_notify_cancel()
-
-    def write_part(self, i: int) -> None:
-        store, error = self.store, None
-        try:
-            if not self.gather.failed:
-                for e in self.events:
-                    e.synchronize()
-                drive, slot = self.slots[i]
-                with store._streams.on(self.parts[i]):
-                    if self.sums[i] is None:
-                        with nvtx_range(VERIFY):
-                            self.sums[i] = checksum(self.parts[i])
-                    with nvtx_range(SSD_WRITE):
-                        store._payload.write_payload(drive, store._geometry.payload_offset(slot), self.parts[i],
-                                                     self.parts[i].numel())
-        except BaseException as exc:
-            error = exc
-        if self.gather.finish_part(error):
-            self._commit()
-
-    def _commit(self) -> None:
-        store, g = self.store, self.store._geometry
-        drives = sorted({d for d, _ in self.slots})
-        headers_started = False
-        error = self.gather.error
-        try:
-            if error is None:
-                if store._durable:
-                    for d in drives:
-                        store._files[d].sync()
-                length = sum(t.numel() for t in self.parts)
-                headers_started = True
-                for i, (d, s) in enumerate(self.slots):
-                    h = SlotHeader(self.key, self.generation, i, len(self.parts), length, self.parts[i].numel(),
-                                   g.part_bytes, self.sums[i])
-                    store._files[d].write_block(h.encode(), g.header_offset(s))
-                if store._durable:
-                    for d in drives:
-                        store._files[d].sync()
-                for d in drives:  # never report success for bytes in a file no longer at its path
-                    lost = store._drive_lost(d)
-                    if lost is not None:
-                        raise lost
-        except BaseException as exc:
-            error = exc
-        if error is not None:
-            self._fail(error, headers_started)
-            return
-        info = ObjectInfo(self.key, length, self.generation, tuple(
-            PartLocation(d, s, t.numel(), c) for (d, s), t, c in zip(self.slots, self.parts, self.sums)))
-        try:
-            result = store._finish_write(self.key, self.generation, info)
-        except DriveLost as exc:  # a drive of it went out of service before it was published
-            store._counters.add(write_failures=1)
-            self._complete(error=self._write_error(exc))
-            return
-        except BaseException as exc:  # an erase of a superseded copy failed: the write itself is done
-            self._complete(error=exc)
-            return
-        if result is not None:
-            store._counters.add(writes=1)
-        self._complete(result)
-
-    def _fail(self, error: BaseException, headers_started: bool) -> None:
-        store = self.store
-        if headers_started:
-            store._release(self.slots)  # some headers may be on disk: erase them
-        else:
-            with store._lock:  # headers are still erased: the slots go straight back
-                store._alloc.release(self.slots)
-        store._finish_write(self.key, self.generation, None)
-        store._counters.add(write_failures=1)
-        self._complete(error=self._write_error(error))
-
-    def _write_error(self, error: BaseException) -> ObjectWriteError:
-        code = error.errno if isinstance(error, OSError) else None
-        why = f"{error.strerror or error}" if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
-        exc = ObjectWriteError(f"writing object {self.key.hex()} failed: {why}; nothing of it is stored", code)
-        exc.__cause__ = error
-        return exc
-
-    def _complete(self, result: ObjectInfo | None = None, error: BaseException | None = None) -> None:
-        """Release the source memory, then resolve the Future (its callbacks may reuse that memory)."""
-        self.store._release_memory(self.claim)
-        if error is not None:
-            self.future.set_exception(error)
-        else:
-            self.future.set_result(result)
-
-
-class _ReadJob:
-    """One object's read: part tasks on the reader pool, each verified where it landed."""
-
-    def __init__(self, store: SSDStore, entry: _Entry, dests: list[torch.Tensor], claim: Claim, events: list[Any]):
-        self.store, self.entry, self.dests, self.claim, self.events = store, entry, dests, claim, events
-        self.gather = _Gather(len(dests))
-        self.future: Future = Future()
-        self.future.set_running_or_notify_cancel()
-
-    def read_part(self, i: int) -> None:
-        store, part, error = self.store, self.entry.info.parts[i], None
-        key = self.entry.info.key.hex()
-        try:
-            if not self.gather.failed:
-                for e in self.events:
-                    e.synchronize()
-                dest = self.dests[i]
-                with store._streams.on(dest):
-                    with nvtx_range(SSD_READ):
-                        store._payload.read_payload(part.drive, store._geometry.payload_offset(part.slot), dest,
-                                                    part.length)
-                    with nvtx_range(VERIFY):
-                        good = checksum(dest) == part.checksum  # returns once the stream is done
-                if not good:
-                    store._counters.add(verification_failures=1)
-                    raise ObjectCorrupt(f"object {key} part {i} (drive {store._files[part.drive].path}, "
-                                        f"slot {part.slot}) does not match its checksum")
-        except OSError as exc:
-            if exc.errno == errno.EFAULT:  # the destination memory, not the stored copy: keep the object
-                error = ValueError(f"reading object {key} part {i}: the kernel refused to write into the "
-                                   "destination (EFAULT: read-only or unmapped memory); the object is kept")
-            else:
-                error = ObjectUnreadable(f"object {key} part {i} (drive {store._files[part.drive].path}, slot "
-                                         f"{part.slot}) unreadable: {exc.strerror or exc}", exc.errno)
-            error.__cause__ = exc
-        except BaseException as exc:
-            error = exc
-        if self.gather.finish_part(error):
-            self._finish()
-
-    def _finish(self) -> None:
-        error, store = self.gather.error, self.store
-        bad_copy = isinstance(error, ObjectReadError)
-        store._end_read(self.entry, self.claim, drop=bad_copy)
-        if error is None:
-            store._counters.add(reads=1)
-            self.future.set_result(self.entry.info)
-        else:
-            store._counters.add(read_failures=1)
-            self.future.set_exception(error)

@@ -1,0 +1,196 @@
+"""One object's parts in flight in the SSD store: a write (:class:`WriteJob`: payloads on the writer
+pool, then sync, headers, sync, publish) and a read (:class:`ReadJob`: parts on the reader pool,
+each verified where it landed), each gathering its parts' outcomes (:class:`Gather`) and resolving
+one Future. The store (``ssd_store.SSDStore``, passed in as ``store``) owns the index, the slots
+and the files; a job drives them through the store's internals for one object.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from saria.kernels import checksum
+
+from .nvtx import SSD_READ, SSD_WRITE, VERIFY, nvtx_range
+from .ssd_errors import DriveLost, ObjectCorrupt, ObjectReadError, ObjectUnreadable, ObjectWriteError
+from .ssd_format import SlotHeader
+from .ssd_index import IndexEntry, ObjectInfo, PartLocation
+from .ssd_memory import Claim
+
+
+class Gather:
+    """Completion of ``n`` part tasks: the first error wins; the last task to finish runs ``done``."""
+
+    def __init__(self, n: int):
+        self.remaining = n
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def finish_part(self, error: BaseException | None) -> bool:
+        """Record one part's outcome; ``True`` for the caller that finished the last part."""
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.remaining -= 1
+            return self.remaining == 0
+
+
+class WriteJob:
+    """One object's write: payload tasks on the writer pool, then sync, headers, sync, publish."""
+
+    def __init__(self, store: Any, key: bytes, generation: int, parts: list[torch.Tensor],
+                 slots: list[tuple[int, int]], sums: list[int | None], claim: Claim, events: list[Any]):
+        self.store, self.key, self.generation = store, key, generation
+        self.parts, self.slots, self.sums, self.claim, self.events = parts, slots, sums, claim, events
+        self.gather = Gather(len(parts))
+        self.future: Future = Future()
+        self.future.set_running_or_notify_cancel()
+
+    def write_part(self, i: int) -> None:
+        store, error = self.store, None
+        try:
+            if not self.gather.failed:
+                for e in self.events:
+                    e.synchronize()
+                drive, slot = self.slots[i]
+                with store._streams.on(self.parts[i]):
+                    if self.sums[i] is None:
+                        with nvtx_range(VERIFY):
+                            self.sums[i] = checksum(self.parts[i])
+                    with nvtx_range(SSD_WRITE):
+                        store._payload.write_payload(drive, store._geometry.payload_offset(slot), self.parts[i],
+                                                     self.parts[i].numel())
+        except BaseException as exc:
+            error = exc
+        if self.gather.finish_part(error):
+            self._commit()
+
+    def _commit(self) -> None:
+        store, g = self.store, self.store._geometry
+        drives = sorted({d for d, _ in self.slots})
+        headers_started = False
+        error = self.gather.error
+        try:
+            if error is None:
+                if store._durable:
+                    for d in drives:
+                        store._files[d].sync()
+                length = sum(t.numel() for t in self.parts)
+                headers_started = True
+                for i, (d, s) in enumerate(self.slots):
+                    h = SlotHeader(self.key, self.generation, i, len(self.parts), length, self.parts[i].numel(),
+                                   g.part_bytes, self.sums[i])
+                    store._files[d].write_block(h.encode(), g.header_offset(s))
+                if store._durable:
+                    for d in drives:
+                        store._files[d].sync()
+                for d in drives:  # never report success for bytes in a file no longer at its path
+                    lost = store._drive_lost(d)
+                    if lost is not None:
+                        raise lost
+        except BaseException as exc:
+            error = exc
+        if error is not None:
+            self._fail(error, headers_started)
+            return
+        info = ObjectInfo(self.key, length, self.generation, tuple(
+            PartLocation(d, s, t.numel(), c) for (d, s), t, c in zip(self.slots, self.parts, self.sums)))
+        try:
+            result = store._finish_write(self.key, self.generation, info)
+        except DriveLost as exc:  # a drive of it went out of service before it was published
+            store._counters.add(write_failures=1)
+            self._complete(error=self._write_error(exc))
+            return
+        except BaseException as exc:  # an erase of a superseded copy failed: the write itself is done
+            self._complete(error=exc)
+            return
+        if result is not None:
+            store._counters.add(writes=1)
+        self._complete(result)
+
+    def _fail(self, error: BaseException, headers_started: bool) -> None:
+        store = self.store
+        if headers_started:
+            store._release(self.slots)  # some headers may be on disk: erase them
+        else:
+            with store._lock:  # headers are still erased: the slots go straight back
+                store._alloc.release(self.slots)
+        store._finish_write(self.key, self.generation, None)
+        store._counters.add(write_failures=1)
+        self._complete(error=self._write_error(error))
+
+    def _write_error(self, error: BaseException) -> ObjectWriteError:
+        code = error.errno if isinstance(error, OSError) else None
+        why = f"{error.strerror or error}" if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+        exc = ObjectWriteError(f"writing object {self.key.hex()} failed: {why}; nothing of it is stored", code)
+        exc.__cause__ = error
+        return exc
+
+    def _complete(self, result: ObjectInfo | None = None, error: BaseException | None = None) -> None:
+        """Release the source memory, then resolve the Future (its callbacks may reuse that memory)."""
+        self.store._release_memory(self.claim)
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
+class ReadJob:
+    """One object's read: part tasks on the reader pool, each verified where it landed."""
+
+    def __init__(self, store: Any, entry: IndexEntry, dests: list[torch.Tensor], claim: Claim, events: list[Any]):
+        self.store, self.entry, self.dests, self.claim, self.events = store, entry, dests, claim, events
+        self.gather = Gather(len(dests))
+        self.future: Future = Future()
+        self.future.set_running_or_notify_cancel()
+
+    def read_part(self, i: int) -> None:
+        store, part, error = self.store, self.entry.info.parts[i], None
+        key = self.entry.info.key.hex()
+        try:
+            if not self.gather.failed:
+                for e in self.events:
+                    e.synchronize()
+                dest = self.dests[i]
+                with store._streams.on(dest):
+                    with nvtx_range(SSD_READ):
+                        store._payload.read_payload(part.drive, store._geometry.payload_offset(part.slot), dest,
+                                                    part.length)
+                    with nvtx_range(VERIFY):
+                        good = checksum(dest) == part.checksum  # returns once the stream is done
+                if not good:
+                    store._counters.add(verification_failures=1)
+                    raise ObjectCorrupt(f"object {key} part {i} (drive {store._files[part.drive].path}, "
+                                        f"slot {part.slot}) does not match its checksum")
+        except OSError as exc:
+            if exc.errno == errno.EFAULT:  # the destination memory, not the stored copy: keep the object
+                error = ValueError(f"reading object {key} part {i}: the kernel refused to write into the "
+                                   "destination (EFAULT: read-only or unmapped memory); the object is kept")
+            else:
+                error = ObjectUnreadable(f"object {key} part {i} (drive {store._files[part.drive].path}, slot "
+                                         f"{part.slot}) unreadable: {exc.strerror or exc}", exc.errno)
+            error.__cause__ = exc
+        except BaseException as exc:
+            error = exc
+        if self.gather.finish_part(error):
+            self._finish()
+
+    def _finish(self) -> None:
+        error, store = self.gather.error, self.store
+        bad_copy = isinstance(error, ObjectReadError)
+        store._end_read(self.entry, self.claim, drop=bad_copy)
+        if error is None:
+            store._counters.add(reads=1)
+            self.future.set_result(self.entry.info)
+        else:
+            store._counters.add(read_failures=1)
+            self.future.set_exception(error)
