@@ -351,20 +351,8 @@ class SSDStore:
         if sb is not None and whole < sb.slots:
             log.warning("SSD drive file %s is truncated: %d of its %d slots remain", f.path, whole, sb.slots)
             self._counters.add(truncated_slots=sb.slots - whole)
-        scan = _DriveScan()
-        for s in range(whole):
-            try:
-                h = decode_header(f.read_block(g.header_offset(s)))
-            except ValueError as exc:
-                log.warning("SSD drive file %s slot %d: %s", f.path, s, exc)
-                scan.corrupt.append(s)
-                continue
-            except OSError as exc:
-                log.warning("SSD drive file %s slot %d header unreadable: %s", f.path, s, exc)
-                scan.corrupt.append(s)
-                continue
-            if h is not None:
-                scan.found.append((drive, s, h))
+        found, corrupt = self._read_headers(f, g, whole)
+        scan = _DriveScan(found=[(drive, s, h) for s, h in found], corrupt=corrupt)
         scan.partial = [whole] if g.header_offset(whole) < size else []
         if sb is None and self._identity and scan.found:  # objects, but nothing says what they were written for
             return _DriveScan(foreign="unknown (blank superblock)",
@@ -381,18 +369,31 @@ class SSDStore:
                     f.path, scan.foreign, _written_for(self._identity, self._geometry.part_bytes), what)
 
     @staticmethod
-    def _objects_in(f: DriveFile, layout: Geometry) -> set[tuple[bytes, int]]:
-        """``(key, generation)`` of every object with a committed header in ``f`` (slots as in
-        ``layout``; damaged or unreadable headers are passed over)."""
-        objects = set()
-        for s in range(layout.whole_slots_in(f.size())):
+    def _read_headers(f: DriveFile, layout: Geometry, slots: int, log_damage: bool = True
+                      ) -> tuple[list[tuple[int, SlotHeader]], list[int]]:
+        """The committed headers ``(slot, header)`` among the first ``slots`` slots of ``f`` (laid
+        out as in ``layout``), and the slots whose header is damaged or unreadable (each logged if
+        ``log_damage``)."""
+        found, damaged = [], []
+        for s in range(slots):
             try:
                 h = decode_header(f.read_block(layout.header_offset(s)))
-            except (ValueError, OSError):
+            except (ValueError, OSError) as exc:
+                if log_damage:
+                    what = " header unreadable" if isinstance(exc, OSError) else ""
+                    log.warning("SSD drive file %s slot %d%s: %s", f.path, s, what, exc)
+                damaged.append(s)
                 continue
             if h is not None:
-                objects.add((h.key, h.generation))
-        return objects
+                found.append((s, h))
+        return found, damaged
+
+    @classmethod
+    def _objects_in(cls, f: DriveFile, layout: Geometry) -> set[tuple[bytes, int]]:
+        """``(key, generation)`` of every object with a committed header in ``f`` (slots as in
+        ``layout``; damaged or unreadable headers are passed over)."""
+        found, _ = cls._read_headers(f, layout, layout.whole_slots_in(f.size()), log_damage=False)
+        return {(h.key, h.generation) for _, h in found}
 
     def _size_file(self, f: DriveFile) -> None:
         """Make ``f`` exactly the configured size, fully allocated (clear error if it cannot be)."""

@@ -134,7 +134,12 @@ def merge_inventories(a: "SariaWorkerMetadata", b: "SariaWorkerMetadata"
     """Two ranks' (or groups of ranks') inventories: per object, how many ranks hold it."""
     if a.inventory is None or b.inventory is None:
         return (a.inventory, a.inventory_reports) if b.inventory is None else (b.inventory, b.inventory_reports)
-    merged = dict(a.inventory)
-    for key, count in b.inventory.items():
+    return add_counts(a.inventory, b.inventory), a.inventory_reports + b.inventory_reports
+
+
+def add_counts(a: dict[ObjectKey, int], b: dict[ObjectKey, int]) -> dict[ObjectKey, int]:
+    """Per object, the ranks holding it in ``a`` plus those in ``b`` (a new dict)."""
+    merged = dict(a)
+    for key, count in b.items():
         merged[key] = merged.get(key, 0) + count
-    return merged, a.inventory_reports + b.inventory_reports
+    return merged

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from saria.control import ControlPlane, DropOrder, ObjectKey, Order, ReloadPlan, Tier
 
 from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata,
-                       StateCapture)
+                       StateCapture, add_counts)
 from .geometry import EngineGeometry
 from .settings import ConnectorSettings
 
@@ -259,8 +259,7 @@ class SariaScheduler:
     def _take_inventory(self, inventory: dict[ObjectKey, int], reports: int) -> None:
         """Add ranks' inventories; once every rank's is in, take over the objects every rank holds
         and delete the rest everywhere."""
-        for key, count in inventory.items():
-            self._inventory[key] = self._inventory.get(key, 0) + count
+        self._inventory = add_counts(self._inventory, inventory)
         self._inventory_reports += reports
         if self._inventory_reports < self.workers:
             return

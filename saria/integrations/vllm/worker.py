@@ -111,11 +111,12 @@ class SariaWorker:
             raise RuntimeError("saria: the data plane is not open")
         return self.data.engine
 
-    def _table(self, layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor]) -> PageTable:
+    def _views(self, layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """Each layer's paged tensors (:func:`page_views`)."""
         missing = [name for name in layers if name not in kv_caches]
         if missing:
             raise ValueError(f"saria: vLLM registered no KV cache for layer(s) {missing}")
-        return PageTable([v for name in layers for v in page_views(name, kv_caches[name], self.num_blocks)])
+        return {name: page_views(name, kv_caches[name], self.num_blocks) for name in layers}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
@@ -126,22 +127,21 @@ class SariaWorker:
 
     def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
         g = self.geometry
-        table = self._table(g.attention_layers, kv_caches)
+        views = self._views(g.attention_layers + g.state_layers, kv_caches)
+        table = PageTable([v for name in g.attention_layers for v in views[name]])
         if table.bytes_per_page != g.kv_bytes_per_token * self.block_size:
             raise ValueError(f"saria: attention pages hold {table.bytes_per_page} B, vLLM's spec says "
                              f"{g.kv_bytes_per_token * self.block_size}")
         if g.hybrid:
-            self.state_table = self._table(g.state_layers, kv_caches)
+            self.state_table = PageTable([v for name in g.state_layers for v in views[name]])
             if self.state_table.bytes_per_page != g.state_bytes:
                 raise ValueError(f"saria: GDN pages hold {self.state_table.bytes_per_page} B of state, vLLM's spec "
                                  f"says {g.state_bytes}")
         config = self.settings.saria_config(block_size=self.block_size, kv_bytes_per_token=g.kv_bytes_per_token,
                                             state_bytes=g.state_bytes, shards=self.layout.shards)
-        layers = {name: page_views(name, kv_caches[name], self.num_blocks)
-                  for name in g.attention_layers + g.state_layers}
         identity = store_identity(self.model, self.layout, block_size=self.block_size,
                                   chunk_tokens=config.chunk.chunk_tokens, kv_bytes_per_token=g.kv_bytes_per_token,
-                                  state_bytes=g.state_bytes, pages=page_layout(layers))
+                                  state_bytes=g.state_bytes, pages=page_layout(views))
         directories = rank_directories(self.settings.ssd_paths, self.layout) if config.ssd_bytes else []
         self.data = open_data_plane(config, table, block_tokens=self.block_size, state_table=self.state_table,
                                     ssd_paths=directories, ssd_identity=identity,
