@@ -33,7 +33,7 @@ if not torch.cuda.is_available():  # the interpreter smoke run needs this before
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from saria.kernels import PageTable, pack_pages, unpack_pages  # noqa: E402
+from saria.kernels import PageTable, checksum, pack_pages, unpack_pages  # noqa: E402
 from saria.kernels import pages as pages_mod  # noqa: E402
 from saria.layouts import dense_layer_caches, hybrid_layer_caches  # noqa: E402
 from saria.models import get_model  # noqa: E402
@@ -115,6 +115,13 @@ def run_table(device, name, caches, ids, bench, backend, note, rows, sweep=False
     for op in ("pack", "unpack"):
         row(op, "torch baseline", ms_base[op], "per-layer index_select+cat / index_copy_")
         row(op, f"saria {backend}", ms_kernel[op])
+    # checksum of the same staging bytes: the Triton kernel on a GPU; on CPU tensors ``auto`` runs the
+    # blocked host path (also what SSD parts in pinned host memory get on a GPU machine), wall clock.
+    if device.type == "cuda":
+        row("checksum", "saria checksum triton", bench(lambda: checksum(staging)), "device staging, incl. host sync")
+    host = staging if device.type == "cpu" else staging.cpu()
+    row("checksum", "saria checksum host (blocked)", timer(torch.device("cpu"), 0.2)(lambda: checksum(host)),
+        "CPU tensor, wall clock, one thread")
     if sweep and device.type == "cuda":
         ids_dev = flat.to(device)
         for words in (512, 1024, 2048, 4096, 8192):
