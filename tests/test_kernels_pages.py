@@ -304,3 +304,25 @@ def test_drop_leading_pages_unpacks_only_the_rest():
     assert_round_trip(fresh, caches, ids[1:])
     with pytest.raises(ValueError, match="skip"):
         drop_leading_pages(staging, caches, 4, 4)
+
+
+@pytest.mark.parametrize("build", LAYOUTS)
+def test_cpu_reference_split_over_threads_is_the_same_bytes(build, monkeypatch):
+    """A large CPU pack/unpack shares its tensors among threads: the same staging and pages as one
+    thread, for a batch of chunks (2-D ids, each tensor's region strided) and for one chunk."""
+    import saria.kernels.pages as pages_module
+
+    if DEVICE.type != "cpu":
+        pytest.skip("the thread split is the CPU reference's")
+    caches = build(torch.bfloat16)
+    for ids in (_ids(4, 0, 2), torch.tensor([[4, 0], [2, 1]])):
+        serial = pack_pages(caches, ids, backend="torch")
+        monkeypatch.setattr(pages_module, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+        staged = pack_pages(caches, ids, backend="torch")
+        assert torch.equal(staged, serial)
+        fresh = fresh_like(caches)
+        unpack_pages(staged, fresh, ids, backend="torch")
+        for got, want in zip(fresh, caches):
+            assert torch.equal(got[ids.reshape(-1)].view(torch.int16), want[ids.reshape(-1)].view(torch.int16))
+        monkeypatch.undo()

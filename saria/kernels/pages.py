@@ -19,7 +19,9 @@ for that page. Each program decides for itself, so one unaligned tensor does not
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -122,20 +124,55 @@ def _regions(table: PageTable, staging: torch.Tensor, chunks: int, per_chunk: in
         yield _widest(table.byte_pages(t), rows[:, start:start + per_chunk * seg.page_bytes])
 
 
+# torch's indexed copies run on one thread: a large CPU pack or unpack splits its tensors over up
+# to torch.get_num_threads() threads (they release the GIL), as a GPU kernel covers them all at once.
+PARALLEL_MIN_BYTES = 4 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _per_tensor(table: PageTable, staging: torch.Tensor, chunks: int, per_chunk: int,
+                copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """``copy(pages, region)`` for every tensor of the table (:func:`_regions`); on the CPU, a call
+    of at least ``PARALLEL_MIN_BYTES`` shares its tensors among up to ``torch.get_num_threads()``
+    threads (each tensor's copy on one thread, so no two threads write the same bytes)."""
+    regions = list(_regions(table, staging, chunks, per_chunk))
+    threads = min(torch.get_num_threads(), len(regions))
+    if table.device.type != "cpu" or threads < 2 or staging.numel() < PARALLEL_MIN_BYTES:
+        for pages, region in regions:
+            copy(pages, region)
+        return
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="saria-pages")
+        pool = _pool
+
+    def run(share: list) -> None:
+        with torch.no_grad():
+            for pages, region in share:
+                copy(pages, region)
+
+    futures = [pool.submit(run, regions[i::threads]) for i in range(1, threads)]
+    run(regions[0::threads])
+    for future in futures:
+        future.result()
+
+
 @torch.no_grad()
 def pack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                          per_chunk: int) -> None:
     """Reference gather: per tensor, ``index_select`` of its pages into its staging region."""
-    for pages, region in _regions(table, staging, chunks, per_chunk):
-        region.copy_(pages.index_select(0, ids).view(region.shape))
+    _per_tensor(table, staging, chunks, per_chunk,
+                lambda pages, region: region.copy_(pages.index_select(0, ids).view(region.shape)))
 
 
 @torch.no_grad()
 def unpack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                            per_chunk: int) -> None:
     """Reference scatter: per tensor, ``index_copy_`` of its staging region into its pages."""
-    for pages, region in _regions(table, staging, chunks, per_chunk):
-        pages.index_copy_(0, ids, region.reshape(-1, pages.shape[1]))
+    _per_tensor(table, staging, chunks, per_chunk,
+                lambda pages, region: pages.index_copy_(0, ids, region.reshape(-1, pages.shape[1])))
 
 
 # --- public ops ----------------------------------------------------------------------------------
