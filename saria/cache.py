@@ -88,7 +88,10 @@ class TieredCache:
         self._execute(self.control.release(plan, self.clock(), failed=failed), {}, None)
 
     def _execute(self, orders: Sequence[Order], kv_blocks, state_blocks) -> None:
-        for future in self.engine.execute(orders, kv_blocks, state_blocks):
+        for run in self.engine.execute(orders, kv_blocks, state_blocks):
+            future = run.completion
+            if future is None:  # a drop: done already
+                continue
             with self._lock:
                 self._outstanding.add(future)
             future.add_done_callback(lambda f: self._completions.submit(self._report, f))

@@ -2,7 +2,8 @@
 
 Transfer engine: :class:`TransferEngine` executes the control plane's reload plans and orders on
 separate paths (DRAM->GPU paced by the :class:`Coordinator`, SSD->GPU, GPU->DRAM, SSD writes).
-Host pool: :class:`HostPool`, pinned host memory in fixed-size slots (the DRAM tier).
+Host pool: :class:`HostPool`, pinned host memory in fixed-size slots (the DRAM tier), indexed by
+:class:`DramStore`. A reload in flight is a :class:`LoadJob` (``load_job``).
 PCIe monitor: :class:`PCIeMonitor` samples NVML's PCIe counters; :func:`calibrate` refines the
 coordinator's bandwidth estimates from them.
 
@@ -13,9 +14,11 @@ verified on every read and found again after a restart (``ssd_store``; on-disk f
 """
 
 from .coordinator import Coordinator, pace_bytes_per_s
-from .engine import Completion, DramObject, LoadJob, LoadResult, TransferEngine
+from .dram_store import DramObject, DramStore
+from .engine import Completion, OrderRun, TransferEngine
 from .host_pool import HostPool, HostPoolFull
 from .keys import object_key
+from .load_job import LoadItem, LoadJob, LoadResult
 from .pcie import PCIeMonitor, calibrate
 from .ssd_backends import IoOps, probe_direct_io
 from .ssd_counters import PathCounters, SSDCounters
@@ -25,7 +28,8 @@ from .ssd_index import ObjectInfo, PartLocation
 from .ssd_store import SSDStore
 
 __all__ = [
-    "Completion", "Coordinator", "DramObject", "HostPool", "HostPoolFull", "LoadJob", "LoadResult", "PCIeMonitor",
+    "Completion", "Coordinator", "DramObject", "DramStore", "HostPool", "HostPoolFull", "LoadItem", "LoadJob",
+    "LoadResult", "OrderRun", "PCIeMonitor",
     "TransferEngine", "calibrate", "object_key", "pace_bytes_per_s",
     "DriveLost", "IoOps", "ObjectCorrupt", "ObjectInfo", "ObjectNotFound", "ObjectReadError", "ObjectUnreadable",
     "ObjectWriteError", "PartLocation", "PathCounters", "SSDCounters", "SSDStore", "SSDStoreError",

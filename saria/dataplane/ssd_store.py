@@ -222,6 +222,7 @@ class SSDStore:
         self._closed = False
         self._files: list[DriveFile] = []
         self._payload: PayloadIO | None = None
+        self._read_threads = read_threads
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="saria-ssd-read")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="saria-ssd-write")
         try:
@@ -441,6 +442,23 @@ class SSDStore:
         return all(f.direct for f in self._files)
 
     @property
+    def read_threads(self) -> int:
+        """Threads of the reader pool (how many part reads run at once)."""
+        return self._read_threads
+
+    def part_extents(self, key: bytes) -> list[tuple[Path, int, int]]:
+        """Where the payload of each part of the object under ``key`` lies: ``(drive file, byte
+        offset, length)`` per part, in part order (offsets are 4 KiB aligned). For benchmarks that
+        read the same bytes without the store; :class:`ObjectNotFound` if there is no such object."""
+        _check_key(key)
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                raise ObjectNotFound(f"no object under key {key.hex()}")
+            return [(self._files[p.drive].path, self._geometry.payload_offset(p.slot), p.length)
+                    for p in entry.info.parts]
+
+    @property
     def total_parts(self) -> int:
         """Slots on the drives in service (each holds one part)."""
         with self._lock:
@@ -549,6 +567,39 @@ class SSDStore:
         read), and the object is then dropped; or with ``ValueError`` (the object kept) when the
         kernel finds a destination page read-only (EFAULT) that the up-front probe missed.
         """
+        job = self._start_read(key, out)
+        for i in range(len(job.dests)):
+            self._readers.submit(job.read_part, i)
+        return job.future
+
+    def read_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | Sequence[torch.Tensor]]
+                  ) -> "list[Future[ObjectInfo] | BaseException]":
+        """Read several objects in one submission: ``read(keys[i], outs[i])`` for each ``i``, with
+        every part of every object queued on the reader pool at once, object after object (the
+        first objects complete first). Returns, per object, its Future, or the exception ``read``
+        would have raised for it (that object is not read; the others are). Same contract as
+        :meth:`read` otherwise; ``StoreClosed`` is raised, not returned."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} destinations")
+        jobs: list[ReadJob | BaseException] = []
+        for key, out in zip(keys, outs):
+            try:
+                jobs.append(self._start_read(key, out))
+            except StoreClosed:
+                for job in jobs:
+                    if isinstance(job, ReadJob):
+                        self._end_read(job.entry, job.claim)
+                raise
+            except Exception as exc:
+                jobs.append(exc)
+        for job in jobs:
+            if isinstance(job, ReadJob):
+                for i in range(len(job.dests)):
+                    self._readers.submit(job.read_part, i)
+        return [job.future if isinstance(job, ReadJob) else job for job in jobs]
+
+    def _start_read(self, key: bytes, out: Any) -> ReadJob:
+        """Check a read and pin its object; the returned job's parts are not submitted yet."""
         _check_key(key)
         with self._lock:
             self._check_open()
@@ -567,10 +618,7 @@ class SSDStore:
             self._end_read(entry, claim)
             raise
         dests = [dest for _, dest in targets]
-        job = ReadJob(self, entry, dests, claim, _ready_events(dests))
-        for i in range(len(dests)):
-            self._readers.submit(job.read_part, i)
-        return job.future
+        return ReadJob(self, entry, dests, claim, _ready_events(dests))
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key`` (and void writes of it still in flight). ``True`` if there was anything.
