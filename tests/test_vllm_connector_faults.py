@@ -265,18 +265,27 @@ def plan(plan_id, chunks, tier):
     return ReloadPlan(plan_id, tuple(chunks), (tier,) * len(chunks), None, None, CHUNK * len(chunks), 0, 0, False)
 
 
-def store_and_write(worker, chunk="h0", blocks=(2, 3)):
-    """Store a chunk's pages in DRAM and write it to SSD, through the worker's hooks."""
-    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch("r0", (
-        StoreOrder(1, (chunk,), (), CHUNK * KV_BYTES_PER_TOKEN),
-        WriteOrder(2, (chunk,), (), CHUNK * KV_BYTES_PER_TOKEN, Tier.DRAM, "eviction")), {chunk: blocks})]))
+def completions(worker, n):
+    """The worker's next ``n`` order completions (stores run in the background)."""
     done = []
     deadline = time.monotonic() + 30
-    while len(done) < 2 and time.monotonic() < deadline:
+    while len(done) < n and time.monotonic() < deadline:
         report = worker.build_worker_meta()
         done += report.completions if report else []
         time.sleep(0.01)
-    assert [c.ok for c in done] == [True, True]
+    return done
+
+
+def store_and_write(worker, chunk="h0", blocks=(2, 3)):
+    """Store a chunk's pages in DRAM and, once stored (as the control plane orders it: an object
+    is written from DRAM only once its store completed), write it to SSD, through the worker's hooks."""
+    size = CHUNK * KV_BYTES_PER_TOKEN
+    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch("r0", (StoreOrder(1, (chunk,), (), size),),
+                                                                   {chunk: blocks})]))
+    assert [c.ok for c in completions(worker, 1)] == [True]
+    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch(None, (
+        WriteOrder(2, (chunk,), (), size, Tier.DRAM, "eviction"),))]))
+    assert [c.ok for c in completions(worker, 1)] == [True]
 
 
 def test_a_load_that_raises_fails_its_request_alone(tmp_path, monkeypatch):
@@ -293,7 +302,7 @@ def test_a_load_that_raises_fails_its_request_alone(tmp_path, monkeypatch):
     worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("ok", plan(1, ["h0"], Tier.DRAM), ((5, 6),)),
                                                        LoadSpec("bad", plan(2, ["h0"], Tier.SSD), ((7, 8),))],
                                                 cancels=["lost"]))
-    assert worker.get_finished(set()) == {"ok", "bad", "lost"}
+    assert worker.get_finished(set()) == (set(), {"ok", "bad", "lost"})
     assert worker.take_failed_requests() == {"bad", "lost"} and worker.take_error_blocks() == set()
     reports = {r.req_id: r for r in worker.build_worker_meta().loads}
     assert reports["ok"].failed == () and reports["bad"].failed == (ObjectKey("h0", "kv"),)
@@ -322,7 +331,7 @@ def test_a_new_epoch_drops_every_object_of_the_old_control_plane(tmp_path):
     assert worker.data.ssd.keys() == [] and worker.epoch == 1 and not worker.off
     # Nothing of the old epoch can be read any more.
     worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(3, ["h0"], Tier.SSD), ((5, 6),))], epoch=1))
-    assert worker.get_finished(set()) == {"r"} and worker.take_error_blocks() == {5, 6}
+    assert worker.get_finished(set()) == (set(), {"r"}) and worker.take_error_blocks() == {5, 6}
     assert worker.build_worker_meta().epoch == 1
     worker.shutdown()
 
@@ -340,7 +349,7 @@ def test_a_worker_whose_data_plane_cannot_open_is_off_and_answers_everything(tmp
                                   orders=[OrderBatch("q", (StoreOrder(4, ("h1",), (), 1),), {"h1": (2, 3)})])
     worker.start_load_kv(meta)
     worker.wait_for_save(meta)
-    assert worker.get_finished(set()) == {"r"} and worker.take_failed_requests() == {"r"}
+    assert worker.get_finished(set()) == (set(), {"r"}) and worker.take_failed_requests() == {"r"}
     report = worker.build_worker_meta()
     assert report.off and report.completions == [CompletionReport(4, False)] and report.loads[0].valid_chunks == 0
     assert worker.snapshot()["connector"]["off"] and worker.stats_delta() == {"faults": 1}
@@ -352,7 +361,7 @@ def test_a_fault_outside_one_load_turns_the_worker_off_and_fails_its_loads(tmp_p
     worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(1, ["h0"], Tier.DRAM), ((5, 6),))]))
     (_, job), = worker._loads.values()
     monkeypatch.setattr(job, "ready", lambda: 1 / 0)
-    assert worker.get_finished(set()) == {"r"} and worker.take_failed_requests() == {"r"}
+    assert worker.get_finished(set()) == (set(), {"r"}) and worker.take_failed_requests() == {"r"}
     assert worker.off and worker.data is None and worker.build_worker_meta().off
     assert worker.snapshot()["engine"]["loads"] == 1  # counters kept after the data plane closed
 

@@ -303,7 +303,7 @@ def test_a_restarted_rank_reports_its_objects_once_and_serves_them(tmp_path):
         # The objects are this rank's shards as written: a reload gives the pages back.
         worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(1, [written[layout.rank][1]], Tier.SSD),
                                                                         ((8, 9),))]))
-        assert worker.get_finished(set()) == {"r"} and worker.take_failed_requests() == set()
+        assert worker.get_finished(set()) == (set(), {"r"}) and worker.take_failed_requests() == set()
         assert worker.build_worker_meta().loads[0].failed == ()
         assert torch.equal(kv[8:10], pages(layout.rank)[4:6])
         worker.shutdown()

@@ -165,7 +165,7 @@ def test_hybrid_load_failure_is_reported_per_request(tmp_path):
     worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r1", plan, ((3,),), 0, (5,))]))
     done = set()
     for _ in range(200):
-        done = worker.get_finished(set())
+        _, done = worker.get_finished(set())
         if done:
             break
     assert done == {"r1"}
@@ -184,12 +184,13 @@ def test_reports_of_several_workers_combine():
 
 
 def test_summary_line_names_tiers_and_writes():
-    from saria.config import SariaConfig
-    from saria.control import ControlPlane
-
-    line = summary_line(ControlPlane(SariaConfig()))
-    for word in ("requests", "DRAM", "SSD", "admissions", "promotions", "faults"):
-        assert word in line
+    totals = dict.fromkeys(("requests", "hit_tokens_dram", "hit_tokens_ssd", "loads", "loads_failed", "ssd_writes",
+                            "ssd_bytes_written", "admissions_eviction", "admissions_reuse", "admissions_prewrite",
+                            "promotions", "scheduler_faults"), 0)
+    line = summary_line(dict(totals, hit_tokens_dram=512, hit_tokens_ssd=256, scheduler_faults=2), rebuilds=1)
+    for words in ("512 tokens from DRAM", "256 from SSD", "admissions", "promotions", "faults 2",
+                  "rebuilt 1x"):
+        assert words in line
 
 
 @pytest.mark.parametrize("kwargs", [{"prime": [0]}, {"prime": [0, 0], "prefix_caching": True},

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole, KVConnectorTransferResults,
                                                               KVConnectorWorkerMetadata, SupportsHMA)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
 from .layout import ParallelLayout, model_identity
+from .logs import route_to_vllm
+from .metrics import Deltas, SariaPromMetrics, SariaStats, worker_stats
 from .scheduler import SariaScheduler
 from .settings import ConnectorSettings
 from .worker import SariaWorker
@@ -41,25 +43,9 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("saria.vllm")
+route_to_vllm()  # saria's log lines through vLLM's handlers (scheduler and worker processes import this)
 
-
-class SariaStats(KVConnectorStats):
-    """saria's counters for vLLM's connector stats: the worker's transfer counters (bytes and
-    seconds per path, failures) and ``faults``; the scheduler half adds ``scheduler_faults``."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
+__all__ = ["SariaConnector", "SariaStats"]  # SariaStats lives in .metrics, still importable from here
 
 
 class SariaConnector(KVConnectorBase_V1, SupportsHMA):
@@ -70,6 +56,7 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        route_to_vllm()  # again: vLLM has configured its logging by now (its level applies)
         self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
         self._scheduler: SchedulerGuard | None = None
@@ -87,7 +74,7 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks,
                                        layout=ParallelLayout.of_this_worker(vllm_config.parallel_config),
                                        model=model_identity(vllm_config))
-        self._faults_seen = 0
+        self._totals = Deltas()  # the scheduler half's counters reported to vLLM so far
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -110,15 +97,21 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker.handle_preemptions(kv_connector_metadata)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.get_finished(finished_req_ids) or None
+        sent, loaded = self._worker.get_finished(finished_req_ids)
+        return sent or None, loaded or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """A failed load (``failed_recving``: vLLM recomputes the whole request) is always also a
-        finished one, as vLLM requires."""
-        finished = self._worker.get_finished(finished_req_ids)
+        """Held requests whose blocks saria no longer reads (``finished_sending``: vLLM frees them)
+        and finished loads; a failed load (``failed_recving``: vLLM recomputes the whole request) is
+        always also a finished one, as vLLM requires."""
+        sent, loaded = self._worker.get_finished(finished_req_ids)
         failed = self._worker.take_failed_requests()
-        return KVConnectorTransferResults(finished_recving=finished | failed, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=loaded | failed,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_error_blocks()
@@ -127,21 +120,29 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What changed since the last call (:mod:`.metrics`): in a worker its data plane's
+        counters (``SariaWorker.stats_delta``), in the scheduler the control plane's
+        (``SchedulerGuard.totals``). vLLM adds the two up every step."""
         try:
             if self._worker is not None:
-                data = self._worker.stats_delta()
+                data = worker_stats(self._worker.stats_delta())
             else:
-                faults = self._scheduler.faults.count
-                data, self._faults_seen = {"scheduler_faults": faults - self._faults_seen}, faults
+                data = self._totals.take(self._scheduler.totals())
         except Exception as exc:  # stats are never worth a fault's consequences
             log.warning("saria: connector stats unavailable: %s", exc)
             return None
-        stats = SariaStats(data={k: v for k, v in data.items() if v})
+        stats = SariaStats(data=data)
         return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return SariaStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        """saria's Prometheus counters, ``vllm:saria_*`` (:mod:`.metrics`), served at ``/metrics``."""
+        return SariaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -171,6 +172,9 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.holds_blocks()
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

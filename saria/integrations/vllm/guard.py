@@ -19,7 +19,10 @@ Whatever happens, a request vLLM waits for hears its load end, and no other does
 ``update_state_after_alloc`` with its external tokens in the same scheduling pass that builds the
 step's metadata, so a request told to load whose load is not in that metadata (a fault came
 between) is sent as a cancel instead, which the worker reports finished and failed; and a load
-for a request vLLM is not waiting for is a fault, never sent.
+for a request vLLM is not waiting for is a fault, never sent. Likewise every request whose blocks
+vLLM holds for saria (``request_finished`` answered True: its stores still read them) is named in
+the next metadata (``held``) whatever happens, the worker reports it sent once nothing reads its
+blocks (at once when off), and until then vLLM keeps stepping (``has_pending_work``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from typing import Any, Callable
 
 from .faults import Faults
-from .metadata import SariaConnectorMetadata, SariaWorkerMetadata
+from .metadata import SariaConnectorMetadata, SariaWorkerMetadata, add_counts
 from .scheduler import SariaScheduler, summary_line
 
 log = logging.getLogger("saria.vllm")
@@ -49,6 +52,9 @@ class SchedulerGuard:
         self.log_interval_s = log_interval_s
         self.clock = clock
         self._awaiting: set[str] = set()  # told to load asynchronously since the last metadata
+        self._retired: dict[str, int] = {}  # the totals of control planes since replaced
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the worker sends them
+        self._newly_held: list[str] = []  # of those, not yet told to the worker
         self._last_log = clock()
 
     # --- vLLM scheduler hooks --------------------------------------------------------------------
@@ -97,11 +103,14 @@ class SchedulerGuard:
         sent = {load.req_id for load in meta.loads}
         meta.cancels = sorted(self._awaiting - sent)
         self._awaiting.clear()
+        meta.held, self._newly_held = self._newly_held, []
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.epoch, meta.off = self.epoch, self.off
         self._maybe_log()
         return meta
 
     def update_connector_output(self, output: Any) -> None:
+        self._held.difference_update(getattr(output, "finished_sending", None) or ())  # vLLM frees their blocks
         report = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(report, SariaWorkerMetadata):
             if report.off:
@@ -116,17 +125,31 @@ class SchedulerGuard:
             self._fault("update_connector_output", exc)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
-        """Never delays freeing: the worker ran every order that reads a request's blocks in the
-        step that completed its prompt."""
+        """Delays freeing a request's blocks while orders read them (:meth:`SariaScheduler.request_finished`):
+        the next metadata tells the worker (``held``), which reports the request sent once nothing
+        reads them, whatever happens in between (faults, a new epoch, turning off)."""
         if self.off:
             return False, None
         try:
-            return self.inner.request_finished(request, list(block_ids))
+            delay, params = self.inner.request_finished(request, list(block_ids))
         except Exception as exc:
             self._fault("request_finished", exc)
             return False, None
+        if delay:
+            self._held.add(request.request_id)
+            self._newly_held.append(request.request_id)
+        return bool(delay), params
+
+    def holds_blocks(self) -> bool:
+        """vLLM holds blocks of finished requests for saria's stores, freed within a step or a few:
+        a request short of blocks waits for them rather than preempting another."""
+        return bool(self._held)
 
     def has_pending_work(self) -> bool:
+        """Also while vLLM holds blocks for saria (the worker reports them sent in a later step),
+        even once off."""
+        if self._held:
+            return True
         if self.off:
             return False
         try:
@@ -134,6 +157,19 @@ class SchedulerGuard:
         except Exception as exc:
             self._fault("has_pending_push_work", exc)
             return False
+
+    def totals(self) -> dict[str, int]:
+        """Counters since start, monotonic over rebuilds (:meth:`SariaScheduler.totals` of every
+        control plane so far, summed) and ``scheduler_faults``: for the summary line and vLLM's
+        connector stats. Never raises."""
+        try:
+            current = self.inner.totals()
+        except Exception as exc:  # a broken control plane: its counts since the last rebuild are lost
+            log.warning("saria: scheduler counters unavailable: %s", exc)
+            current = {}
+        out = add_counts(self._retired, current)
+        out["scheduler_faults"] = self.faults.count
+        return out
 
     def stats(self) -> dict:
         """Faults and what they led to, for tests, the session result and the summary line."""
@@ -151,6 +187,10 @@ class SchedulerGuard:
             self.faults.record("rebuild", build_exc)
             self._turn_off("its control plane could not be rebuilt")
             return
+        try:
+            self._retired = add_counts(self._retired, self.inner.totals())
+        except Exception as exc:
+            log.warning("saria: counters of the replaced control plane lost: %s", exc)
         self.inner = inner
         self.epoch += 1
         log.warning("saria scheduler: control plane rebuilt empty (epoch %d); requests in flight are served as "
@@ -172,6 +212,6 @@ class SchedulerGuard:
             if self.off:
                 log.info("saria: off, %d fault(s)", self.faults.count)
             else:
-                log.info("saria: %s", summary_line(self.inner.control, self.faults.count, self.epoch))
+                log.info("saria: %s", summary_line(self.totals(), self.epoch))
         except Exception as exc:  # a log line is never worth a fault's consequences
             log.warning("saria: summary line failed: %s", exc)

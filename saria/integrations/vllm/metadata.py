@@ -10,7 +10,7 @@ saria off for the rest of the run, and the other follows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -55,12 +55,17 @@ class StateCapture:
 class SariaConnectorMetadata(KVConnectorMetadata):
     """One step's work. ``cancels``: requests vLLM was told to wait for a load that will never be
     sent (a fault came between): the worker reports each one finished and failed, so vLLM
-    recomputes it instead of waiting forever."""
+    recomputes it instead of waiting forever. ``held``: finished requests whose blocks vLLM keeps
+    until the worker reports them sent (``request_finished`` said so: orders still read them);
+    ``preempted``: requests whose blocks vLLM freed this step, which the worker must stop reading
+    before the step's forward writes them (``handle_preemptions``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[StateCapture] = field(default_factory=list)
     orders: list[OrderBatch] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
     epoch: int = 0
     off: bool = False
 
@@ -137,8 +142,9 @@ def merge_inventories(a: "SariaWorkerMetadata", b: "SariaWorkerMetadata"
     return add_counts(a.inventory, b.inventory), a.inventory_reports + b.inventory_reports
 
 
-def add_counts(a: dict[ObjectKey, int], b: dict[ObjectKey, int]) -> dict[ObjectKey, int]:
-    """Per object, the ranks holding it in ``a`` plus those in ``b`` (a new dict)."""
+def add_counts(a: dict[Any, int], b: dict[Any, int]) -> dict[Any, int]:
+    """Per key, the count in ``a`` plus the count in ``b`` (a new dict): per object the ranks holding
+    it, or per name a counter."""
     merged = dict(a)
     for key, count in b.items():
         merged[key] = merged.get(key, 0) + count

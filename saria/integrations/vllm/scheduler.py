@@ -13,8 +13,10 @@ Per request:
    guard rebuilds both.
 4. ``build_connector_meta``: in the step whose forward completes the request's prompt, commit it
    (``commit_prefill``, with the load's failures) and send the orders with the blocks of every
-   chunk: the worker runs them after that forward, before the step ends.
-5. ``request_finished``: release a plan never committed (aborted or preempted requests).
+   chunk: the worker starts them after that forward, and the step goes on without waiting for them.
+5. ``request_finished``: release a plan never committed (aborted or preempted requests); a
+   request whose commit sent orders that read its blocks (stores, promotions, writes from HBM) keeps
+   them until the worker reports it sent (vLLM's delayed free), so no step waits for a copy.
 
 At start (``recover``), the SSD objects a previous run of this server left are taken over: each
 worker rank reports its store's inventory with its first report, and once every rank has, the
@@ -35,7 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from saria.control import ControlPlane, DropOrder, ObjectKey, Order, ReloadPlan, Tier
+from saria.control import ControlPlane, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
+    WriteOrder
 
 from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata,
                        StateCapture, add_counts)
@@ -45,6 +48,36 @@ from .settings import ConnectorSettings
 log = logging.getLogger("saria.vllm")
 
 RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories at start
+
+
+TOTALS_FROM_CONTROL = ("requests", "ssd_writes", "ssd_bytes_written", "admissions_eviction", "admissions_reuse",
+                       "admissions_prewrite", "promotions")
+
+
+@dataclass
+class LoadCounters:
+    """What the connector's loads actually delivered into vLLM's blocks (a plan's chunks that vLLM
+    already held, or that failed and were recomputed, are not hits)."""
+
+    loads: int = 0
+    loads_failed: int = 0
+    hit_tokens_dram: int = 0
+    hit_tokens_ssd: int = 0
+
+    def count(self, chunks: tuple[tuple[str, int], ...], report: LoadReport, *, hybrid: bool) -> None:
+        """One load ended (every rank's report merged): ``chunks`` is its ``(tier, tokens)`` per
+        chunk. A failed load delivered its chunks before ``valid_chunks`` (vLLM recomputes from
+        there on); a hybrid model's failed load delivered nothing (vLLM recomputes the request)."""
+        self.loads += 1
+        delivered = len(chunks)
+        if report.failed:
+            self.loads_failed += 1
+            delivered = 0 if hybrid else min(report.valid_chunks, len(chunks))
+        for tier, tokens in chunks[:delivered]:
+            if tier == Tier.DRAM.value:
+                self.hit_tokens_dram += tokens
+            else:
+                self.hit_tokens_ssd += tokens
 
 
 @dataclass
@@ -59,6 +92,8 @@ class _Request:
     state_block_ids: list[int] = field(default_factory=list)  # GDN group (hybrid models)
     captured: set[int] = field(default_factory=set)  # chunk indices whose GDN state the worker holds
     committed: bool = False
+    load_tokens: tuple[tuple[str, int], ...] = ()  # (tier, tokens) per chunk of the load, as sent
+    reads_pages: bool = False  # its commit sent orders that read its blocks after the step (stores, GPU writes)
 
     @property
     def failed(self) -> tuple[ObjectKey, ...]:
@@ -104,6 +139,7 @@ class SariaScheduler:
         self._waiting_since: float | None = None
         self._inventory: dict[ObjectKey, int] = {}
         self._inventory_reports = 0
+        self.loaded = LoadCounters()
 
     # --- hashing ---------------------------------------------------------------------------------
 
@@ -155,6 +191,9 @@ class SariaScheduler:
             # vLLM resumes a GDN layer from the state in the block of the last block boundary reached.
             state_blocks = (groups[self.geometry.state_group][plan.tokens // self.block_size - 1],)
             state.captured.add(plan.num_chunks - 1)  # the worker keeps the loaded state for promotion
+        state.load_tokens = tuple(
+            (tier.value, min((i + 1) * chunk_tokens, plan.tokens) - max(i * chunk_tokens, start))
+            for i, tier in enumerate(plan.kv_sources) if i >= first)
         state.load = LoadSpec(request.request_id, sub,
                               tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, plan.num_chunks)), skip,
                               state_blocks)
@@ -208,6 +247,7 @@ class SariaScheduler:
                 state = self._requests.get(load.req_id)
                 if state is not None:
                     state.load_report = load
+                    self.loaded.count(state.load_tokens, load, hybrid=self.geometry.hybrid)
                     if load.failed and state.plan is not None and state.plan.state_chunk is not None:
                         state.captured.discard(state.plan.num_chunks - 1)  # no loaded state to keep
                     if load.failed and state.failed_from(Tier.DRAM):
@@ -225,11 +265,21 @@ class SariaScheduler:
                                f"could not deliver): {lost}")
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """The worker ran every order of a committed request in the step that completed its prompt,
-        so no block is still being read: blocks are freed at once."""
+        """Blocks of a request whose commit sent orders that read them (stores, promotions, writes
+        from HBM) stay with vLLM until the worker reports the request sent (those orders no longer
+        read them, :meth:`SariaWorker.get_finished`); any other request's are freed at once."""
         self._drop_plan(request.request_id)
-        self._requests.pop(request.request_id, None)
-        return False, None
+        state = self._requests.pop(request.request_id, None)
+        return state is not None and state.reads_pages, None
+
+    def totals(self) -> dict[str, int]:
+        """Counters since this scheduler (and its control plane) started: what loads delivered
+        (:class:`LoadCounters`) and the control plane's requests, SSD writes and admissions."""
+        c = self.control.counters()
+        out = dataclasses.asdict(self.loaded)
+        for name in TOTALS_FROM_CONTROL:
+            out[name] = getattr(c, name)
+        return out
 
     def has_pending_work(self) -> bool:
         """Orders not yet sent or not yet completed, or inventories awaited (for at most
@@ -348,6 +398,7 @@ class SariaScheduler:
         states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
         orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states)
         state.plan, state.committed = None, True
+        state.reads_pages = any(_reads_pages(o) for o in orders)
         k = self.blocks_per_chunk
         blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
         return OrderBatch(req_id, tuple(orders), blocks)
@@ -368,19 +419,22 @@ class SariaScheduler:
         return None
 
 
+def _reads_pages(order: Order) -> bool:
+    """Orders that read a request's blocks after its step: stores, promotions, writes from HBM."""
+    return isinstance(order, (StoreOrder, PromoteOrder)) or (isinstance(order, WriteOrder) and order.source is Tier.GPU)
+
+
 def _completes(order: Order) -> bool:
     """Orders that report back (drops do not)."""
     return not isinstance(order, DropOrder)
 
 
-def summary_line(control: ControlPlane, faults: int = 0, rebuilds: int = 0) -> str:
-    """The periodic log line: the control plane's counters (since its last rebuild, if any) and
-    the scheduler half's faults."""
-    c = control.counters()
-    refs = max(1, c.references)
-    return (f"{c.requests} requests, hits DRAM {c.hits_dram_chunks} / SSD {c.hits_ssd_chunks} of {c.references} "
-            f"chunks ({(c.hits_dram_chunks + c.hits_ssd_chunks) / refs:.1%}), read "
-            f"{c.hits_dram_bytes / 2**30:.2f} GiB DRAM + {c.ssd_bytes_read / 2**30:.2f} GiB SSD, SSD writes "
-            f"{c.ssd_writes} ({c.ssd_bytes_written / 2**30:.2f} GiB), admissions eviction {c.admissions_eviction} / "
-            f"reuse {c.admissions_reuse} / prewrite {c.admissions_prewrite}, promotions {c.promotions}, "
-            f"faults {faults} (control plane rebuilt {rebuilds}x)")
+def summary_line(totals: dict[str, int], rebuilds: int = 0) -> str:
+    """The periodic log line, from :meth:`SchedulerGuard.totals` (since start, over rebuilds): what
+    the loads delivered (tokens vLLM did not compute), SSD traffic and admissions, faults."""
+    t = totals
+    return (f"{t['requests']} requests, loaded {t['hit_tokens_dram']} tokens from DRAM + {t['hit_tokens_ssd']} "
+            f"from SSD in {t['loads']} loads ({t['loads_failed']} failed), SSD writes {t['ssd_writes']} "
+            f"({t['ssd_bytes_written'] / 2**30:.2f} GiB), admissions eviction {t['admissions_eviction']} / reuse "
+            f"{t['admissions_reuse']} / prewrite {t['admissions_prewrite']}, promotions {t['promotions']}, "
+            f"faults {t['scheduler_faults']} (control plane rebuilt {rebuilds}x)")

@@ -35,10 +35,16 @@ BLOCK_TOKENS_IN_TRACE = 64  # the agent traces' block size
 
 # --- models --------------------------------------------------------------------------------------
 
-def build_model(path: str | Path, kind: str = "dense", *, seed: int = 0, layers: int = 4) -> Path:
+def build_model(path: str | Path, kind: str = "dense", *, seed: int = 0, layers: int = 4,
+                tokenizer: bool = False) -> Path:
     """Save a small model with random bf16 weights at ``path``: ``dense`` (Qwen3: ``layers``
     full-attention layers) or ``hybrid`` (Qwen3-Next: GDN layers with head dim 128 and a
-    full-attention layer every second one). ``tie_word_embeddings=False`` as the real models."""
+    full-attention layer every second one). ``tie_word_embeddings=False`` as the real models.
+    ``tokenizer``: also save a real tokenizer beside it (:func:`build_tokenizer`: a byte-level BPE
+    of at most ``VOCAB`` tokens, with a chat template), so that the model can be served over
+    vLLM's OpenAI API (``/v1/completions`` and ``/v1/chat/completions``); the model's end-of-text
+    token is then the tokenizer's ``<|im_end|>``. Without it, run vLLM with
+    ``skip_tokenizer_init=True`` and token-id prompts."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -62,13 +68,97 @@ def build_model(path: str | Path, kind: str = "dense", *, seed: int = 0, layers:
                                  max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16")
     else:
         raise ValueError(f"model kind must be 'dense' or 'hybrid', got {kind!r}")
+    special = build_tokenizer(path) if tokenizer else None
+    if special is not None:  # generation stops at the chat template's end of turn
+        config.eos_token_id = special["<|im_end|>"]
+        config.pad_token_id = special["<|endoftext|>"]
+        config.bos_token_id = None
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     with torch.no_grad():  # random init is tiny for some tensors: make every layer matter
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path)
+    if special is not None:
+        model.generation_config.eos_token_id = special["<|im_end|>"]
+        model.generation_config.pad_token_id = special["<|endoftext|>"]
+        model.generation_config.bos_token_id = None
+        model.generation_config.save_pretrained(path)
     return path
+
+
+# --- a real tokenizer for the small models ----------------------------------------------------------
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML, as Qwen's models use it (without tools and thinking): enough for /v1/chat/completions.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_WORDS = ("the agent tool call result file search read write list run test build error value request "
+          "response model cache token memory disk page block chunk prefix session user system assistant "
+          "function argument return string number object array true false null name type description "
+          "schema required properties path line code python json http server client query data time "
+          "step plan check update create delete open close start stop wait load save hit miss tier").split()
+
+
+def tokenizer_corpus(seed: int = 0, lines: int = 4000) -> list[str]:
+    """Deterministic training text for :func:`build_tokenizer`: word salad, JSON tool schemas,
+    code-like lines and numbers (no download: this runs on machines without internet)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randrange(4, 16))]
+        kind = i % 4
+        if kind == 0:
+            out.append(" ".join(words).capitalize() + ".")
+        elif kind == 1:
+            out.append(json.dumps({"name": "_".join(words[:2]), "description": " ".join(words[2:]),
+                                   "parameters": {"type": "object", "properties": {words[0]: {"type": "string"}},
+                                                  "required": [words[0]]}}))
+        elif kind == 2:
+            out.append(f"def {words[0]}_{words[1]}({words[2]}, {words[3]}={rng.randrange(100)}):\n"
+                       f"    return {words[2]}.{words[-1]}({rng.random():.4f})")
+        else:
+            out.append(f"{rng.randrange(10**6)} {' '.join(words)} {rng.randrange(10**3)}/{rng.randrange(10**3)}")
+    return out
+
+
+def build_tokenizer(path: str | Path, *, vocab_size: int = VOCAB, seed: int = 0) -> dict[str, int]:
+    """Train a byte-level BPE (the ``tokenizers`` library, as GPT-2 and Qwen) of at most
+    ``vocab_size`` tokens on :func:`tokenizer_corpus` and save it at ``path``
+    (``tokenizer.json``, ``tokenizer_config.json`` with ChatML's chat template, ``<|im_end|>`` as
+    end of text). Byte-level: every text has an encoding. Returns the special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if not 256 + len(SPECIAL_TOKENS) <= vocab_size <= VOCAB:
+        raise ValueError(f"vocab_size must be in [{256 + len(SPECIAL_TOKENS)}, {VOCAB}] (the model's vocabulary), "
+                         f"got {vocab_size}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tokenizer_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() > vocab_size:
+        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, more than {vocab_size}")
+    tok.save(str(path / "tokenizer.json"))
+    special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192,
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False} for t, i in special.items()},
+    }, indent=2))
+    (path / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2))
+    return special
 
 
 # --- prompts from a trace -------------------------------------------------------------------------
@@ -148,6 +238,7 @@ class SessionResult:
     seconds: float = 0.0
     block_size: int = 0  # vLLM's KV block size in tokens (its own choice for hybrid models)
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each worker rank's snapshot at the end
+    totals: dict[str, int] = field(default_factory=dict)  # the scheduler half's counters (SchedulerGuard.totals)
 
 
 def rank_snapshot(worker: Any = None) -> dict[str, Any]:
@@ -232,6 +323,62 @@ def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int],
     return arm, restore
 
 
+def _generate_and_abort(llm: Any, prompt: list[int], params: Any, name: str) -> Any:
+    """Run ``prompt`` until its first output token, then abort it (as a client that went away):
+    the output so far."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    streaming = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, logprobs=1, detokenize=False,
+                               output_kind=RequestOutputKind.CUMULATIVE)
+    engine.add_request(name, TokensPrompt(prompt_token_ids=prompt), streaming)
+    while True:
+        for out in engine.step():
+            if out.request_id == name and out.outputs and out.outputs[0].token_ids:
+                if not out.finished:
+                    engine.abort_request([name])
+                return out
+
+
+def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
+    """Empty vLLM's prefix cache. vLLM refuses while any block is in use, and after a turn saria
+    may still hold a finished request's blocks for its stores (freed in a later step): step the
+    engine (in this process; a separate engine process steps by itself) until it succeeds."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's prefix cache could not be emptied within {timeout_s:g} s: blocks still held")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.02)
+
+
+def _slow_packs(seconds: float, restore: Callable[[], None] | None) -> Callable[[], None]:
+    """Make every pack the transfer engine runs on its own threads sleep ``seconds`` first (a test
+    delay: stores still read their request's blocks when it finishes); returns the undo (after
+    ``restore``, if given)."""
+    import saria.dataplane.engine as engine_module
+
+    original, caller = engine_module.pack_pages, threading.get_ident()
+
+    def pack_pages(*args, **kwargs):
+        if threading.get_ident() != caller:
+            time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    engine_module.pack_pages = pack_pages
+
+    def undo() -> None:
+        engine_module.pack_pages = original
+        if restore is not None:
+            restore()
+
+    return undo
+
+
 def corrupt_ssd(paths: list[str], rank: int | None = None) -> int:
     """Flip one byte in the payload of every committed SSD part in the rank stores (``rank<r>``
     directories; only rank ``rank``'s if given) under ``paths`` (test fault)."""
@@ -262,7 +409,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 prefix_caching: bool = False, reset_prefix_cache: bool = True, prime: list[int] | None = None,
                 inject_faults: dict[str, list[int]] | None = None, progress: bool = False,
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                corrupt_rank: int | None = None, enforce_eager: bool = False) -> SessionResult:
+                corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
+                num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
+                abort_turns: list[int] = ()) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -279,7 +428,13 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     ``pipeline_parallel_size``: vLLM's, with worker processes (the engine runs in its own process:
     the per-turn tier split then comes from the ranks' byte counters, ``TurnResult.ranks``).
     ``corrupt_rank``: corrupt only that rank's SSD objects (``corrupt_before``). ``enforce_eager``:
-    vLLM's (no graph capture: an engine starts in seconds less)."""
+    vLLM's (no graph capture: an engine starts in seconds less). ``batches``: how many consecutive
+    prompts each ``generate`` call takes (default one each; a batch's reused tokens by tier are
+    counted on its first turn). ``num_gpu_blocks``: vLLM's KV cache size in blocks (small: blocks are
+    reused at once, and a batch may be preempted). ``slow_stores_s``: test delay, in this process:
+    every pack on the transfer engine's own threads first sleeps this long, so a request's stores are
+    still reading its blocks when it finishes. ``abort_turns``: turns (one prompt each) whose request
+    is aborted as soon as it has its first output token (its prompt's stores just started)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -293,6 +448,16 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                                         "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
     if block_size is not None:
         kwargs["block_size"] = block_size
+    if num_gpu_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = num_gpu_blocks
+    batches = list(batches) if batches is not None else [1] * len(prompts)
+    if sum(batches) != len(prompts) or min(batches, default=1) < 1:
+        raise ValueError(f"batches {batches} must be positive and add up to the {len(prompts)} prompts")
+    if prime is not None and max(batches, default=1) > 1:
+        raise ValueError("prime runs one prompt per turn: batches must all be 1")
+    starts = {sum(batches[:i]): size for i, size in enumerate(batches)}
+    if any(starts.get(turn) != 1 for turn in abort_turns):
+        raise ValueError(f"abort_turns {list(abort_turns)} must name turns of one prompt each")
     parallel = tensor_parallel_size * pipeline_parallel_size > 1
     if parallel:
         kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -310,52 +475,63 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
             raise ValueError("inject_faults needs saria in an engine in this process "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         arm, restore = patch_faults(inject_faults)
+    if slow_stores_s:
+        if guard is None:
+            raise ValueError("slow_stores_s needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        restore = _slow_packs(slow_stores_s, restore)
     result = SessionResult([], block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     start = time.perf_counter()
-    for turn, prompt in enumerate(prompts):
+    first = 0
+    for size in batches:
+        turn, group = first, prompts[first:first + size]
+        first += size
         if turn in corrupt_before and extra_config is not None:
             corrupt_ssd(extra_config.get("ssd_paths", []), rank=corrupt_rank)
         if prefix_caching and reset_prefix_cache:
-            llm.reset_prefix_cache()
+            _reset_prefix_cache(llm)
         if prime is not None and prime[turn]:
-            llm.generate([TokensPrompt(prompt_token_ids=prompt[:prime[turn]])],
+            llm.generate([TokensPrompt(prompt_token_ids=prompts[turn][:prime[turn]])],
                          SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
-        control = guard.inner.control if guard else None
-        before = control.counters() if guard else None
+        before = guard.totals() if guard else None
         if arm is not None:
             arm(turn)
         loaded = ranks() if ranks is not None else None
         t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        if turn in abort_turns:
+            outs = [_generate_and_abort(llm, group[0], params, f"abort-{turn}")]
+        else:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in group], params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        completion = out.outputs[0]
         dram = ssd = 0
-        if guard is not None:
-            if guard.inner.control is not control:  # rebuilt after a fault: its counters start at zero
-                before = type(before)()
-            after, chunk = guard.inner.control.counters(), guard.inner.config.chunk.chunk_tokens
-            dram = (after.hits_dram_chunks - before.hits_dram_chunks) * chunk
-            ssd = (after.hits_ssd_chunks - before.hits_ssd_chunks) * chunk
+        if guard is not None:  # tokens the loads delivered (SchedulerGuard.totals: over rebuilds too)
+            after = guard.totals()
+            dram = after["hit_tokens_dram"] - before.get("hit_tokens_dram", 0)
+            ssd = after["hit_tokens_ssd"] - before.get("hit_tokens_ssd", 0)
         per_rank = []
         if loaded is not None:  # the tier split from rank 0's byte counters (GDN state bytes count as tokens)
             per_rank = [{tier: now[tier] - was[tier] for tier in ("dram", "ssd")}
                         for was, now in zip(loaded, ranks())]
             per_token = max(1, loaded[0]["kv_bytes_per_token"])
             dram, ssd = per_rank[0]["dram"] // per_token, per_rank[0]["ssd"] // per_token
-        ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
-        result.turns.append(TurnResult(
-            len(prompt), out.num_cached_tokens or 0, dram, ssd, list(completion.token_ids),
-            [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
-            ttft if ttft > 0 else wall, per_rank))
-        if progress:
-            t = result.turns[-1]
-            print(f"  turn {turn + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, {t.cached_tokens:>5} reused "
-                  f"(DRAM {t.dram_tokens}, SSD {t.ssd_tokens}), TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
+        for n, (prompt, out) in enumerate(zip(group, outs)):
+            completion = out.outputs[0]
+            ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
+            result.turns.append(TurnResult(
+                len(prompt), out.num_cached_tokens or 0, dram if n == 0 else 0, ssd if n == 0 else 0,
+                list(completion.token_ids),
+                [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
+                ttft if ttft > 0 else wall, per_rank if n == 0 else []))
+            if progress:
+                t = result.turns[-1]
+                print(f"  turn {turn + n + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, "
+                      f"{t.cached_tokens:>5} reused (DRAM {t.dram_tokens}, SSD {t.ssd_tokens}), "
+                      f"TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
     result.seconds = time.perf_counter() - start
     if restore is not None:
         restore()
     if guard is not None:
         result.control = asdict(guard.inner.control.counters())
+        result.totals = guard.totals()
         result.faults["scheduler"] = guard.stats()
     worker = getattr(worker_side, "_worker", None)
     if worker is not None:

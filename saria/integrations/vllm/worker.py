@@ -7,10 +7,13 @@
   waiting until ``get_finished`` reports it).
 * ``get_finished``: reloads whose every object is in its pages (or failed); the failed objects'
   blocks go to ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them.
-* ``wait_for_save``: after the step's forward, run the orders of requests whose prompt it
-  completed: stores and promotions copy pages to host slots (finished before the step ends, so the
-  blocks may be reused at once and the next lookup finds them), writes from HBM are packed before
-  the step ends and written to SSD in the background, drops free slots.
+* ``wait_for_save``: after the step's forward, start the orders of requests whose prompt it
+  completed and return (nothing in the step waits for a copy): stores and promotions pack pages and
+  copy them to host slots, writes from HBM pack them and write to SSD, drops free slots. Until the
+  orders of a request no longer read its blocks, vLLM keeps them for it: the scheduler said so when
+  the request finished (``held`` in the metadata), and ``get_finished`` reports it sent once they
+  are free; ``handle_preemptions`` waits for them before a step's forward may write the blocks of a
+  preempted request.
 * ``build_connector_worker_meta``: load results and order completions, for the scheduler; once,
   after the data plane opened, the inventory: the objects a previous run of this server left in
   this rank's SSD store (found whole and verified, written for the same model and layout), which
@@ -44,11 +47,11 @@ from typing import Hashable
 
 import torch
 
-from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, WriteOrder
+from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 from saria.dataplane.engine import LoadJob, LoadResult
 from saria.dataplane.keys import parse_object_key
 from saria.dataplane.setup import DataPlane, open_data_plane
-from saria.kernels import PageTable, pack_pages
+from saria.kernels import PageTable
 
 from .faults import Faults
 from .geometry import EngineGeometry
@@ -98,6 +101,9 @@ class SariaWorker:
         self._error_blocks: set[int] = set()
         self._load_reports: list[LoadReport] = []
         self._orders: list[tuple[int, Future]] = []
+        self._reading: dict[str, list[threading.Event]] = {}  # per request: orders still reading its blocks
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until get_finished sends them
+        self.preemption_waits = 0  # preempted requests whose orders still read their blocks: waited for
         self._completions: list[CompletionReport] = []  # orders that failed before they started
         self._dram_keys: set[ObjectKey] = set()  # every object a store may have put in the host pool
         self._captured: dict[str, dict[Hashable, torch.Tensor]] = {}  # GDN states set aside, per request
@@ -202,12 +208,15 @@ class SariaWorker:
         self._loads[spec.req_id] = (spec, job)
         return job
 
-    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Reloads whose objects are all in their pages (or failed), reported once. Requests that
-        vLLM finished drop the GDN states set aside for them."""
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """``(sent, loaded)``: held requests whose blocks no order reads any more (vLLM frees them
+        now), and reloads whose objects are all in their pages (or failed); each reported once.
+        Requests that vLLM finished drop the GDN states set aside for them."""
         try:
             for req_id in finished_req_ids:
                 self._captured.pop(req_id, None)
+                if req_id not in self._held:  # vLLM freed its blocks at once: no order of it reads them
+                    self._reading.pop(req_id, None)
             for req_id, (spec, job) in list(self._loads.items()):
                 if job.ready():
                     result = job.wait()
@@ -216,7 +225,30 @@ class SariaWorker:
         except Exception as exc:  # a load's state is unknown: stop before its bytes are used
             self._give_up("get_finished", exc)
         done, self._finished = self._finished, set()
-        return done
+        return self._take_sent(), done
+
+    def _take_sent(self) -> set[str]:
+        """Held requests whose orders no longer read their blocks (all of them once off: the data
+        plane closed, and its close waited for every order)."""
+        sent = {req_id for req_id in self._held
+                if self.off or all(event.is_set() for event in self._reading.get(req_id, ()))}
+        for req_id in sent:
+            self._held.discard(req_id)
+            self._reading.pop(req_id, None)
+        return sent
+
+    def handle_preemptions(self, meta: SariaConnectorMetadata) -> None:
+        """vLLM freed the blocks of the step's preempted requests and its forward may write them:
+        wait until no order reads them (rare: preemption comes under memory pressure, long after most
+        stores are done)."""
+        try:
+            for req_id in getattr(meta, "preempted", ()):
+                reading = [event for event in self._reading.pop(req_id, ()) if not event.is_set()]
+                self.preemption_waits += bool(reading)
+                for event in reading:
+                    event.wait()
+        except Exception as exc:
+            self._give_up("handle_preemptions", exc)
 
     def _finish_load(self, spec: LoadSpec, result: LoadResult) -> None:
         req_id = spec.req_id
@@ -257,16 +289,17 @@ class SariaWorker:
         return failed
 
     def _capture(self, req_id: str, chunk: Hashable, block: int) -> None:
-        """Set a GDN state aside; on a fault, do without it (a store of it then fails)."""
+        """Set a GDN state aside (packed on the caller's stream, so before the next forward writes
+        its block); on a fault, do without it (a store of it then fails)."""
         try:
-            self._captured.setdefault(req_id, {})[chunk] = pack_pages(self.state_table, torch.tensor([block]))
+            self._captured.setdefault(req_id, {})[chunk] = self.engine.capture_state(block)
         except Exception as exc:
             self._fault("capture", exc)
 
     # --- orders ----------------------------------------------------------------------------------
 
     def wait_for_save(self, meta: SariaConnectorMetadata) -> None:
-        """Run the step's orders after its forward; return once no page is read any more."""
+        """Start the step's orders after its forward, and return without waiting for any copy."""
         try:
             self._follow(meta)
             if not self.off:
@@ -281,34 +314,28 @@ class SariaWorker:
             self._give_up("wait_for_save", exc)
 
     def _run_order(self, order: Order, batch: OrderBatch, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
-        if isinstance(order, DropOrder):
-            if not self.off:
-                try:
-                    self.engine.drop(order)
-                    if order.tier is Tier.DRAM:
-                        self._dram_keys.difference_update(_keys(order))
-                except Exception as exc:
-                    self._fault("drop", exc)
-            return
+        """Start one order (:meth:`TransferEngine.execute`); while it reads the request's blocks,
+        its ``released`` event is the request's (``_reading``)."""
+        drop = isinstance(order, DropOrder)
         if self.off:
-            self._completions.append(CompletionReport(order.order_id, False))
+            if not drop:
+                self._completions.append(CompletionReport(order.order_id, False))
             return
+        if isinstance(order, (StoreOrder, PromoteOrder)):
+            self._dram_keys.update(_keys(order))  # before it can land
         try:
-            if isinstance(order, (StoreOrder, PromoteOrder)):
-                self._dram_keys.update(_keys(order))
-                future = self.engine.store(order, batch.kv_blocks, prepacked=prepacked)
-                wait([future])  # pages copied to host slots before the blocks can be reused
-            elif isinstance(order, WriteOrder):
-                packed = threading.Event()
-                future = self.engine.write(order, batch.kv_blocks, packed=packed, prepacked=prepacked)
-                packed.wait()
-            else:
-                raise ValueError(f"saria: unknown order {order!r}")
+            (run,) = self.engine.execute([order], batch.kv_blocks, prepacked=prepacked)
         except Exception as exc:  # the engine started nothing of it
-            self._completions.append(CompletionReport(order.order_id, False))
-            self._fault(type(order).__name__, exc)
+            if not drop:
+                self._completions.append(CompletionReport(order.order_id, False))
+            self._fault("drop" if drop else type(order).__name__, exc)
             return
-        self._orders.append((order.order_id, future))
+        if drop and order.tier is Tier.DRAM:
+            self._dram_keys.difference_update(_keys(order))
+        if batch.req_id is not None and not run.released.is_set():
+            self._reading.setdefault(batch.req_id, []).append(run.released)
+        if run.completion is not None:
+            self._orders.append((order.order_id, run.completion))
 
     def build_worker_meta(self) -> SariaWorkerMetadata | None:
         loads: list[LoadReport] = []
@@ -349,6 +376,7 @@ class SariaWorker:
             self._turn_off("the scheduler turned saria off")
         if meta.epoch != self.epoch:
             self._new_epoch(meta.epoch)
+        self._held.update(meta.held)
 
     def _new_epoch(self, epoch: int) -> None:
         """The scheduler replaced its control plane: nothing the old one placed may be read again
@@ -432,7 +460,8 @@ class SariaWorker:
         except Exception as exc:
             log.warning("saria worker: counters unavailable: %s", exc)
             out = {}
-        out["connector"] = dict(self.faults.snapshot(), epoch=self.epoch, off=self.off)
+        out["connector"] = dict(self.faults.snapshot(), epoch=self.epoch, off=self.off, held=len(self._held),
+                                preemption_waits=self.preemption_waits)
         return out
 
     def stats_delta(self) -> dict[str, int | float]:

@@ -1,0 +1,169 @@
+"""saria's counters in vLLM's metrics: connector stats (logged by vLLM) and Prometheus ``/metrics``.
+
+vLLM 0.32 collects a connector's counters in two places and merges them every step:
+
+* each worker's :meth:`SariaConnector.get_kv_connector_stats` (the data plane's per-step delta,
+  :meth:`~saria.integrations.vllm.worker.SariaWorker.stats_delta`), summed over the ranks;
+* the scheduler's, called after the step's output (the control plane's delta,
+  ``SchedulerGuard.totals()``), added to the workers'.
+
+The merged :class:`SariaStats` goes with the scheduler's stats to the front end, where vLLM's
+``KVConnectorLogging`` sums them over its log interval and logs one ``KV Transfer metrics: ...``
+line, and :class:`SariaPromMetrics` (built by ``SariaConnector.build_prom_metrics``) adds them to
+Prometheus counters served at ``/metrics``. The counters (:data:`METRICS`), all Prometheus
+counters with vLLM's labels ``model_name`` and ``engine`` (exposed with ``_total`` appended, as
+vLLM's own counters):
+
+=============================================  ===================================================
+counter                                        what it counts
+=============================================  ===================================================
+``vllm:saria_requests``                        requests saria's control plane looked up
+``vllm:saria_hit_tokens{tier}``                prompt tokens loaded from saria's tier (``dram``,
+                                               ``ssd``) into vLLM's blocks instead of computed
+``vllm:saria_loads``, ``..._loads_failed``     loads sent to the workers; of those, failed (vLLM
+                                               recomputed their tokens)
+``vllm:saria_admissions{reason}``              chunks admitted to SSD (``eviction``: E_b >= theta_E,
+                                               ``reuse``: R_b >= theta_R, ``prewrite``)
+``vllm:saria_ssd_writes``,                     SSD writes completed and their bytes (one shard's
+``vllm:saria_ssd_bytes_written``               bytes per object, as the control plane counts them)
+``vllm:saria_promotions``                      SSD-hit chunks promoted to DRAM (Eqs. 2-3)
+``vllm:saria_transfer_bytes{path}``,           bytes moved and seconds spent per data-plane path
+``vllm:saria_transfer_seconds{path}``          (``dram_to_gpu``, ``ssd_to_gpu``, ``gpu_to_dram``,
+                                               ``to_ssd``), summed over the worker ranks
+``vllm:saria_failures{kind}``                  data-plane failures: ``load``, ``store`` (GPU to
+                                               DRAM), ``ssd_write``; each a miss, never an error
+``vllm:saria_faults{half}``                    faults caught by saria's fault barrier in the
+                                               ``scheduler`` or ``worker`` half
+``vllm:saria_drops{tier}``                     objects dropped from a tier by the data plane
+``vllm:saria_host_pool_full``                  stores refused for want of a free DRAM slot
+=============================================  ===================================================
+
+Names begin with ``vllm:`` as vLLM's own: vLLM unregisters every ``vllm:`` collector when it
+builds its Prometheus logger again, so these are rebuilt with it instead of colliding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+# The worker's stats_delta keys that would collide with the scheduler's (or mean something else
+# summed over ranks) are renamed before the two halves' stats are merged.
+WORKER_RENAMES = {"loads": "rank_loads", "load_objects": "rank_load_objects", "faults": "worker_faults"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # the Prometheus counter's name
+    documentation: str
+    label: str | None  # the label that tells the keys apart, if more than one key feeds it
+    keys: Mapping[str, str | None]  # stats key -> label value
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("vllm:saria_requests", "Requests saria's control plane looked up.", None, {"requests": None}),
+    Metric("vllm:saria_hit_tokens", "Prompt tokens loaded from saria's tier into vLLM's KV blocks instead of "
+           "computed, by tier (dram, ssd).", "tier", {"hit_tokens_dram": "dram", "hit_tokens_ssd": "ssd"}),
+    Metric("vllm:saria_loads", "Loads saria sent to the workers.", None, {"loads": None}),
+    Metric("vllm:saria_loads_failed", "Loads that failed (vLLM recomputed their tokens).", None,
+           {"loads_failed": None}),
+    Metric("vllm:saria_admissions", "Chunks admitted to saria's SSD tier, by reason (eviction: E_b >= theta_E, "
+           "reuse: R_b >= theta_R, prewrite).", "reason",
+           {"admissions_eviction": "eviction", "admissions_reuse": "reuse", "admissions_prewrite": "prewrite"}),
+    Metric("vllm:saria_ssd_writes", "Writes to saria's SSD tier completed.", None, {"ssd_writes": None}),
+    Metric("vllm:saria_ssd_bytes_written", "Bytes of the writes to saria's SSD tier completed (one rank's shard "
+           "per object).", None, {"ssd_bytes_written": None}),
+    Metric("vllm:saria_promotions", "SSD-hit chunks promoted to saria's DRAM tier.", None, {"promotions": None}),
+    Metric("vllm:saria_transfer_bytes", "Bytes moved by saria's data plane, by path, summed over worker ranks.",
+           "path", {"dram_to_gpu_bytes": "dram_to_gpu", "ssd_to_gpu_bytes": "ssd_to_gpu",
+                    "gpu_to_dram_bytes": "gpu_to_dram", "ssd_write_bytes": "to_ssd"}),
+    Metric("vllm:saria_transfer_seconds", "Seconds saria's data plane spent moving bytes, by path, summed over "
+           "worker ranks.", "path", {"dram_to_gpu_seconds": "dram_to_gpu", "ssd_to_gpu_seconds": "ssd_to_gpu",
+                                     "gpu_to_dram_seconds": "gpu_to_dram"}),
+    Metric("vllm:saria_failures", "saria data-plane failures by kind (each a cache miss, never a failed request).",
+           "kind", {"load_failures": "load", "store_failures": "store", "ssd_write_failures": "ssd_write"}),
+    Metric("vllm:saria_faults", "Faults caught by saria's fault barrier, by half (scheduler, worker).", "half",
+           {"scheduler_faults": "scheduler", "worker_faults": "worker"}),
+    Metric("vllm:saria_drops", "Objects dropped from a saria tier by the data plane, by tier.", "tier",
+           {"dram_drops": "dram", "ssd_drops": "ssd"}),
+    Metric("vllm:saria_host_pool_full", "Stores refused for want of a free DRAM slot.", None,
+           {"host_pool_full": None}),
+)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class SariaStats(KVConnectorStats):
+    """saria's counters for one interval, as vLLM's connector stats: a flat ``{key: number}`` of
+    deltas (the scheduler half's and every worker rank's, :data:`METRICS` names the keys). Merging
+    adds them up."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if _number(value):
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's counters for vLLM's log line: nonzero ones, seconds rounded to ms."""
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in sorted(self.data.items()) if v}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class Deltas:
+    """Per-interval deltas of cumulative counters: ``take(totals)`` returns what grew since the
+    last call. A counter found smaller than before was reset (a new source): its value is the delta."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int | float] = {}
+
+    def take(self, totals: Mapping[str, Any]) -> dict[str, int | float]:
+        out = {}
+        for key, value in totals.items():
+            if not _number(value):
+                continue
+            before = self._seen.get(key, 0)
+            delta = value - before if value >= before else value
+            self._seen[key] = value
+            if delta:
+                out[key] = delta
+        return out
+
+
+def worker_stats(delta: Mapping[str, Any]) -> dict[str, int | float]:
+    """The worker's ``stats_delta`` under the keys :class:`SariaStats` uses (:data:`WORKER_RENAMES`)."""
+    return {WORKER_RENAMES.get(k, k): v for k, v in delta.items() if _number(v) and v}
+
+
+class SariaPromMetrics(KVConnectorPromMetrics):
+    """saria's Prometheus counters (:data:`METRICS`), one child per engine, fed by vLLM with each
+    interval's :class:`SariaStats` data. Keys it does not know (a newer worker's) are skipped:
+    they still appear in vLLM's log line."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # (engine index, stats key) -> the counter child with its labels bound
+        self._children: dict[tuple[int, str], Any] = {}
+        for metric in METRICS:
+            names = list(labelnames) + ([metric.label] if metric.label else [])
+            counter = self._counter_cls(name=metric.name, documentation=metric.documentation, labelnames=names)
+            for engine, values in per_engine_labelvalues.items():
+                for key, label in metric.keys.items():
+                    extra = [label] if metric.label else []
+                    self._children[(engine, key)] = counter.labels(*(list(values) + extra))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in (transfer_stats_data or {}).items():
+            child = self._children.get((engine_idx, key))
+            if child is not None and _number(value) and value > 0:
+                child.inc(value)
