@@ -10,6 +10,12 @@ import traceback
 from saria.argtypes import int_range
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from saria import serve
+
+    return serve.main(args)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from saria import doctor
 
@@ -37,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    from saria import serve  # light: vLLM is imported only when the server starts
+
+    p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server with saria as its KV connector",
+                       usage=serve.USAGE, description=serve.__doc__, epilog=serve.EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    serve.add_arguments(p)
+    serve.one_line_errors(p)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("doctor", help="report torch / triton / CUDA / NVML / kvikio and the backends saria would use",
                        description="Report what this machine offers saria: torch, triton, CUDA devices, NVML, "
@@ -77,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     interrupted."""
     from saria.replay.replay import ReplayInternalError
 
-    args = build_parser().parse_args(argv)  # bad arguments: argparse's usage error, status 2
+    parser = build_parser()
+    # bad arguments: argparse's usage error, status 2. `serve` passes what it does not know to vLLM.
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "serve":
+        args.vllm_args = unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except ReplayInternalError as exc:  # a bug, not bad input: one line that says so, then the traceback

@@ -811,6 +811,8 @@ def baseline(command: str, tmp: Path) -> tuple[list[str], dict[str, list[str]]]:
         return [], {"--turns": ["2"], "--max-tokens": ["1"]}
     if command == "doctor":
         return [], {}
+    if command == "serve":  # a dry run: vLLM is never started here (--print-command wins over --vllm-help)
+        return ["/models/m"], {"--print-command": []}
     return [], {}  # a new command: its defaults
 
 

