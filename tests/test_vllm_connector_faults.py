@@ -6,8 +6,8 @@ Faults are injected by making one method raise."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import threading
 import time
 import types
 
@@ -276,6 +276,9 @@ def completions(worker, n):
     return done
 
 
+SIZE = CHUNK * KV_BYTES_PER_TOKEN
+
+
 def store_and_write(worker, chunk="h0", blocks=(2, 3)):
     """Store a chunk's pages in DRAM and, once stored (as the control plane orders it: an object
     is written from DRAM only once its store completed), write it to SSD, through the worker's hooks."""
@@ -373,17 +376,40 @@ def test_the_engine_fails_an_ssd_read_it_cannot_start_instead_of_raising(tmp_pat
     store_and_write(worker, "h0", (2, 3))
     store_and_write(worker, "h1", (4, 5))
     engine = worker.engine
-    calls = []
+    engine.batch_bytes = SIZE  # one object per read submission
+    take, calls = engine._staging.take, []
 
-    def stream(name):
-        calls.append(name)
+    def staging(nbytes):
+        calls.append(nbytes)
         if len(calls) == 2:
             raise MemoryError("no staging memory")
-        return contextlib.nullcontext()
+        return take(nbytes)
+
+    monkeypatch.setattr(engine._staging, "take", staging)
+    result = engine.load(plan(1, ["h0", "h1"], Tier.SSD), [(5, 6), (7, 8)]).wait(timeout=60)
+    assert result.failed == (ObjectKey("h1", "kv"),) and result.valid_chunks == 1
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("path", ["dram", "ssd"])
+def test_an_unpack_that_cannot_start_fails_its_objects_and_the_path_goes_on(tmp_path, monkeypatch, path):
+    """A path's thread never dies and never leaves a job waiting: an unpack whose stream cannot be
+    entered fails its objects; the next load on the same path is served."""
+    worker = dense_worker(tmp_path)
+    store_and_write(worker, "h0", (2, 3))
+    engine, tier = worker.engine, Tier.DRAM if path == "dram" else Tier.SSD
+    original, armed = engine._stream, [True]
+
+    def stream(name):
+        if name == path and armed and threading.current_thread() is not threading.main_thread():
+            armed.clear()
+            raise MemoryError("injected")
+        return original(name)
 
     monkeypatch.setattr(engine, "_stream", stream)
-    result = engine.load(plan(1, ["h0", "h1"], Tier.SSD), [(5, 6), (7, 8)]).wait()
-    assert result.failed == (ObjectKey("h1", "kv"),) and result.valid_chunks == 1
+    result = engine.load(plan(1, ["h0"], tier), [(5, 6)]).wait(timeout=60)
+    assert result.failed == (ObjectKey("h0", "kv"),) and not armed
+    assert engine.load(plan(2, ["h0"], tier), [(7, 8)]).wait(timeout=60).ok
     worker.shutdown()
 
 

@@ -344,11 +344,12 @@ class TransferEngine:
 
     def _unpack_run(self, job: LoadJob, items: list[LoadItem], staging: torch.Tensor, path: str) -> None:
         """Unpack ``items`` (one page table; ``staging`` their packed bytes back to back) with one
-        launch on the current stream, and finish them on ``job``. Never raises: if the launch is
-        refused (e.g. two objects naming the same page), each object is unpacked alone and only
-        those that fail alone fail."""
+        launch on ``path``'s stream, and finish them on ``job``. Never raises (its callers are the
+        paths' threads, which must neither die nor leave a job waiting): if the launch is refused
+        (e.g. two objects naming the same page), each object is unpacked alone and only those that
+        fail alone fail."""
         try:
-            with nvtx.nvtx_range(nvtx.UNPACK):
+            with self._stream(path), nvtx.nvtx_range(nvtx.UNPACK):
                 if len(items) == 1:
                     self._unpack(items[0], staging)
                 else:
@@ -426,8 +427,7 @@ class TransferEngine:
     def _unpack_staged(self, job: LoadJob, items: list[LoadItem], staging: torch.Tensor, handle: object) -> None:
         """Unpack a DRAM run (never raises), then give its staging back."""
         try:
-            with self._stream("dram"):
-                self._unpack_run(job, items, staging, "dram")
+            self._unpack_run(job, items, staging, "dram")
         finally:
             self._staging.give(handle)
 
@@ -569,10 +569,9 @@ class TransferEngine:
                     arrived.setdefault(id(batch), (batch, []))[1].append(k)
             for batch, ks in arrived.values():
                 try:
-                    with self._stream("ssd"):
-                        for start, stop_k in batch.runs(sorted(ks)):
-                            items = list(batch.items[start:stop_k])
-                            self._unpack_run(batch.job, items, batch.span(start, stop_k), "ssd")
+                    for start, stop_k in batch.runs(sorted(ks)):
+                        items = list(batch.items[start:stop_k])
+                        self._unpack_run(batch.job, items, batch.span(start, stop_k), "ssd")
                 finally:
                     self._ssd_release(batch, len(ks))
             done = len(work) - (1 if stop else 0)
