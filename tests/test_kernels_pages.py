@@ -326,3 +326,23 @@ def test_cpu_reference_split_over_threads_is_the_same_bytes(build, monkeypatch):
         for got, want in zip(fresh, caches):
             assert torch.equal(got[ids.reshape(-1)].view(torch.int16), want[ids.reshape(-1)].view(torch.int16))
         monkeypatch.undo()
+
+
+def test_runs_of_consecutive_ids_take_slice_copies_with_the_same_bytes():
+    """CPU reference: ids in runs of consecutive pages are copied slice by slice; the bytes are
+    those of the indexed copies, for runs that break inside a chunk and across chunks."""
+    import saria.kernels.pages as pages_module
+
+    if DEVICE.type != "cpu":
+        pytest.skip("the run path is the CPU reference's")
+    caches = vllm_layers(24, 4, 2, 8, torch.bfloat16)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [9, 10, 11, 12, 20, 21, 22, 23], [16, 17, 18, 19, 8, 13, 14, 15]])
+    assert pages_module._runs(ids.reshape(-1), 3, 8) is not None
+    assert pages_module._runs(torch.tensor([5, 3, 1, 7]), 1, 4) is None  # short runs: indexed copies
+    staged = pack_pages(caches, ids, backend="torch")
+    want = torch.cat([c[ids[k]].reshape(-1).view(torch.uint8) for k in range(3) for c in caches])
+    assert torch.equal(staged.reshape(-1), want)
+    fresh = fresh_like(caches)
+    unpack_pages(staged, fresh, ids, backend="torch")
+    for got, ref in zip(fresh, caches):
+        assert torch.equal(got[ids.reshape(-1)].view(torch.int16), ref[ids.reshape(-1)].view(torch.int16))
