@@ -84,7 +84,7 @@ def test_batched_reload_is_byte_identical_and_fails_exactly_the_injected_objects
     skip = data.draw(st.integers(0, PAGES - 1), label="skip_pages")
     state_tier = data.draw(st.sampled_from([None, Tier.DRAM, Tier.SSD]), label="state")
     engine.batch_bytes = data.draw(st.sampled_from([1, 2 * engine.kv_bytes, 1 << 30]), label="batch_bytes")
-    engine._zero_copy = engine.device.type == "cpu" and data.draw(st.booleans(), label="zero_copy")
+    engine._dram_loads.zero_copy = engine.device.type == "cpu" and data.draw(st.booleans(), label="zero_copy")
     serial = data.draw(st.booleans(), label="serial")
     filler = data.draw(st.booleans(), label="fragment the pool")
     broken = data.draw(st.sets(st.integers(0, n - 1)), label="broken chunks")
@@ -162,13 +162,13 @@ def test_one_unpack_launch_per_batch(tmp_path, monkeypatch):
     """Four DRAM objects and four SSD objects read together: one launch for the DRAM batch (zero-copy
     run of fresh, adjacent slots, or gathered staging), and at most one per SSD object (fewer when
     several arrive together)."""
-    from saria.dataplane import engine as engine_module
+    from saria.dataplane import paths as paths_module
 
     rig = Rig(tmp_path)
     engine = rig.engine
     calls = []
-    real = engine_module.unpack_pages
-    monkeypatch.setattr(engine_module, "unpack_pages", lambda s, t, ids, **kw: calls.append(ids.dim()) or real(
+    real = paths_module.unpack_pages
+    monkeypatch.setattr(paths_module, "unpack_pages", lambda s, t, ids, **kw: calls.append(ids.dim()) or real(
         s, t, ids, **kw))
     engine.batch_bytes = 1 << 30
     chunks = [f"launch-{i}" for i in range(8)]
@@ -176,7 +176,7 @@ def test_one_unpack_launch_per_batch(tmp_path, monkeypatch):
     assert engine.store(StoreOrder(1, tuple(chunks[:4]), (), 0), src).result().ok
     assert engine.write(WriteOrder(2, tuple(chunks[4:]), (), 0, Tier.GPU, "write-through"), src).result().ok
     for zero_copy in {engine.device.type == "cpu", False}:  # CUDA: always staged
-        engine._zero_copy = zero_copy
+        engine._dram_loads.zero_copy = zero_copy
         calls.clear()
         plan = ReloadPlan(7, tuple(chunks[:4]), (Tier.DRAM,) * 4, None, None, 32, 0, 0, False)
         assert engine.load(plan, [dst_blocks(i) for i in range(4)]).wait().ok
@@ -193,7 +193,7 @@ def test_one_unpack_launch_per_batch(tmp_path, monkeypatch):
 def test_duplicate_target_pages_fail_only_the_objects_that_clash(rig):
     """A batch the kernel refuses (two objects naming one page) is retried object by object."""
     engine = rig.engine
-    engine._zero_copy = False
+    engine._dram_loads.zero_copy = False
     engine.batch_bytes = 1 << 30
     chunks = ["dup-a", "dup-b", "dup-c"]
     src = {c: src_blocks(i) for i, c in enumerate(chunks)}

@@ -377,7 +377,8 @@ def test_the_engine_fails_an_ssd_read_it_cannot_start_instead_of_raising(tmp_pat
     store_and_write(worker, "h1", (4, 5))
     engine = worker.engine
     engine.batch_bytes = SIZE  # one object per read submission
-    take, calls = engine._staging.take, []
+    pool = engine._ssd_loads.staging
+    take, calls = pool.take, []
 
     def staging(nbytes):
         calls.append(nbytes)
@@ -385,7 +386,7 @@ def test_the_engine_fails_an_ssd_read_it_cannot_start_instead_of_raising(tmp_pat
             raise MemoryError("no staging memory")
         return take(nbytes)
 
-    monkeypatch.setattr(engine._staging, "take", staging)
+    monkeypatch.setattr(pool, "take", staging)
     result = engine.load(plan(1, ["h0", "h1"], Tier.SSD), [(5, 6), (7, 8)]).wait(timeout=60)
     assert result.failed == (ObjectKey("h1", "kv"),) and result.valid_chunks == 1
     worker.shutdown()
@@ -398,7 +399,7 @@ def test_an_unpack_that_cannot_start_fails_its_objects_and_the_path_goes_on(tmp_
     worker = dense_worker(tmp_path)
     store_and_write(worker, "h0", (2, 3))
     engine, tier = worker.engine, Tier.DRAM if path == "dram" else Tier.SSD
-    original, armed = engine._stream, [True]
+    original, armed = engine._streams.on, [True]
 
     def stream(name):
         if name == path and armed and threading.current_thread() is not threading.main_thread():
@@ -406,7 +407,7 @@ def test_an_unpack_that_cannot_start_fails_its_objects_and_the_path_goes_on(tmp_
             raise MemoryError("injected")
         return original(name)
 
-    monkeypatch.setattr(engine, "_stream", stream)
+    monkeypatch.setattr(engine._streams, "on", stream)
     result = engine.load(plan(1, ["h0"], tier), [(5, 6)]).wait(timeout=60)
     assert result.failed == (ObjectKey("h0", "kv"),) and not armed
     assert engine.load(plan(2, ["h0"], tier), [(7, 8)]).wait(timeout=60).ok

@@ -1,7 +1,8 @@
 """The data plane: moves bytes between GPU, pinned DRAM and NVMe SSD (DESIGN.md, "Data plane").
 
 Transfer engine: :class:`TransferEngine` executes the control plane's reload plans and orders on
-separate paths (DRAM->GPU paced by the :class:`Coordinator`, SSD->GPU, GPU->DRAM, SSD writes).
+separate paths (DRAM->GPU paced by the :class:`Coordinator`, SSD->GPU, GPU->DRAM, SSD writes),
+one module each (``dram_loads``, ``ssd_loads``, ``offload``; what they share in ``paths``).
 Host pool: :class:`HostPool`, pinned host memory in fixed-size slots (the DRAM tier), indexed by
 :class:`DramStore`. A reload in flight is a :class:`LoadJob` (``load_job``).
 PCIe monitor: :class:`PCIeMonitor` samples NVML's PCIe counters; :func:`calibrate` refines the

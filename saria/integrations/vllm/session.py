@@ -360,19 +360,19 @@ def _slow_packs(seconds: float, restore: Callable[[], None] | None) -> Callable[
     """Make every pack the transfer engine runs on its own threads sleep ``seconds`` first (a test
     delay: stores still read their request's blocks when it finishes); returns the undo (after
     ``restore``, if given)."""
-    import saria.dataplane.engine as engine_module
+    import saria.dataplane.offload as offload_module
 
-    original, caller = engine_module.pack_pages, threading.get_ident()
+    original, caller = offload_module.pack_pages, threading.get_ident()
 
     def pack_pages(*args, **kwargs):
         if threading.get_ident() != caller:
             time.sleep(seconds)
         return original(*args, **kwargs)
 
-    engine_module.pack_pages = pack_pages
+    offload_module.pack_pages = pack_pages
 
     def undo() -> None:
-        engine_module.pack_pages = original
+        offload_module.pack_pages = original
         if restore is not None:
             restore()
 
