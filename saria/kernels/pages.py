@@ -189,30 +189,33 @@ def _per_tensor(table: PageTable, staging: torch.Tensor, chunks: int, per_chunk:
         future.result()
 
 
+def _reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int, per_chunk: int, *,
+               pack: bool) -> None:
+    """The torch reference of both directions: runs of consecutive ids as slice copies (CPU), else
+    one indexed copy per tensor (``index_select`` to pack, ``index_copy_`` to unpack)."""
+    runs = _runs(ids, chunks, per_chunk)
+    if runs is not None:
+        _copy_runs(table, staging, chunks, per_chunk, runs, pack=pack)
+    elif pack:
+        _per_tensor(table, staging, chunks, per_chunk,
+                    lambda pages, region: region.copy_(pages.index_select(0, ids).view(region.shape)))
+    else:
+        _per_tensor(table, staging, chunks, per_chunk,
+                    lambda pages, region: pages.index_copy_(0, ids, region.reshape(-1, pages.shape[1])))
+
+
 @torch.no_grad()
 def pack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                          per_chunk: int) -> None:
-    """Reference gather: per tensor, ``index_select`` of its pages into its staging region (or, on
-    the CPU, slice copies of runs of consecutive ids)."""
-    runs = _runs(ids, chunks, per_chunk)
-    if runs is not None:
-        _copy_runs(table, staging, chunks, per_chunk, runs, pack=True)
-        return
-    _per_tensor(table, staging, chunks, per_chunk,
-                lambda pages, region: region.copy_(pages.index_select(0, ids).view(region.shape)))
+    """Reference gather: each tensor's pages into its staging region (:func:`_reference`)."""
+    _reference(table, ids, staging, chunks, per_chunk, pack=True)
 
 
 @torch.no_grad()
 def unpack_pages_reference(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, chunks: int,
                            per_chunk: int) -> None:
-    """Reference scatter: per tensor, ``index_copy_`` of its staging region into its pages (or, on
-    the CPU, slice copies of runs of consecutive ids)."""
-    runs = _runs(ids, chunks, per_chunk)
-    if runs is not None:
-        _copy_runs(table, staging, chunks, per_chunk, runs, pack=False)
-        return
-    _per_tensor(table, staging, chunks, per_chunk,
-                lambda pages, region: pages.index_copy_(0, ids, region.reshape(-1, pages.shape[1])))
+    """Reference scatter: each tensor's staging region into its pages (:func:`_reference`)."""
+    _reference(table, ids, staging, chunks, per_chunk, pack=False)
 
 
 # --- public ops ----------------------------------------------------------------------------------
