@@ -191,9 +191,7 @@ class SariaScheduler:
             # vLLM resumes a GDN layer from the state in the block of the last block boundary reached.
             state_blocks = (groups[self.geometry.state_group][plan.tokens // self.block_size - 1],)
             state.captured.add(plan.num_chunks - 1)  # the worker keeps the loaded state for promotion
-        state.load_tokens = tuple(
-            (tier.value, min((i + 1) * chunk_tokens, plan.tokens) - max(i * chunk_tokens, start))
-            for i, tier in enumerate(plan.kv_sources) if i >= first)
+        state.load_tokens = self._load_tokens(plan, num_external_tokens)
         state.load = LoadSpec(request.request_id, sub,
                               tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, plan.num_chunks)), skip,
                               state_blocks)
@@ -203,14 +201,18 @@ class SariaScheduler:
         state = self._requests.get(request.request_id)
         if state is None or state.plan is None or num_external_tokens <= 0:
             return {}
-        plan, chunk_tokens = state.plan, self.config.chunk.chunk_tokens
-        start = plan.tokens - num_external_tokens
         out: dict[str, int] = {}
-        for i, tier in enumerate(plan.kv_sources):
-            tokens = min((i + 1) * chunk_tokens, plan.tokens) - max(i * chunk_tokens, start)
-            if tokens > 0:
-                out[tier.value] = out.get(tier.value, 0) + tokens
+        for tier, tokens in self._load_tokens(state.plan, num_external_tokens):
+            out[tier] = out.get(tier, 0) + tokens
         return out
+
+    def _load_tokens(self, plan: ReloadPlan, num_external_tokens: int) -> tuple[tuple[str, int], ...]:
+        """``(tier, tokens)`` per chunk of ``plan`` that the load fills: its last
+        ``num_external_tokens`` tokens (vLLM holds the ones before)."""
+        chunk_tokens, start = self.config.chunk.chunk_tokens, plan.tokens - num_external_tokens
+        spans = ((tier.value, min((i + 1) * chunk_tokens, plan.tokens) - max(i * chunk_tokens, start))
+                 for i, tier in enumerate(plan.kv_sources))
+        return tuple((tier, tokens) for tier, tokens in spans if tokens > 0)
 
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
         self._track(scheduler_output)
