@@ -71,7 +71,10 @@ def load_trace(path: Path, requests: int | None = None) -> list[tuple[float, lis
 
 def make_config(name: str):
     from saria.config import Capacity, Policy, SariaConfig, WriteBudget
+    from dataclasses import fields
     preset, model, dram, ssd, governor, overrides = CONFIGS[name]
+    if "admission" in {f.name for f in fields(Policy)}:  # the decisions recorded were Eq. 1's alone
+        overrides = {"admission": "eq1", **overrides}
     changes = dict(dram=Capacity(tokens=dram), ssd=Capacity(tokens=ssd), policy=Policy.preset(preset, **overrides))
     if governor:
         changes["write_budget"] = WriteBudget(dwpd=20.0, auto=True)
@@ -182,7 +185,7 @@ def drive(cp, trace, driver: str, seed: int = 0) -> list:
 
 # Counters added after the recordings were taken (a replay without a restart leaves them at 0):
 # left out, so that the recordings still compare.
-COUNTERS_SINCE_RECORDING = ("recovered", "recovered_adopted", "recovered_dropped")
+COUNTERS_SINCE_RECORDING = ("recovered", "recovered_adopted", "recovered_dropped", "ssd_useful_write_bytes")
 
 
 def recorded_counters(counters) -> dict:

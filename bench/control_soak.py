@@ -40,6 +40,9 @@ from saria.replay.replay import ReplaySettings, replay  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces"
 CAPACITIES = ("tiny", "medium", "large")
+# Every preset, and every admission rule together on saria (the learned sessions, the prefix and
+# cost vetoes: no preset runs them).
+POLICIES = tuple(POLICY_PRESETS) + ("saria:admission=eq1+session+prefix+cost,prefill_tps=6500,session_p=0.4",)
 SHORT_WINDOW_S = 120.0
 
 
@@ -101,7 +104,7 @@ def run_one(job: tuple[Source, str, str, float | None, int]) -> dict:
         working = len({key for keys in exp.chunks for key in keys}) * chunk_tokens
         dram, ssd = capacities(level, working, chunk_tokens)
         base = BaseSettings(model=source.model, dram_tokens=dram, ssd_tokens=ssd)
-        spec = preset if window_s is None else f"{preset}:metadata_window_s={window_s:g}"
+        spec = preset if window_s is None else f"{preset}{',' if ':' in preset else ':'}metadata_window_s={window_s:g}"
         config = build_config(parse_policy(spec), base)
         run = replay(spec, exp.trace, exp.chunks, exp.schedule(None), config, exp.settings, audit=True,
                      audit_every=audit_every)
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             for source in sources(args.quick, seeds)
             for level in CAPACITIES
             for window in (SHORT_WINDOW_S, None)
-            for preset in POLICY_PRESETS
+            for preset in POLICIES
             if not (args.quick and window is None and level != "medium")]
     workers = args.workers or len(os.sched_getaffinity(0))
     print(f"control soak: {len(jobs)} replays on {workers} processes, audit every {audit_every} requests",

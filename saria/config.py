@@ -28,13 +28,37 @@ from typing import Any, Mapping
 
 from saria.models import ModelSpec, get_model
 
-__all__ = ["Bandwidths", "Capacity", "ChunkSpec", "LOOKUP_MODES", "POLICY_PRESETS", "Policy", "SariaConfig",
-           "WriteBudget"]
+__all__ = ["ADMISSION_RULES", "Bandwidths", "Capacity", "ChunkSpec", "LOOKUP_MODES", "POLICY_PRESETS", "Policy",
+           "SariaConfig", "WriteBudget", "admission_rules"]
 
 # Qwen3-8B (saria.models): 36 full-attention layers x K and V x 8 KV heads x head dim 128 x bf16.
 QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 2 * 8 * 128 * 2
 
 LOOKUP_MODES = ("unified", "tier-prefix")
+
+# Policy.admission: rules joined by "+" (see saria.control.admission). "eq1" is the paper's Eq. 1;
+# "session", "deferred", "prefix" and "cost" refine it; "oracle" (alone) sees the future and runs only in a replay.
+ADMISSION_RULES = ("eq1", "session", "deferred", "prefix", "cost", "oracle")
+
+
+def admission_rules(text: str) -> frozenset[str]:
+    """The rules ``Policy.admission`` names (``"eq1+session+prefix"``); raises ``ValueError`` naming
+    what is wrong. ``oracle`` stands alone; the refinements need ``eq1``."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"Policy.admission must name rules joined by '+' ({', '.join(ADMISSION_RULES)}), "
+                         f"got {text!r}")
+    rules = [part.strip() for part in text.split("+")]
+    unknown = [r for r in rules if r not in ADMISSION_RULES]
+    if unknown:
+        raise ValueError(f"Policy.admission: unknown rule(s) {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(ADMISSION_RULES)} (joined by '+', e.g. eq1+session+prefix)")
+    chosen = frozenset(rules)
+    if "oracle" in chosen and len(chosen) > 1:
+        raise ValueError(f"Policy.admission: oracle stands alone (it knows every future reuse), got {text!r}")
+    if "oracle" not in chosen and "eq1" not in chosen:
+        raise ValueError(f"Policy.admission: {text!r} refines nothing; the rules session, deferred, prefix and cost refine "
+                         f"eq1 (write eq1+{'+'.join(sorted(chosen))})")
+    return chosen
 
 # Policy.prewrite_depth above this is refused: it is more DRAM objects than any host holds (2^30
 # chunks of even one token of Qwen3-8B are 144 TiB), and a depth must fit the LRU walk's index.
@@ -181,6 +205,16 @@ class Policy:
     * ``serial_loading``: plans ask the data plane to load tiers one after the other.
     * ``metadata_window_s``: a chunk's metadata is reclaimed after this long with no reuse or
       recomputation and nothing resident.
+    * ``admission``: which admission rules decide SSD writes, joined by ``+`` (see
+      :mod:`saria.control.admission`): ``eq1`` (Eq. 1 with theta_E / theta_R), refined by
+      ``session`` (persist at the first eviction a chunk whose session is predicted to come back,
+      with probability at least ``session_p``), ``prefix`` (never write a chunk whose parent has
+      no copy left: it could not be reloaded) and ``cost`` (never write a chunk whose reload would
+      not beat recomputing it at ``prefill_tps``); ``oracle`` alone knows the future (replay only).
+    * ``session_p``: the continuation probability the ``session`` rule needs.
+    * ``prefill_tps``: the model's prefill throughput (tokens/s) the ``cost`` rule compares a
+      reload with; ``reload_overhead_s`` the fixed cost of one reload (a plan's setup and first
+      SSD read latency).
     """
 
     name: str = "saria"
@@ -198,6 +232,10 @@ class Policy:
     unified_metadata: bool = True
     serial_loading: bool = False
     metadata_window_s: float = 3600.0
+    admission: str = "eq1+deferred"
+    session_p: float = 0.5
+    prefill_tps: float | None = None
+    reload_overhead_s: float = 0.002
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -220,6 +258,11 @@ class Policy:
         if self.lookup not in LOOKUP_MODES:
             raise ValueError(f"Policy.lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
         _check_float("Policy", "metadata_window_s", self.metadata_window_s, 0.0, strict=True)
+        admission_rules(self.admission)
+        _check_float("Policy", "session_p", self.session_p, 0.0, maximum=1.0)
+        if self.prefill_tps is not None:
+            _check_float("Policy", "prefill_tps", self.prefill_tps, 0.0, strict=True)
+        _check_float("Policy", "reload_overhead_s", self.reload_overhead_s, 0.0)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Policy:
@@ -237,8 +280,14 @@ class Policy:
 
 # Every preset is the one code path with these settings over the Policy defaults (= saria).
 POLICY_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    # Persistence-aware admission (E2 or R8), prewrite, mixed-source reload, r auto, P_tau 60 s.
+    # Persistence-aware admission (E2 or R8, reuse writes deferred until DRAM first evicts),
+    # prewrite, mixed-source reload, r auto, P_tau 60 s.
     "saria": MappingProxyType({}),
+    # The paper's algorithm exactly: Eq. 1 with E2 or R8, reuse writes at once.
+    "paper": MappingProxyType({"admission": "eq1"}),
+    # The offline ceiling (saria replay only): a chunk is written at DRAM eviction exactly when a
+    # later request will reuse it while the SSD would still hold it; no reuse-branch writes.
+    "oracle": MappingProxyType({"admission": "oracle", "theta_R": None}),
     # Admission off: every new chunk is written through; metadata and reload mechanisms kept.
     "full-duplicate": MappingProxyType({"admit_all": True, "write_through": True, "prewrite": False}),
     # No SSD tier.

@@ -10,7 +10,7 @@ from saria.control import ControlPlane, DropOrder, ObjectKey, Order, ReloadPlan,
 DENSE = ChunkSpec()  # Qwen3-8B sizes, 512-token chunks
 HYBRID = ChunkSpec.for_model("qwen3-next-80b-a3b", checkpoint_tokens=4096)  # 1024-token chunks, state every 4
 
-PRESETS = tuple(POLICY_PRESETS)
+PRESETS = tuple(p for p in POLICY_PRESETS if p != "oracle")  # the oracle needs a replay's future
 
 
 def config(preset: str = "saria", *, dram_chunks: int = 8, ssd_chunks: int = 32, chunk: ChunkSpec = DENSE,

@@ -41,7 +41,8 @@ Semantics (DESIGN.md "Control plane", paper Eqs. 1-3):
   ``states`` says prefill left them) without a DRAM copy get DRAM slots (stores), evicting LRU
   copies as needed, in request order; write-through writes them from HBM; the reuse path writes
   every not-persisted object of chunks with R_b >= theta_R whose own evidence reaches theta_R
-  (from DRAM if readable there, else from HBM if HBM holds it); promotion (Eqs. 2-3) of the first
+  (from DRAM if readable there, else from HBM if HBM holds it), with admission rule ``deferred``
+  only once DRAM has evicted something; promotion (Eqs. 2-3) of the first
   ``P`` SSD-read chunks without a DRAM copy (with the plan's state object alongside its chunk),
   ``P = max(0, floor(r (D0 + S0) - D0))`` cut to what free DRAM plus idle (last reused at least
   ``p_tau`` ago), immediately freeing LRU copies can take (whether a copy frees its slot at once
@@ -49,7 +50,8 @@ Semantics (DESIGN.md "Control plane", paper Eqs. 1-3):
   DRAM copies, those not on SSD that Eq. 1 admits with one more eviction are written from DRAM.
 * Completions: a store or promotion makes its copies ready (failed ones are dropped); a write
   makes its SSD copies ready (failed ones dropped) and then drops DRAM copies draining for it,
-  unless a plan pins them.
+  unless a plan pins them. A written copy counts as useful (its bytes, once) the first time a
+  committed plan reads it from SSD, until its SSD copy is dropped.
 * Metadata window: a node is quiet since its last reference or since its last copy went (whichever
   is later). At the end of every call, a node quiet for a whole window (``quiet_since <= now -
   window``) is parked; a parked node with no children and no copy is reclaimed (and so, in turn,
@@ -157,6 +159,8 @@ class Model:
         self.plans: dict[int, PlanRecord] = {}
         self.in_flight: dict[int, tuple[object, list[Obj]]] = {}
         self.counters = Counters()
+        self.unread: set[Obj] = set()  # written to SSD, not read from there since
+        self.dram_evicted = False  # admission rule deferred: reuse writes start at the first DRAM eviction
         self.next_id = 1
         self.now = -math.inf
         self.tick = 0
@@ -193,6 +197,8 @@ class Model:
 
     def drop(self, obj: Obj, tier: Tier, batch: Batch) -> None:
         obj.status[tier] = ABSENT
+        if tier is SSD:
+            self.unread.discard(obj)
         batch.drops[tier].append(obj)
         if obj.node.holds_nothing():  # its last copy went: the window restarts
             obj.node.parked = False
@@ -214,6 +220,7 @@ class Model:
     def evict_dram(self, obj: Obj, batch: Batch) -> None:
         obj.evidence.E_b += obj.eviction_step
         self.counters.dram_evictions += 1
+        self.dram_evicted = True
         if obj.status[SSD] == ABSENT and self.admitted(obj) and self.write(obj, DRAM, "eviction", batch):
             obj.status[DRAM] = DRAINING
         elif obj.status[SSD] == FILLING:
@@ -464,7 +471,8 @@ class Model:
                 if obj.status[SSD] == ABSENT:
                     self.write(obj, GPU, "write-through", batch)
         loaded_state = record.reads[-1][0] if usable and record.plan.state_source is not None else None
-        if self.capacity[SSD] > 0:
+        deferred = "deferred" in self.config.policy.admission.split("+") and not self.dram_evicted
+        if self.capacity[SSD] > 0 and not deferred:
             for i, node in enumerate(nodes):
                 if node.R_b < self.theta_R:
                     continue
@@ -503,6 +511,7 @@ class Model:
                     self.drop(obj, SSD, batch)
                 else:
                     self.became_ready(obj, SSD)
+                    self.unread.add(obj)
                     c.ssd_writes += 1
                     c.ssd_bytes_written += obj.nbytes
                 if obj.status[DRAM] == DRAINING and obj.pins[DRAM] == 0:
@@ -539,6 +548,10 @@ class Model:
             ssd_reads = [o for o, t in record.reads if t is SSD]
             self.counters.ssd_reads += len(ssd_reads) - len(bad)
             self.counters.ssd_bytes_read += sum(o.nbytes for o in ssd_reads if o not in bad)
+            for obj in ssd_reads:  # a write's first read from SSD makes it a useful write
+                if obj in self.unread and obj not in bad:
+                    self.unread.discard(obj)
+                    self.counters.ssd_useful_write_bytes += obj.nbytes
         for obj, tier in record.reads:
             self.unpin(obj, tier, batch)
 

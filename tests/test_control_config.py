@@ -56,7 +56,8 @@ def test_presets_are_settings_of_one_policy():
         assert policy.name == name
         assert {f: getattr(policy, f) for f in POLICY_PRESETS[name]} == dict(POLICY_PRESETS[name])
     assert set(PRESETS) == {"saria", "full-duplicate", "dram-only", "gds-only", "zero-promotion",
-                            "full-promotion", "reuse-only", "lmcache-plus"}
+                            "full-promotion", "reuse-only", "lmcache-plus", "paper"}  # + oracle: replay only
+    assert set(POLICY_PRESETS) == set(PRESETS) | {"oracle"}
     assert SariaConfig.preset("dram-only").ssd_bytes == 0
     assert SariaConfig.preset("gds-only").dram_bytes == 0
     lmc = Policy.preset("lmcache-plus", p_tau_s=5.0)  # every knob settable on any preset

@@ -19,7 +19,7 @@ def flood(cp: ControlPlane, name: str, n: int, now: float) -> list:
 
 # ------------------------------------------------------------------------------------------- (a)
 def test_popular_prefix_is_written_when_reuse_reaches_theta_r_before_any_eviction():
-    cp = ControlPlane(config(dram_chunks=8, prewrite=False))  # theta_R = 8
+    cp = ControlPlane(config("paper", dram_chunks=8, prewrite=False))  # theta_R = 8; saria defers it
     prefix = chain("sys", 3)
     for t in range(8):  # the first request creates the chunks, seven more reuse them: R_b = 7
         _, orders = request(cp, prefix, float(t))

@@ -63,7 +63,7 @@ def test_state_object_shares_its_chunks_admission_evidence():
     (plans end at 7) nor evicted, yet with unified metadata it is written with its chunk; with
     per-object metadata it has no evidence of its own and stays unwritten."""
     for unified, expect_state_3 in ((True, True), (False, False)):
-        cp = hybrid_plane(theta_E=None, theta_R=2, prewrite=False, unified_metadata=unified)
+        cp = hybrid_plane(theta_E=None, theta_R=2, prewrite=False, unified_metadata=unified, admission="eq1")
         hashes = chain("h", 8)
         writes = []
         for t in range(3):

@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from saria.config import POLICY_PRESETS
+
+SESSION_RULES = "saria:admission=eq1+session+prefix+cost,prefill_tps=6500,session_p=0.4"  # bench/control_soak.py
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,7 +23,8 @@ def test_quick_soak_runs_every_replay_without_an_exception_or_audit_failure(tmp_
     records = json.loads(out.read_text())
     assert records and all(r["ok"] for r in records)
     presets = {r["policy"] for r in records}
-    assert len(presets) == 8 and {r["capacity"] for r in records} == {"tiny", "medium", "large"}
+    assert presets == set(POLICY_PRESETS) | {SESSION_RULES}
+    assert {r["capacity"] for r in records} == {"tiny", "medium", "large"}
     assert {r["model"] for r in records} == {"qwen3-8b", "qwen3-next-80b-a3b"}
     # The short window outlives few requests: metadata is reclaimed, many times over.
     assert sum(r["nodes_reclaimed"] for r in records if r["window_s"]) > 100_000

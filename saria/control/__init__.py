@@ -59,7 +59,9 @@ Bad input (unknown or finished ids, a plan that does not begin the committed has
 naming objects the plan or order does not have, non-finite ``now``) raises
 :class:`ControlPlaneError` (a ``ValueError``) before anything changes.
 
-Modules, one job each: ``tree`` (context tree, evidence, metadata window), ``admission`` (Eq. 1),
+Modules, one job each: ``tree`` (context tree, evidence, metadata window), ``admission`` (Eq. 1
+and the rules of ``Policy.admission``), ``sessions`` (sessions found in the chunk hashes, and the
+learned return rates of evicted chunks),
 ``residency`` (tier capacity, LRU, eviction, pins, copy states), ``planner`` (reload prefix and
 sources), ``promotion`` (Eqs. 2-3), ``governor`` (theta_E against a write budget), ``counters``,
 ``plane`` (the :class:`ControlPlane` that runs a request through them). Plans and orders live in

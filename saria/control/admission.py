@@ -1,8 +1,30 @@
-"""Persistence-aware SSD admission (paper Eq. 1): ``admit(b) = E_b >= theta_E or R_b >= theta_R``.
+"""SSD admission: the paper's Eq. 1, ``admit(b) = E_b >= theta_E or R_b >= theta_R``, and the
+rules that refine it (``Policy.admission``, rules joined by ``+``).
 
-Evaluated on a chunk's evidence (shared by all its objects with unified metadata), so a GDN
-checkpoint is admitted exactly when its chunk is. A disabled branch (``None``) never fires;
-``admit_all`` (full duplicate caching) admits everything; without an SSD tier nothing is admitted.
+* ``eq1``: Eq. 1 on a chunk's evidence (shared by all its objects with unified metadata), so a GDN
+  checkpoint is admitted exactly when its chunk is. A disabled branch (``None``) never fires;
+  ``admit_all`` (full duplicate caching) admits everything; without an SSD tier nothing is admitted.
+* ``session``: Eq. 1's eviction branch (``E_b >= theta_E``) becomes a prediction learned from the
+  traffic (:class:`saria.control.sessions.SessionTracker`): a chunk is written at an eviction when
+  chunks evicted in the same situation (eviction count, idle time, idle time over its session's
+  usual gap between turns) were referenced again at least ``session_p`` of the time. Eq. 1 waits
+  for a second eviction, which loses the reuse right after the first (an agent session coming
+  back after a tool call) and writes chunks evicted twice that nobody wants again; the prediction
+  writes at the first eviction when sessions like this one come back, and not at all when they do
+  not. The reuse branch (theta_R) stays.
+* ``deferred``: the reuse branch (``R_b >= theta_R``) writes nothing until DRAM has had to evict
+  a copy: a popular chunk is at no risk while everything fits, and once DRAM evicts, Eq. 1 admits
+  it at its eviction anyway. (The paper's Eq. 1 writes it at its theta_R-th reuse, which on an
+  agent trace whose working set fits in DRAM is every write it makes, none ever read.)
+* ``prefix``: never write a chunk whose parent chunk has no copy in DRAM or SSD (nor one being
+  written): a reload stops at the first missing chunk, so that write could never be read.
+* ``cost``: never write a chunk whose reload would not beat recomputing it: reloading its prefix
+  (``depth + 1`` chunks) from the drives, plus ``reload_overhead_s``, against prefilling those
+  tokens at ``prefill_tps`` (short prefixes of fast models).
+* ``oracle`` (alone; ``saria replay --policy oracle`` only): the replay tells admission every
+  chunk's next use (:class:`FutureUses`); a chunk is admitted exactly when a request not yet
+  planned will reference it within the SSD's retention time (the age of the SSD's latest LRU
+  victim; unbounded before the first SSD eviction). Nothing else is written (no reuse branch).
 
 Fractional theta_E (``dither``, set by the endurance governor): a chunk is admitted by eviction
 when ``E_b + u_b >= theta_E``, with ``u_b`` in [0, 1) a fixed pseudo-random fraction of the chunk's
@@ -16,9 +38,11 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Hashable, Protocol
 
-from saria.config import Policy
-from saria.control.tree import CacheObject, Evidence, Node
+from saria.config import Policy, SariaConfig, admission_rules
+from saria.control.sessions import SessionTracker
+from saria.control.tree import ABSENT, CacheObject, Evidence, Node
 
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads consecutive integer ids over [0, 1)
 _MASK = (1 << 64) - 1
@@ -35,15 +59,54 @@ def chunk_fraction(evidence: Evidence | Node) -> float:
     return zlib.crc32(data) / 2.0**32
 
 
-class Admission:
-    __slots__ = ("theta_E", "theta_R", "admit_all", "enabled", "dither")
+class FutureUses(Protocol):
+    """What the ``oracle`` rule knows: when a chunk is next referenced (seconds on the caller's
+    clock, ``math.inf`` for never), counting only requests not planned yet."""
 
-    def __init__(self, policy: Policy, ssd_capacity: int) -> None:
+    def next_use(self, key: Hashable, now: float) -> float: ...
+
+
+class Admission:
+    __slots__ = ("theta_E", "theta_R", "admit_all", "enabled", "dither", "rules", "eq1_only", "sessions", "future",
+                 "ssd_retention_s", "dram_evicted", "_clock", "_cost_depth", "_session", "_prefix", "_cost", "_oracle",
+                 "_deferred")
+
+    def __init__(self, policy: Policy, ssd_capacity: int, *, config: SariaConfig | None = None,
+                 clock=None, future: FutureUses | None = None) -> None:
+        """``clock()``: the control plane's now (the rules ``session`` and ``oracle`` read it);
+        ``config``: bandwidths and chunk sizes (the rule ``cost``); ``future``: the oracle's
+        knowledge (required by the rule ``oracle``)."""
         self.theta_E = math.inf if policy.theta_E is None else policy.theta_E
         self.theta_R = math.inf if policy.theta_R is None else policy.theta_R
         self.admit_all = policy.admit_all
         self.enabled = ssd_capacity > 0
         self.dither = False
+        self.rules = rules = admission_rules(policy.admission)
+        self._session, self._prefix = "session" in rules, "prefix" in rules
+        self._cost, self._oracle = "cost" in rules, "oracle" in rules
+        self._deferred = "deferred" in rules
+        self.eq1_only = rules <= {"eq1", "deferred"}  # eviction decisions are Eq. 1's alone
+        if (self._session or self._oracle) and clock is None:
+            raise ValueError(f"admission {policy.admission!r} needs the control plane's clock")
+        if self._oracle and future is None:
+            raise ValueError("admission=oracle knows every chunk's next use, which only a replay can tell it: "
+                             "use it with saria replay --policy oracle")
+        self._clock = clock
+        self.future = future
+        self.sessions = SessionTracker(policy.session_p) if self._session else None
+        self.ssd_retention_s = math.inf  # the age of the SSD's latest LRU victim (oracle's horizon)
+        self.dram_evicted = False  # DRAM has evicted a copy (rule deferred: reuse writes start then)
+        self._cost_depth = 0
+        if self._cost:
+            if config is None or policy.prefill_tps is None:
+                raise ValueError("admission rule cost needs the model's prefill throughput (Policy.prefill_tps) "
+                                 "and the configured bandwidths")
+            # Reload (overhead + n chunks at the drives' bandwidth) beats recompute (n chunks at
+            # prefill_tps) from n > overhead / (compute - read) per chunk: the least depth + 1 written.
+            chunk = config.chunk
+            per_chunk = chunk.chunk_tokens / policy.prefill_tps - chunk.kv_bytes / (config.bandwidth.disk_gbps * 1e9)
+            self._cost_depth = (math.inf if per_chunk <= 0
+                                else math.floor(policy.reload_overhead_s / per_chunk))  # min depth written
 
     def admitted(self, evidence: Evidence, extra_evictions: int = 0) -> bool:
         """Eq. 1 on ``evidence``, counting ``extra_evictions`` more evictions (prewrite asks with 1:
@@ -57,13 +120,36 @@ class Admission:
             return evictions + chunk_fraction(evidence) >= self.theta_E
         return evictions >= self.theta_E
 
+    def admits(self, obj: CacheObject, extra_evictions: int = 0) -> bool:
+        """Every rule of the policy on ``obj`` (see the module docstring), counting
+        ``extra_evictions`` more evictions of its evidence."""
+        if not self.enabled:
+            return False
+        if self.eq1_only:
+            return self.admitted(obj.evidence, extra_evictions)
+        node = obj.node
+        if self._oracle:
+            now = self._clock()
+            return self.future.next_use(node.key, now) - now <= self.ssd_retention_s
+        evidence = obj.evidence
+        if not (self.admitted(evidence, extra_evictions)
+                or (self._session and self.sessions.returns(node, evidence.E_b + extra_evictions, self._clock()))):
+            return False
+        if self._prefix:
+            parent = node.parent
+            if parent is not None and parent.dram == ABSENT and parent.ssd == ABSENT:
+                return False
+        return not self._cost or node.depth >= self._cost_depth
+
     def at_next_eviction(self, objs: list[CacheObject]) -> list[CacheObject]:
-        """Those of ``objs`` that Eq. 1 admits with one more eviction (``E_b + eviction_step``):
-        prewrite candidates. (Eq. 1 again, inlined for a list.)"""
+        """Those of ``objs`` that admission admits with one more eviction (``E_b + eviction_step``):
+        prewrite candidates. (Eq. 1 inlined for a list, when it is the only rule.)"""
         if not self.enabled:
             return []
-        if self.admit_all:
+        if self.admit_all and not self._prefix and not self._cost:
             return list(objs)
+        if not self.eq1_only:
+            return [obj for obj in objs if self.admits(obj, obj.eviction_step)]
         if self.dither:
             return [obj for obj in objs if self.admitted(obj.evidence, obj.eviction_step)]
         theta_E, theta_R = self.theta_E, self.theta_R
@@ -71,5 +157,6 @@ class Admission:
                 if obj.evidence.E_b + obj.eviction_step >= theta_E or obj.evidence.R_b >= theta_R]
 
     def by_reuse(self, evidence: Evidence) -> bool:
-        """The reuse branch alone: the reuse path writes as soon as it holds."""
-        return self.enabled and evidence.R_b >= self.theta_R
+        """The reuse branch alone: the reuse path writes as soon as it holds (never for the oracle)."""
+        return (self.enabled and evidence.R_b >= self.theta_R and not self._oracle
+                and not (self._deferred and not self.dram_evicted))

@@ -40,6 +40,7 @@ class Counters:
     writes_failed: int = 0
     ssd_writes: int = 0          # completed ok
     ssd_bytes_written: int = 0
+    ssd_useful_write_bytes: int = 0  # of those, bytes a plan later read from SSD (each write counted once)
     # SSD reads of plans (committed or released).
     ssd_reads: int = 0
     ssd_bytes_read: int = 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Hashable, Iterable, Sequence
 
 from saria.config import SariaConfig
-from saria.control.admission import Admission
+from saria.control.admission import Admission, FutureUses
 from saria.control.audit import audit
 from saria.control.checks import (check_hashes, check_id, check_key, check_names, check_now, check_ok, check_states,
                                   objects_named, short)
@@ -98,7 +98,8 @@ class ControlPlane:
     seen counts as the latest seen.
     """
 
-    def __init__(self, config: SariaConfig | None = None) -> None:
+    def __init__(self, config: SariaConfig | None = None, *, future: FutureUses | None = None) -> None:
+        """``future``: every chunk's next use, for ``admission=oracle`` (a replay's knowledge)."""
         self.config = config = config if config is not None else SariaConfig()
         if not isinstance(config, SariaConfig):
             raise ValueError(f"ControlPlane needs a SariaConfig, got {config!r}")
@@ -106,7 +107,9 @@ class ControlPlane:
         self._lock = threading.Lock()
         self._counters = Counters()
         self._tree = ContextTree(config.chunk, policy.metadata_window_s, policy.unified_metadata, self._counters)
-        self._admission = Admission(policy, config.ssd_bytes)
+        tree = self._tree
+        self._admission = Admission(policy, config.ssd_bytes, config=config, clock=lambda: tree.clock, future=future)
+        self._sessions = self._admission.sessions
         self._tiers = Residency(config.dram_bytes, config.ssd_bytes, self._admission, self._tree, self._counters)
         self._hybrid = config.chunk.hybrid
         self._tier_prefix = policy.lookup == "tier-prefix"
@@ -345,6 +348,10 @@ class ControlPlane:
         if used and plan.ssd_bytes:
             counters.ssd_reads += sources.count(SSD) - len(bad)
             counters.ssd_bytes_read += plan.ssd_bytes - sum(obj.nbytes for obj in bad)
+            for obj, source in zip(objs, sources):
+                if source is SSD and obj.ssd_unread and obj not in bad:
+                    obj.ssd_unread = False
+                    counters.ssd_useful_write_bytes += obj.nbytes
         tiers.unpin_all(objs, sources, batch)
 
     def _account(self, hashes: tuple, nodes: list[Node | None], record: _PlanRecord | None, usable: int,
@@ -363,6 +370,8 @@ class ControlPlane:
             nodes[known:] = self._tree.extend(hashes[known:], nodes[known - 1] if known else None, now)
             if self._tiers.recovered:
                 self._adopt(nodes[known:])
+        if self._sessions is not None:
+            self._sessions.commit(nodes, known, now)
         counters = self._counters
         counters.requests += 1
         counters.references += len(nodes)

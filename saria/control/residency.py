@@ -112,9 +112,13 @@ class Residency:
         evidence = obj.evidence
         evidence.E_b += obj.eviction_step
         self._counters.dram_evictions += 1
+        self._admission.dram_evicted = True
+        sessions = self._admission.sessions
+        if sessions is not None and obj is obj.node:
+            sessions.evicted(obj, self._tree.clock)
         ssd = obj.ssd
         if ssd == ABSENT:
-            if self._admission.admitted(evidence) and self.write(obj, DRAM, "eviction", batch):
+            if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", batch):
                 obj.dram = DRAINING
                 return
         elif ssd == FILLING:  # a write is reading this copy: hold the slot until it ends
@@ -137,7 +141,7 @@ class Residency:
             return False
         if obj.ssd != ABSENT:
             return True
-        return not self._admission.admitted(obj.evidence, earlier + obj.eviction_step)
+        return not self._admission.admits(obj, earlier + obj.eviction_step)
 
     def idle_candidates(self, idle_before: float, need: int) -> list[CacheObject]:
         """LRU-end copies whose chunk was last reused at or before ``idle_before`` and whose eviction
@@ -233,13 +237,16 @@ class Residency:
             if not lru:
                 return False
             self._counters.ssd_evictions += 1
-            self.drop_ssd(lru.popitem(last=False)[0], batch)
+            victim = lru.popitem(last=False)[0]
+            self._admission.ssd_retention_s = self._tree.clock - victim.node.last_reuse
+            self.drop_ssd(victim, batch)
         ssd.used += need
         return True
 
     def drop_ssd(self, obj: CacheObject, batch: OrderBatch) -> None:
         self.ssd.used -= obj.nbytes
         obj.ssd = ABSENT
+        obj.ssd_unread = False
         batch.ssd_drops.append(obj)
         if obj.dram == ABSENT and obj.node.holds_nothing():
             self._tree.went_idle(obj.node)
@@ -273,6 +280,7 @@ class Residency:
                 self.drop_ssd(obj, batch)
             else:
                 obj.ssd = READY
+                obj.ssd_unread = True
                 lru[obj] = None
                 counters.ssd_writes += 1
                 counters.ssd_bytes_written += obj.nbytes

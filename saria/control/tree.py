@@ -69,7 +69,8 @@ class CacheObject:
 
     A chunk's kv object is its :class:`Node` itself; a state object is a plain ``CacheObject``."""
 
-    __slots__ = ("node", "kind", "nbytes", "evidence", "eviction_step", "dram", "ssd", "dram_pins", "ssd_pins")
+    __slots__ = ("node", "kind", "nbytes", "evidence", "eviction_step", "dram", "ssd", "dram_pins", "ssd_pins",
+                 "ssd_unread")
 
     def __init__(self, node: Node, kind: str, nbytes: int, evidence: Evidence | Node) -> None:
         self.node = node
@@ -81,6 +82,7 @@ class CacheObject:
         self.ssd = ABSENT
         self.dram_pins = 0
         self.ssd_pins = 0
+        self.ssd_unread = False  # written to SSD and not read from there since (useful-write count)
 
     def __repr__(self) -> str:
         return (f"<{self.kind} of {self.node.key!r}: dram {STATUS_NAMES[self.dram]} ssd {STATUS_NAMES[self.ssd]} "
@@ -97,7 +99,7 @@ class Node(CacheObject):
     on checkpoint boundaries of hybrid models."""
 
     __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "queued",
-                 "quiet_since")
+                 "quiet_since", "session", "evicted_as")
 
     def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int) -> None:
         # CacheObject.__init__ for the kv object, inlined: the hottest allocation of the control plane.
@@ -110,6 +112,7 @@ class Node(CacheObject):
         self.ssd = ABSENT
         self.dram_pins = 0
         self.ssd_pins = 0
+        self.ssd_unread = False
         self.E_b = 0
         self.R_b = 0
         self.last_reuse = now
@@ -120,6 +123,8 @@ class Node(CacheObject):
         self.state: CacheObject | None = None
         self.queued = 1  # entries in the window queue (extend() appends the first); 0: dormant
         self.quiet_since = now  # last reuse, recomputation or loss of its last copy
+        self.session = None  # the latest session that referenced it (admission rule session)
+        self.evicted_as = None  # the situation of its latest eviction, until it is referenced again
 
     @property
     def dormant(self) -> bool:

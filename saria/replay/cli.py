@@ -317,7 +317,11 @@ def add_commands(sub) -> None:
                     "print SSD writes and reads, CHAR (cache hit achievement rate, mean and P25 bad), hit "
                     "ratio, transfer time and TTFT per policy. Policies: " + policies + "; override fields as "
                     "NAME:key=value,... (e.g. saria:theta_E=3,theta_R=none, full-duplicate:r=0.5), and "
-                    "write_budget=auto runs the endurance governor for that policy.")
+                    "write_budget=auto runs the endurance governor for that policy. admission=RULE+RULE picks "
+                    "the admission rules (eq1, deferred, session, prefix, cost; e.g. "
+                    "saria:admission=eq1+session,session_p=0.4); oracle is the offline ceiling, which knows "
+                    "every chunk's next use. Every policy is reported with its useful write fraction and its "
+                    "retention against dram-only and full-duplicate replayed alongside.")
     _add_common(p)
     p.add_argument("--policy", action="append", metavar="NAME",
                    help=f"a policy to replay (repeat for several; default: {', '.join(DEFAULT_POLICIES)})")

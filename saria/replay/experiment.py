@@ -15,14 +15,17 @@ from pathlib import Path
 from saria.config import SariaConfig
 from saria.models import get_model
 from saria.replay.arrivals import Schedule, make_schedule
-from saria.replay.metrics import summarize
-from saria.replay.policies import BaseSettings, PolicySpec, build_config
+from saria.replay.metrics import add_retention, summarize
+from saria.replay.policies import BaseSettings, PolicySpec, build_config, parse_policy
 from saria.replay.replay import PolicyRun, ReplaySettings
 from saria.replay.runner import Job, run_jobs
 from saria.replay.synth import parse_synth_spec, synthesize
 from saria.replay.traces import Trace, TraceError, chunk_keys, load_trace
 
-__all__ = ["Experiment", "Point", "open_trace"]
+__all__ = ["Experiment", "Point", "REFERENCES", "open_trace"]
+
+# The policies every retention is measured between (issue 15): no SSD, and every chunk on SSD.
+REFERENCES = ("dram-only", "full-duplicate")
 
 
 def open_trace(spec: str, *, fmt: str = "auto", block_tokens: int | None = None, time_unit: str = "ms",
@@ -111,10 +114,32 @@ class Experiment:
         return run_jobs(self.trace, self.chunks, schedules, jobs, self.settings, workers=self.workers,
                         progress=self.progress, desc=desc)
 
-    def run(self, points: list[Point], desc: str = "replay") -> tuple[list[dict], list[PolicyRun]]:
-        """Replay every point; their result records (``saria replay --json``'s) and runs."""
-        runs = self.run_points(points, desc)
-        return [summarize(run) for run in runs], runs
+    def run(self, points: list[Point], desc: str = "replay", references: bool = True
+            ) -> tuple[list[dict], list[PolicyRun]]:
+        """Replay every point; their result records (``saria replay --json``'s) and runs. With
+        ``references``, each record's ``retention`` is against ``dram-only`` and ``full-duplicate``
+        replayed in the same window: the points labelled exactly so, or extra replays of them (not
+        returned); without, it is NaN."""
+        if not references:
+            runs = self.run_points(points, desc)
+            return [summarize(run) for run in runs], runs
+        keys = [self._key(point.window_hours) for point in points]
+        extra: list[Point] = []
+        found: dict = {}  # (window key, preset) -> index into points + extra
+        for index, (point, key) in enumerate(zip(points, keys)):
+            if point.label in REFERENCES:
+                found.setdefault((key, point.label), index)
+        for key, point in dict(zip(keys, points)).items():
+            for name in REFERENCES:
+                if (key, name) not in found:
+                    found[(key, name)] = len(points) + len(extra)
+                    extra.append(Point(f"{name} (reference)", parse_policy(name), point.window_hours))
+        runs = self.run_points(points + extra, desc)
+        results = [summarize(run) for run in runs]
+        for index, key in enumerate(keys):
+            add_retention([results[index]], results[found[(key, "dram-only")]],
+                          results[found[(key, "full-duplicate")]])
+        return results[:len(points)], runs[:len(points)]
 
     def config_dict(self, runs: list[PolicyRun]) -> dict:
         """What a report's ``config`` says: trace, model, capacities, time model, arrivals, budget,

@@ -21,13 +21,13 @@ from typing import Sequence
 
 from saria.replay.replay import PolicyRun
 
-__all__ = ["RESULT_KEYS", "char", "p25_bad", "percentile", "summarize"]
+__all__ = ["RESULT_KEYS", "add_retention", "char", "p25_bad", "percentile", "retention", "summarize"]
 
 # The result record of `saria replay --json`, exactly (issue 4).
 RESULT_KEYS = ("policy", "ssd_write_bytes", "ssd_read_bytes", "normalized_writes", "char_mean", "char_p25_bad",
                "hit_ratio", "dram_hit_tokens", "ssd_hit_tokens", "transfer_ms_mean", "transfer_ms_p90",
                "transfer_ms_p25_bad", "ttft_ms_mean", "ttft_ms_p90", "dram_evictions", "promotions",
-               "write_budget_ratio")
+               "write_budget_ratio", "useful_write_fraction", "ssd_useful_write_bytes", "retention")
 
 
 def char(actual: Sequence[int], achievable: Sequence[int]) -> tuple[float, float]:
@@ -100,6 +100,25 @@ def summarize(run: PolicyRun) -> dict:
         "dram_evictions": c.dram_evictions,
         "promotions": c.promotions,
         "write_budget_ratio": c.ssd_bytes_written / budget if budget > 0 else 0.0,
+        "useful_write_fraction": c.ssd_useful_write_bytes / c.ssd_bytes_written if c.ssd_bytes_written else math.nan,
+        "ssd_useful_write_bytes": c.ssd_useful_write_bytes,
+        "retention": math.nan,  # filled in against the run's references (add_retention)
     }
     assert tuple(result) == RESULT_KEYS
     return result
+
+
+def retention(char_policy: float, char_dram_only: float, char_full_duplicate: float) -> float:
+    """The share of full duplicate's CHAR gain over DRAM-only that a policy keeps:
+    ``(CHAR - CHAR_dram-only) / (CHAR_full-duplicate - CHAR_dram-only)``; NaN when full duplicate
+    gains nothing (everything fits in DRAM: no policy can lose or win anything) or a CHAR is NaN."""
+    gain = char_full_duplicate - char_dram_only
+    if not gain > 1e-12:
+        return math.nan
+    return (char_policy - char_dram_only) / gain
+
+
+def add_retention(results: list[dict], dram_only: dict, full_duplicate: dict) -> None:
+    """Fill every result's ``retention`` in, against these two reference results of the same run."""
+    for result in results:
+        result["retention"] = retention(result["char_mean"], dram_only["char_mean"], full_duplicate["char_mean"])

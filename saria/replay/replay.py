@@ -33,6 +33,7 @@ from typing import Callable, Hashable, Sequence
 from saria.config import SariaConfig
 from saria.control import ControlPlane, Counters, DropOrder, WriteOrder
 from saria.replay.arrivals import Schedule
+from saria.replay.oracle import TraceFuture
 from saria.replay.timing import GB, LOADING_MODES, transfer_seconds
 from saria.replay.traces import Trace
 
@@ -126,10 +127,12 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
     ``audit_every`` > 0 checks them after every that many committed requests too, and a violation
     then stops the replay. An exception of the control plane, or a violation found by
     ``audit_every``, raises :class:`ReplayInternalError` naming the policy and the request."""
-    cp = ControlPlane(config)
+    future = TraceFuture(chunks, schedule) if config.policy.admission == "oracle" else None
+    cp = ControlPlane(config, future=future)
     current = [-1]  # the request being handled, for an internal error's message
     try:
-        return _replay(cp, name, trace, chunks, schedule, config, settings, progress, audit, audit_every, current)
+        return _replay(cp, name, trace, chunks, schedule, config, settings, progress, audit, audit_every, current,
+                       future)
     except ReplayInternalError:
         raise
     except Exception as exc:
@@ -141,7 +144,7 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
 
 def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
             config: SariaConfig, settings: ReplaySettings, progress: Callable[[int], None] | None, audit: bool,
-            audit_every: int, current: list[int]) -> PolicyRun:
+            audit_every: int, current: list[int], future: TraceFuture | None = None) -> PolicyRun:
     plan_request, commit, complete = cp.plan, cp.commit_prefill, cp.complete
     requests = trace.requests
     sessions = schedule.sessions
@@ -230,6 +233,8 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
             arrival[request_index] = arrived
             keys = chunks[request_index]
             plan = plan_request(keys, now)
+            if future is not None:
+                future.planned(request_index)
             # Achievable with unlimited capacity: the committed prefix (the seen set is prefix-closed).
             lo, hi = 0, len(keys)
             while lo < hi:

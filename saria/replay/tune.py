@@ -67,7 +67,7 @@ def tune(experiment: Experiment, base: PolicySpec, *, theta_E: tuple = DEFAULT_T
         if not probes:
             break
         points = [Point(f"E{_v(ladder[i])} R{_v(r)}", _spec(base, ladder[i], r)) for r, i in probes]
-        results, _ = experiment.run(points, desc="tune")
+        results, _ = experiment.run(points, desc="tune", references=False)
         for (r, i), result in zip(probes, results):
             probed[(r, i)] = result
             lo, hi = bounds[r]
