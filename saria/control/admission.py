@@ -4,11 +4,11 @@ Evaluated on a chunk's evidence (shared by all its objects with unified metadata
 checkpoint is admitted exactly when its chunk is. A disabled branch (``None``) never fires;
 ``admit_all`` (full duplicate caching) admits everything; without an SSD tier nothing is admitted.
 
-Fractional theta_E (``dither``, set by the endurance governor): a chunk is admitted by eviction
-when ``E_b + u_b >= theta_E``, with ``u_b`` in [0, 1) a fixed pseudo-random fraction of the chunk's
-hash. For an integer theta_E this is exactly ``E_b >= theta_E``; theta_E = 2.4 admits every chunk
-with ``E_b >= 3`` and the 60 % of chunks with ``E_b = 2`` whose ``u_b >= 0.4``, so writes move
-smoothly between E2 and E3. (A state object with its own evidence, under per-object metadata, has
+Fractional thresholds (``dither``, set by the endurance governor): a chunk is admitted by eviction
+when ``E_b + u_b >= theta_E`` and by reuse when ``R_b + u_b >= theta_R``, with ``u_b`` in [0, 1) a
+fixed pseudo-random fraction of the chunk's hash. For integer thresholds this is exactly Eq. 1;
+theta_E = 2.4 admits every chunk with ``E_b >= 3`` and the 60 % of chunks with ``E_b = 2`` whose
+``u_b >= 0.4``, so writes move smoothly between E2 and E3 (and likewise between R8 and R9). (A state object with its own evidence, under per-object metadata, has
 no hash of its own: ``u = 0``.)
 """
 
@@ -50,12 +50,13 @@ class Admission:
         would the chunk qualify at its next eviction?)."""
         if not self.enabled:
             return False
-        if self.admit_all or evidence.R_b >= self.theta_R:
+        if self.admit_all:
             return True
         evictions = evidence.E_b + extra_evictions
         if self.dither:
-            return evictions + chunk_fraction(evidence) >= self.theta_E
-        return evictions >= self.theta_E
+            u = chunk_fraction(evidence)
+            return evidence.R_b + u >= self.theta_R or evictions + u >= self.theta_E
+        return evidence.R_b >= self.theta_R or evictions >= self.theta_E
 
     def at_next_eviction(self, objs: list[CacheObject]) -> list[CacheObject]:
         """Those of ``objs`` that Eq. 1 admits with one more eviction (``E_b + eviction_step``):
@@ -72,4 +73,6 @@ class Admission:
 
     def by_reuse(self, evidence: Evidence) -> bool:
         """The reuse branch alone: the reuse path writes as soon as it holds."""
+        if self.dither:
+            return self.enabled and evidence.R_b + chunk_fraction(evidence) >= self.theta_R
         return self.enabled and evidence.R_b >= self.theta_R
