@@ -32,7 +32,7 @@ Deterministic: the same ``update`` calls give the same thresholds.
 Limits (measured with ``saria replay``, see the README, Evidence item 5): a budget above what
 theta_E = 1 (and the scaled theta_R) writes is out of reach, as is one below what
 ``theta_max`` writes; the governor cannot know the future, so a workload that winds down still
-leaves some budget unspent (0.91 of it on the paper-scale ``synth``), and near prefill saturation
+leaves some budget unspent (0.90 of it on the paper-scale ``synth``), and near prefill saturation
 it trades a few points of CHAR against a fixed threshold that happens to meet the budget.
 """
 
@@ -62,7 +62,7 @@ class EnduranceGovernor:
     def __init__(self, budget_bytes_per_s: float, theta_E: float, *, theta_R: float | None = None,
                  theta_min: float = 1.0, theta_max: float = 16.0, interval_s: float = 900.0,
                  window_s: float = 10_800.0, payback_s: float = 10_800.0, deadband: float = 0.05,
-                 max_correction: float = 0.5, max_catchup: float = 1.0, gain: float = 2.0, gain_down: float = 4.0,
+                 max_correction: float = 0.5, max_catchup: float = 1.0, gain: float = 1.5, gain_down: float = 4.0,
                  max_step: float = 1.5) -> None:
         if not (isinstance(budget_bytes_per_s, (int, float)) and math.isfinite(budget_bytes_per_s)
                 and budget_bytes_per_s > 0):
