@@ -318,7 +318,8 @@ class WriteBudget:
     plane runs :class:`saria.control.governor.EnduranceGovernor`: every ``interval_s`` seconds (of
     the caller's clock) it compares the recent write rate (averaged over ``window_s``) with the
     budget, corrected by the surplus or deficit so far paid back over ``payback_s``, and scales a
-    fractional theta_E within ``[theta_min, theta_max]``. Off (the default), the budget is only a
+    fractional theta_E within ``[theta_min, theta_max]`` (a policy's theta_R moves by the same
+    factor, so reuse-branch writes are governed too). Off (the default), the budget is only a
     yardstick (``saria replay`` reports writes against it)."""
 
     dwpd: float = 1.0
@@ -369,9 +370,9 @@ class SariaConfig:
         if self.write_budget.auto:
             policy = self.policy
             if policy.theta_E is None or policy.admit_all or not policy.use_ssd or self.ssd_bytes == 0:
-                raise ValueError(f"SariaConfig.write_budget.auto governs theta_E, so it needs eviction-based "
-                                 f"admission and an SSD tier; policy {policy.name!r} has theta_E={policy.theta_E}, "
-                                 f"admit_all={policy.admit_all}, SSD {self.ssd_bytes} bytes")
+                raise ValueError(f"SariaConfig.write_budget.auto governs theta_E (and theta_R with it), so it "
+                                 f"needs eviction-based admission and an SSD tier; policy {policy.name!r} has "
+                                 f"theta_E={policy.theta_E}, admit_all={policy.admit_all}, SSD {self.ssd_bytes} bytes")
 
     @classmethod
     def for_model(cls, model: str | ModelSpec, *, chunk_tokens: int | None = None,

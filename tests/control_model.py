@@ -21,8 +21,8 @@ Semantics (DESIGN.md "Control plane", paper Eqs. 1-3):
 * LRU: a ready copy is stamped when it becomes ready, when a request references its chunk, and
   when its last pin goes; the tier evicts the oldest stamp among ready, unpinned copies.
 * Eq. 1: ``admit = E_b >= theta_E or R_b >= theta_R`` (``admit_all``: always; no SSD: never); with
-  the endurance governor theta_E is fractional and a chunk counts ``E_b + u_b``, ``u_b`` a fixed
-  fraction of its hash (0 for a state object with its own evidence).
+  the endurance governor theta_E and theta_R are fractional and a chunk counts ``E_b + u_b`` and
+  ``R_b + u_b``, ``u_b`` a fixed fraction of its hash (0 for a state object with its own evidence).
 * DRAM eviction: E_b += 1 (a kv object; a state object only with its own evidence); then a copy
   that is admitted and not on SSD gets an SSD write from DRAM ("eviction") and drains until the
   write ends, one whose write is in flight drains too, anything else is dropped. No SSD room for
@@ -169,8 +169,9 @@ class Model:
         self.governor = None
         if config.write_budget.auto:
             self.governor = EnduranceGovernor.from_config(config.write_budget, config.write_budget_bytes_per_s,
-                                                          policy.theta_E)
+                                                          policy.theta_E, policy.theta_R)
             self.theta_E = self.governor.theta_E
+            self.theta_R = self.governor.theta_R
 
     # ------------------------------------------------------------------------------ tiers
     def objects(self) -> list[Obj]:
@@ -210,12 +211,18 @@ class Model:
         if self.capacity[SSD] == 0:
             return False
         ev = obj.evidence
-        if policy.admit_all or ev.R_b >= self.theta_R:
+        if policy.admit_all or self.reuses(obj) >= self.theta_R:
             return True
         count = ev.E_b + extra
         if self.governor is not None:
             count += fraction(obj.node.key) if obj.own is None else 0.0
         return count >= self.theta_E
+
+    def reuses(self, obj: Obj) -> float:
+        """R_b, plus ``u_b`` under the governor (whose theta_R is fractional too)."""
+        if self.governor is None:
+            return obj.evidence.R_b
+        return obj.evidence.R_b + (fraction(obj.node.key) if obj.own is None else 0.0)
 
     def evict_dram(self, obj: Obj, batch: Batch) -> None:
         obj.evidence.E_b += obj.eviction_step
@@ -474,10 +481,10 @@ class Model:
         deferred = "deferred" in self.config.policy.admission.split("+") and not self.dram_evicted
         if self.capacity[SSD] > 0 and not deferred:
             for i, node in enumerate(nodes):
-                if node.R_b < self.theta_R:
+                if node.R_b + (fraction(node.key) if self.governor is not None else 0.0) < self.theta_R:
                     continue
                 for obj in node.objects:
-                    if obj.status[SSD] != ABSENT or obj.evidence.R_b < self.theta_R:
+                    if obj.status[SSD] != ABSENT or self.reuses(obj) < self.theta_R:
                         continue
                     if obj.readable(DRAM):
                         self.write(obj, DRAM, "reuse", batch)
@@ -618,6 +625,7 @@ class Model:
                 self.counters.nodes_reclaimed += 1
         if self.governor is not None:
             self.theta_E = self.governor.update(self.now, self.counters.ssd_bytes_written)
+            self.theta_R = self.governor.theta_R
         orders = []
         for tier in (DRAM, SSD):
             if batch.drops[tier]:

@@ -39,8 +39,9 @@ Request lifecycle::
 * ``counters() -> Counters``, ``usage() -> Usage``, ``chunk_info(hash) -> ChunkInfo | None``,
   ``audit() -> list[str]`` (every internal invariant, for tests).
 * ``governor -> EnduranceGovernor | None``: with ``config.write_budget.auto`` the control plane
-  moves theta_E online to hold SSD writes at the DWPD budget (``governor.py``); it updates it at
-  the end of every call from the time passed in and the completed write bytes.
+  moves theta_E (and theta_R with it) online to hold SSD writes at the DWPD budget
+  (``governor.py``); it updates them at the end of every call from the time passed in and the
+  completed write bytes.
 
 Notes for callers:
 

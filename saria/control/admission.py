@@ -4,14 +4,13 @@ rules that refine it (``Policy.admission``, rules joined by ``+``).
 * ``eq1``: Eq. 1 on a chunk's evidence (shared by all its objects with unified metadata), so a GDN
   checkpoint is admitted exactly when its chunk is. A disabled branch (``None``) never fires;
   ``admit_all`` (full duplicate caching) admits everything; without an SSD tier nothing is admitted.
-* ``session``: Eq. 1's eviction branch (``E_b >= theta_E``) becomes a prediction learned from the
-  traffic (:class:`saria.control.sessions.SessionTracker`): a chunk is written at an eviction when
-  chunks evicted in the same situation (eviction count, idle time, idle time over its session's
-  usual gap between turns) were referenced again at least ``session_p`` of the time. Eq. 1 waits
-  for a second eviction, which loses the reuse right after the first (an agent session coming
-  back after a tool call) and writes chunks evicted twice that nobody wants again; the prediction
-  writes at the first eviction when sessions like this one come back, and not at all when they do
-  not. The reuse branch (theta_R) stays.
+* ``session``: also write a chunk at an eviction when chunks evicted in the same situation were
+  referenced again at least ``session_p`` of the time, a rate learned from the traffic
+  (:class:`saria.control.sessions.SessionTracker`; the situation: eviction count, idle time, idle
+  time over its session's usual gap between turns, the session's comebacks after evictions). Eq. 1
+  waits for a second eviction, which loses the reuse right after the first (an agent session
+  coming back after a tool call); the prediction writes at the first eviction when sessions like
+  this one have been coming back.
 * ``deferred``: the reuse branch (``R_b >= theta_R``) writes nothing until DRAM has had to evict
   a copy: a popular chunk is at no risk while everything fits, and once DRAM evicts, Eq. 1 admits
   it at its eviction anyway. (The paper's Eq. 1 writes it at its theta_R-th reuse, which on an
@@ -26,12 +25,12 @@ rules that refine it (``Policy.admission``, rules joined by ``+``).
   planned will reference it within the SSD's retention time (the age of the SSD's latest LRU
   victim; unbounded before the first SSD eviction). Nothing else is written (no reuse branch).
 
-Fractional theta_E (``dither``, set by the endurance governor): a chunk is admitted by eviction
-when ``E_b + u_b >= theta_E``, with ``u_b`` in [0, 1) a fixed pseudo-random fraction of the chunk's
-hash. For an integer theta_E this is exactly ``E_b >= theta_E``; theta_E = 2.4 admits every chunk
-with ``E_b >= 3`` and the 60 % of chunks with ``E_b = 2`` whose ``u_b >= 0.4``, so writes move
-smoothly between E2 and E3. (A state object with its own evidence, under per-object metadata, has
-no hash of its own: ``u = 0``.)
+Fractional thresholds (``dither``, set by the endurance governor): a chunk is admitted by eviction
+when ``E_b + u_b >= theta_E`` and by reuse when ``R_b + u_b >= theta_R``, with ``u_b`` in [0, 1) a
+fixed pseudo-random fraction of the chunk's hash. For integer thresholds this is exactly Eq. 1;
+theta_E = 2.4 admits every chunk with ``E_b >= 3`` and the 60 % of chunks with ``E_b = 2`` whose
+``u_b >= 0.4``, so writes move smoothly between E2 and E3 (and likewise between R8 and R9). (A
+state object with its own evidence, under per-object metadata, has no hash of its own: ``u = 0``.)
 """
 
 from __future__ import annotations
@@ -113,12 +112,13 @@ class Admission:
         would the chunk qualify at its next eviction?)."""
         if not self.enabled:
             return False
-        if self.admit_all or evidence.R_b >= self.theta_R:
+        if self.admit_all:
             return True
         evictions = evidence.E_b + extra_evictions
         if self.dither:
-            return evictions + chunk_fraction(evidence) >= self.theta_E
-        return evictions >= self.theta_E
+            u = chunk_fraction(evidence)
+            return evidence.R_b + u >= self.theta_R or evictions + u >= self.theta_E
+        return evidence.R_b >= self.theta_R or evictions >= self.theta_E
 
     def admits(self, obj: CacheObject, extra_evictions: int = 0) -> bool:
         """Every rule of the policy on ``obj`` (see the module docstring), counting
@@ -157,6 +157,10 @@ class Admission:
                 if obj.evidence.E_b + obj.eviction_step >= theta_E or obj.evidence.R_b >= theta_R]
 
     def by_reuse(self, evidence: Evidence) -> bool:
-        """The reuse branch alone: the reuse path writes as soon as it holds (never for the oracle)."""
-        return (self.enabled and evidence.R_b >= self.theta_R and not self._oracle
-                and not (self._deferred and not self.dram_evicted))
+        """The reuse branch alone: the reuse path writes as soon as it holds (never for the oracle;
+        with rule ``deferred``, only once DRAM has evicted something)."""
+        if not self.enabled or self._oracle or (self._deferred and not self.dram_evicted):
+            return False
+        if self.dither:
+            return evidence.R_b + chunk_fraction(evidence) >= self.theta_R
+        return evidence.R_b >= self.theta_R

@@ -129,11 +129,12 @@ class ControlPlane:
         # first, by the next call that returns orders.
         self._pending_drops = OrderBatch()
         self._governor = None
-        if config.write_budget.auto:  # theta_E becomes fractional, moved by the governor
+        if config.write_budget.auto:  # theta_E and theta_R become fractional, moved by the governor
             self._governor = EnduranceGovernor.from_config(config.write_budget, config.write_budget_bytes_per_s,
-                                                           policy.theta_E)
+                                                           policy.theta_E, policy.theta_R)
             self._admission.dither = True
             self._admission.theta_E = self._governor.theta_E
+            self._admission.theta_R = self._governor.theta_R
 
     # ============================================================================== public API
     def plan(self, chunk_hashes: Sequence[Hashable], now: float) -> ReloadPlan:
@@ -424,6 +425,8 @@ class ControlPlane:
                     tiers.write(obj, GPU, "write-through", batch)
         admission = self._admission
         theta_R = admission.theta_R if admission.enabled else math.inf
+        if admission.dither:  # R_b + u_b >= theta_R, u_b < 1: R_b > theta_R - 1 (by_reuse decides below)
+            theta_R -= 1
         popular = [i for i, node in enumerate(nodes) if node.R_b >= theta_R]
         if not popular:
             return
@@ -473,12 +476,13 @@ class ControlPlane:
 
     # =============================================================================== bookkeeping
     def _finish(self, batch: OrderBatch | None, now: float) -> list[Order]:
-        """End of a mutating call: expire metadata, let the governor (if any) set theta_E for the
+        """End of a mutating call: expire metadata, let the governor (if any) set theta_E and theta_R for the
         next calls, build the orders (none for ``batch`` None: a call that returns no orders),
         free reclaimed nodes."""
         self._tree.expire(now)
         if self._governor is not None:
             self._admission.theta_E = self._governor.update(now, self._counters.ssd_bytes_written)
+            self._admission.theta_R = self._governor.theta_R
         orders = self._emit(batch) if batch is not None else []
         self._tree.bury()
         return orders

@@ -326,8 +326,8 @@ def add_commands(sub) -> None:
     p.add_argument("--policy", action="append", metavar="NAME",
                    help=f"a policy to replay (repeat for several; default: {', '.join(DEFAULT_POLICIES)})")
     p.add_argument("--write-budget", choices=("off", "auto"), default="off",
-                   help="auto: the endurance governor moves theta_E online to hold writes at --dwpd on "
-                        "--ssd-capacity, for every policy with eviction-based admission")
+                   help="auto: the endurance governor moves theta_E (and theta_R with it) online to hold writes "
+                        "at --dwpd on --ssd-capacity, for every policy with eviction-based admission")
     p.add_argument("--json", metavar="PATH", help="write {trace, config, results} as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per policy")
     p.add_argument("--plot", metavar="PATH", help="draw the comparison (PNG; needs matplotlib: saria[plot])")

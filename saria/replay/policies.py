@@ -96,7 +96,8 @@ def parse_policy(spec: str) -> PolicySpec:
 
 
 def governable(policy: Policy) -> bool:
-    """Whether the endurance governor can act on ``policy`` (eviction-based admission, SSD on)."""
+    """Whether the endurance governor can act on ``policy``: eviction-based admission (theta_E set:
+    the governor's knob; a theta_R, if set, moves with it), not full duplicate, SSD on."""
     return policy.theta_E is not None and not policy.admit_all and policy.use_ssd
 
 
