@@ -181,6 +181,10 @@ class Policy:
     * ``serial_loading``: plans ask the data plane to load tiers one after the other.
     * ``metadata_window_s``: a chunk's metadata is reclaimed after this long with no reuse or
       recomputation and nothing resident.
+    * Prewarming (``ControlPlane.prewarm``): with ``prewarm`` on, a caller that predicts a session's
+      next turn (``saria.control.prewarm.GapPredictor``) reloads the session's SSD-only prefix
+      into free DRAM ``prewarm_lead_s`` seconds before it, at most ``prewarm_dram_fraction`` of
+      the DRAM capacity per prewarm, with SSD reads paced at ``prewarm_gbps`` GB/s. Off by default.
     """
 
     name: str = "saria"
@@ -198,6 +202,10 @@ class Policy:
     unified_metadata: bool = True
     serial_loading: bool = False
     metadata_window_s: float = 3600.0
+    prewarm: bool = False
+    prewarm_lead_s: float = 5.0
+    prewarm_dram_fraction: float = 0.25
+    prewarm_gbps: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -220,6 +228,10 @@ class Policy:
         if self.lookup not in LOOKUP_MODES:
             raise ValueError(f"Policy.lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
         _check_float("Policy", "metadata_window_s", self.metadata_window_s, 0.0, strict=True)
+        _check_bool("Policy", "prewarm", self.prewarm)
+        _check_float("Policy", "prewarm_lead_s", self.prewarm_lead_s, 0.0)
+        _check_float("Policy", "prewarm_dram_fraction", self.prewarm_dram_fraction, 0.0, maximum=1.0)
+        _check_float("Policy", "prewarm_gbps", self.prewarm_gbps, 0.0, strict=True)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Policy:
@@ -354,6 +366,17 @@ class SariaConfig:
         ``write_budget.capacity_bytes``, or of the configured SSD capacity (even when the policy
         disables SSD, so that every policy of a comparison is measured against one budget)."""
         return self.write_budget.bytes_per_s(self.ssd.in_bytes(self.chunk.kv_bytes_per_token))
+
+    @property
+    def prewarm_max_bytes(self) -> int:
+        """The most bytes one prewarm may bring into DRAM: ``policy.prewarm_dram_fraction`` of the
+        DRAM capacity (0 when the policy disables DRAM)."""
+        return int(self.policy.prewarm_dram_fraction * self.dram_bytes)
+
+    @property
+    def prewarm_bytes_per_s(self) -> float:
+        """The SSD read rate prewarms may use: ``policy.prewarm_gbps``, never more than the drives'."""
+        return min(self.policy.prewarm_gbps, self.bandwidth.disk_gbps) * 1e9
 
     @property
     def promotion_ratio(self) -> float:
