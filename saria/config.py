@@ -215,6 +215,10 @@ class Policy:
     * ``prefill_tps``: the model's prefill throughput (tokens/s) the ``cost`` rule compares a
       reload with; ``reload_overhead_s`` the fixed cost of one reload (a plan's setup and first
       SSD read latency).
+    * Prewarming (``ControlPlane.prewarm``): with ``prewarm`` on, a caller that predicts a session's
+      next turn (``saria.control.prewarm.GapPredictor``) reloads the session's SSD-only prefix
+      into free DRAM ``prewarm_lead_s`` seconds before it, at most ``prewarm_dram_fraction`` of
+      the DRAM capacity per prewarm, with SSD reads paced at ``prewarm_gbps`` GB/s. Off by default.
     """
 
     name: str = "saria"
@@ -236,6 +240,10 @@ class Policy:
     session_p: float = 0.5
     prefill_tps: float | None = None
     reload_overhead_s: float = 0.002
+    prewarm: bool = False
+    prewarm_lead_s: float = 5.0
+    prewarm_dram_fraction: float = 0.25
+    prewarm_gbps: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -263,6 +271,10 @@ class Policy:
         if self.prefill_tps is not None:
             _check_float("Policy", "prefill_tps", self.prefill_tps, 0.0, strict=True)
         _check_float("Policy", "reload_overhead_s", self.reload_overhead_s, 0.0)
+        _check_bool("Policy", "prewarm", self.prewarm)
+        _check_float("Policy", "prewarm_lead_s", self.prewarm_lead_s, 0.0)
+        _check_float("Policy", "prewarm_dram_fraction", self.prewarm_dram_fraction, 0.0, maximum=1.0)
+        _check_float("Policy", "prewarm_gbps", self.prewarm_gbps, 0.0, strict=True)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Policy:
@@ -404,6 +416,17 @@ class SariaConfig:
         ``write_budget.capacity_bytes``, or of the configured SSD capacity (even when the policy
         disables SSD, so that every policy of a comparison is measured against one budget)."""
         return self.write_budget.bytes_per_s(self.ssd.in_bytes(self.chunk.kv_bytes_per_token))
+
+    @property
+    def prewarm_max_bytes(self) -> int:
+        """The most bytes one prewarm may bring into DRAM: ``policy.prewarm_dram_fraction`` of the
+        DRAM capacity (0 when the policy disables DRAM)."""
+        return int(self.policy.prewarm_dram_fraction * self.dram_bytes)
+
+    @property
+    def prewarm_bytes_per_s(self) -> float:
+        """The SSD read rate prewarms may use: ``policy.prewarm_gbps``, never more than the drives'."""
+        return min(self.policy.prewarm_gbps, self.bandwidth.disk_gbps) * 1e9
 
     @property
     def promotion_ratio(self) -> float:

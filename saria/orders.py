@@ -123,8 +123,13 @@ class StoreOrder(Order):
 
 @dataclass(frozen=True, slots=True)
 class PromoteOrder(Order):
-    """Lazy partial promotion: copy SSD-hit objects, now in HBM, into reserved DRAM slots.
-    Complete it; the DRAM replicas become reloadable when it completes ok."""
+    """Copy SSD objects into reserved DRAM slots. ``source=Tier.GPU``: lazy partial promotion, the
+    SSD-hit objects are in the request's HBM blocks after prefill. ``source=Tier.SSD``: a prewarm
+    (``ControlPlane.prewarm``): read the objects' SSD copies, which the control plane keeps pinned
+    (not evictable) until the order completes. Complete it; the DRAM replicas become reloadable
+    when it completes ok."""
+
+    source: Tier = Tier.GPU
 
 
 @dataclass(frozen=True, slots=True)

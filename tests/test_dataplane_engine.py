@@ -11,7 +11,7 @@ import torch
 from kernel_cases import fresh_like, gdn_pages, vllm_layers
 from saria.cache import TieredCache
 from saria.config import Capacity, ChunkSpec, SariaConfig
-from saria.control import DropOrder, ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
+from saria.control import DropOrder, ObjectKey, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, object_key
 from saria.dataplane.ssd_format import Geometry
 from saria.kernels import PageTable
@@ -286,3 +286,30 @@ def test_prepacked_state_is_stored_and_a_missing_one_fails(tmp_path):
         with pytest.raises(ValueError, match="prepacked"):
             engine.store(StoreOrder(2, (), ("c",), 0), {}, prepacked={ObjectKey("c", "state"): snapshot[:-1]})
         engine.close()
+
+
+def test_prewarm_reads_ssd_into_dram_and_the_dram_copy_reloads_every_page(engine_parts):
+    caches, engine, store, pool = engine_parts
+    src = {c: blocks_of(i) for i, c in enumerate("uvw")}
+    assert engine.write(WriteOrder(1, ("u", "v", "w"), (), 0, Tier.GPU, "write-through"), src).result().ok
+    # w's copy is corrupted on the drive: the store's verification fails it, alone.
+    part = store.info(object_key("w", "kv")).parts[0]
+    flip_byte(drive_file(store.paths[part.drive].parent),
+              Geometry.for_capacity(4096 + 16 * (4096 + SLOT), SLOT).payload_offset(part.slot) + 5)
+    free = pool.free_slots
+    (run,) = engine.execute([PromoteOrder(2, ("u", "v", "w", "gone"), (), 0, source=Tier.SSD)])
+    assert run.released.is_set()  # reads no pages
+    done = run.completion.result()
+    assert done.ok and set(done.failed) == {ObjectKey("w", "kv"), ObjectKey("gone", "kv")}
+    assert engine.dram_object("u") is not None and engine.dram_object("v") is not None
+    assert engine.dram_object("w") is None and pool.free_slots == free - 2 * pool.slots_for(engine.kv_bytes)
+    assert engine.counters()["engine"]["ssd_to_dram_bytes"] == 2 * engine.kv_bytes
+    # The DRAM copies reload bit for bit.
+    result = engine.load(plan(["u", "v"], [Tier.DRAM, Tier.DRAM]), [blocks_of(i, 30) for i in range(2)]).wait()
+    assert result.ok and result.valid_chunks == 2
+    for i in range(2):
+        for a, b in zip(blocks_of(i), blocks_of(i, 30)):
+            assert same_pages(caches, a, b)
+    # store() refuses an SSD-sourced promotion (it would pack HBM pages that hold nothing of it).
+    with pytest.raises(ValueError, match="prewarm"):
+        engine.store(PromoteOrder(3, ("u",), (), 0, source=Tier.SSD), src)

@@ -36,6 +36,17 @@ Request lifecycle::
 * ``complete(order_id, ok, now, failed=()) -> list[Order]``: a store, promotion or write ended;
   ``failed`` names the objects that failed when the rest succeeded. Returns the drops it causes.
 * ``release(plan, now, failed=()) -> list[Order]``: unpin a plan that will not be committed.
+* ``prewarm(chunk_hashes, now, max_bytes=None) -> list[Order]``: ahead of a context's predicted
+  next request (``saria.control.prewarm.GapPredictor``: last completion + EWMA of the session's past
+  idle gaps), bring the chunks of its reusable prefix that a plan would read from SSD back into
+  DRAM: from the first such chunk, only into free DRAM (never evicting), at most ``max_bytes``
+  (None: ``config.prewarm_max_bytes``), stopping at the first that does not fit; hybrid models keep
+  the planner's checkpoint rule (the prefix ends at the deepest readable checkpoint, whose state
+  object comes along). Returns at most one ``PromoteOrder`` with ``source=Tier.SSD``: the same
+  order type and completion path as lazy promotion, its DRAM slots reserved (not readable) and its
+  SSD copies pinned until ``complete``. Counts nothing as a reference; ``Counters.prewarm_*``:
+  orders, chunks, bytes (issued / read), failed, hits (chunks a committed plan first read from
+  DRAM after a prewarm brought them), wasted (prewarmed chunks evicted unread).
 * ``counters() -> Counters``, ``usage() -> Usage``, ``chunk_info(hash) -> ChunkInfo | None``,
   ``audit() -> list[str]`` (every internal invariant, for tests).
 * ``governor -> EnduranceGovernor | None``: with ``config.write_budget.auto`` the control plane
@@ -53,7 +64,9 @@ Notes for callers:
   scheduled); ``request_finished`` -> ``commit_prefill``. Worker side: load ``plan``'s objects
   (DRAM copies may be read while ``draining``), execute the orders. A ``WriteOrder`` with
   ``source=Tier.GPU``, a ``StoreOrder`` and a ``PromoteOrder`` read the request's HBM blocks, so
-  the blocks must not be freed before they ran (``request_finished`` returns True until then).
+  the blocks must not be freed before they ran (``request_finished`` returns True until then),
+  except a prewarm's ``PromoteOrder`` (``source=Tier.SSD``), which reads SSD, not HBM. The
+  scheduler side issues prewarms by itself at each step (``saria.integrations.vllm.prewarm``).
 * Hashes: one per full chunk (``chunk_tokens`` tokens), prefix-chained; any hashable works.
 
 Bad input (unknown or finished ids, a plan that does not begin the committed hashes, failures
@@ -64,7 +77,7 @@ Modules, one job each: ``tree`` (context tree, evidence, metadata window), ``adm
 and the rules of ``Policy.admission``), ``sessions`` (sessions found in the chunk hashes, and the
 learned return rates of evicted chunks),
 ``residency`` (tier capacity, LRU, eviction, pins, copy states), ``planner`` (reload prefix and
-sources), ``promotion`` (Eqs. 2-3), ``governor`` (theta_E against a write budget), ``counters``,
+sources), ``promotion`` (Eqs. 2-3), ``prewarm`` (the next-turn predictor), ``governor`` (theta_E against a write budget), ``counters``,
 ``plane`` (the :class:`ControlPlane` that runs a request through them). Plans and orders live in
 :mod:`saria.orders`, the contract the data plane imports too; they are re-exported here.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
 
-from saria.orders import DRAM, SSD, Tier
+from saria.orders import DRAM, SSD, PromoteOrder, Tier
 from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY
 
 if TYPE_CHECKING:
@@ -28,8 +28,11 @@ def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Itera
             pins[(id(obj), source)] = pins.get((id(obj), source), 0) + 1
     orders_of: dict[int, list[str]] = {}
     for flight in in_flight:
+        prewarm = isinstance(flight.order, PromoteOrder) and flight.order.source is SSD
         for obj in flight.objects:
             orders_of.setdefault(id(obj), []).append(type(flight.order).__name__)
+            if prewarm:  # a prewarm pins the SSD copies it reads until it completes
+                pins[(id(obj), SSD)] = pins.get((id(obj), SSD), 0) + 1
     used = {DRAM: 0, SSD: 0}
     queued = tree.queue_entries()
     children: dict[int, int] = {}
@@ -52,7 +55,7 @@ def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Itera
             if obj.ssd != ABSENT:
                 used[SSD] += obj.nbytes
             if obj.dram_pins != pins.get((id(obj), DRAM), 0) or obj.ssd_pins != pins.get((id(obj), SSD), 0):
-                problems.append(f"{obj!r}: pin counts do not match the live plans")
+                problems.append(f"{obj!r}: pin counts do not match the live plans and prewarms")
             if obj.dram_pins and obj.dram not in (READY, DRAINING):
                 problems.append(f"{obj!r}: pinned in DRAM but not readable there")
             if obj.ssd_pins and obj.ssd not in (READY, BAD):
@@ -73,6 +76,9 @@ def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Itera
             problems.append(f"{node!r}: child count {node.children}, actual {children.get(id(node), 0)}")
         if node.dormant and node.children == 0 and node.holds_nothing():
             problems.append(f"{node!r}: dormant and idle but not reclaimed")
+    for obj in tiers.prewarmed:
+        if obj.dram == ABSENT or obj is not obj.node or tree.nodes.get(obj.node.key) is not obj.node:
+            problems.append(f"{obj!r}: marked prewarmed but not a kv object with a DRAM copy in the tree")
     if queued:
         problems.append(f"window queue: {sum(queued.values())} entries of {len(queued)} nodes not in the tree")
     used[tiers.ssd.tier] += sum(tiers.recovered.values())

@@ -53,6 +53,14 @@ class Counters:
     promotion_bytes: int = 0
     promotions_failed: int = 0   # objects
     promotion_evictions: int = 0  # DRAM objects evicted to make room for promotions
+    # Prewarming (ControlPlane.prewarm): SSD -> free DRAM ahead of a predicted turn.
+    prewarm_orders: int = 0      # PromoteOrders (source SSD) issued
+    prewarm_chunks: int = 0      # chunks whose objects they carry
+    prewarm_bytes: int = 0       # bytes they carry (issued)
+    prewarm_bytes_read: int = 0  # of those, read from SSD and landed in DRAM (completed ok)
+    prewarm_failed: int = 0      # objects
+    prewarm_hits: int = 0        # chunks a committed plan read from DRAM, there by a prewarm and unread since
+    prewarm_wasted: int = 0      # prewarmed chunks evicted from DRAM before any plan read them
     # Metadata.
     nodes_created: int = 0
     nodes_reclaimed: int = 0

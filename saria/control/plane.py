@@ -244,14 +244,54 @@ class ControlPlane:
             self._now = self._tree.clock = now
             del self._in_flight[order_id]
             batch = OrderBatch()
-            if isinstance(record.order, WriteOrder):
+            order = record.order
+            if isinstance(order, WriteOrder):
                 self._tiers.ssd_written(record.objects, failing, batch)
             else:
-                if isinstance(record.order, StoreOrder):
+                if isinstance(order, StoreOrder):
                     self._counters.stores_failed += len(failing)
+                elif order.source is SSD:  # a prewarm: its SSD copies were pinned while it read them
+                    self._counters.prewarm_failed += len(failing)
+                    self._counters.prewarm_bytes_read += sum([obj.nbytes for obj in record.objects
+                                                              if obj not in failing])
+                    for obj in record.objects:
+                        self._tiers.unpin(obj, SSD, batch)
                 else:
                     self._counters.promotions_failed += len(failing)
                 self._tiers.dram_filled(record.objects, failing, batch)
+            return self._finish(batch, now)
+
+    def prewarm(self, chunk_hashes: Sequence[Hashable], now: float, max_bytes: int | None = None) -> list[Order]:
+        """Reload a context's SSD-only prefix into free DRAM ahead of its next request (a session's
+        predicted next turn): the chunks of the reusable prefix a :meth:`plan` of ``chunk_hashes``
+        would read from SSD now (same lookup; a hybrid model's prefix cut back to its deepest
+        checkpoint, whose state object comes along when it too is SSD-only), from the first such
+        chunk, as many as fit in free DRAM and in ``max_bytes`` (``None``:
+        ``config.prewarm_max_bytes``), stopping at the first that does not. Never evicts, never
+        counts a reference or a reuse. Chunks already in DRAM, filling, or unknown are skipped or
+        end the prefix exactly as a plan would. Returns at most one :class:`PromoteOrder` with
+        ``source=Tier.SSD``: its DRAM slots are reserved (``filling``, not readable) and its SSD
+        copies pinned until :meth:`complete`; the copies become readable when it completes ok.
+        A DRAM copy a prewarm brought counts as a prewarm hit when a committed plan first reads it,
+        as wasted if it is evicted first (``Counters.prewarm_*``)."""
+        with self._lock:
+            now = check_now(now, self._now)
+            hashes = check_hashes(chunk_hashes)
+            if max_bytes is None:
+                cap = self.config.prewarm_max_bytes
+            elif isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+                raise ControlPlaneError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+            else:
+                cap = max_bytes
+            nodes = self._resolve(hashes)
+            # ---- valid: from here on, state changes
+            self._now = self._tree.clock = now
+            batch = OrderBatch()
+            room = min(cap, self._tiers.dram.free)
+            if room > 0 and self._store_new:
+                groups = self._prewarm_groups(nodes, room)
+                if groups:
+                    self._tiers.prewarm(groups, batch)
             return self._finish(batch, now)
 
     def recover_ssd(self, keys: Iterable[ObjectKey], now: float) -> list[Order]:
@@ -388,6 +428,12 @@ class ControlPlane:
         counters.misses += len(nodes) - usable
         counters.hits_dram_bytes += dram_hits * kv_bytes
         counters.hits_ssd_bytes += ssd_hits * kv_bytes
+        prewarmed = self._tiers.prewarmed
+        if prewarmed and dram_hits:
+            for node, source in zip(nodes[:usable], plan.kv_sources):
+                if source is DRAM and node in prewarmed:  # first read since a prewarm brought it
+                    prewarmed.discard(node)
+                    counters.prewarm_hits += 1
         if plan.state_source is not None:  # hybrid: usable is the whole plan, its checkpoint was used
             state = record.state
             if plan.state_source is DRAM:
@@ -467,6 +513,27 @@ class ControlPlane:
         if chosen:
             self._tiers.promote(chosen, need, now - self._p_tau, batch)
 
+    def _prewarm_groups(self, nodes: list[Node | None], room: int) -> list[list[CacheObject]]:
+        """The chunks (each its objects to prewarm) of the reusable prefix of ``nodes`` that a plan
+        would read from SSD, from the first, while they fit in ``room`` bytes."""
+        prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
+        groups: list[list[CacheObject]] = []
+        need = 0
+        state = prefix.state if prefix.state_source is SSD and prefix.state.dram == ABSENT else None
+        last = prefix.length - 1
+        for i, (node, source) in enumerate(zip(nodes[:prefix.length], prefix.kv_sources)):
+            if source is not SSD or node.dram != ABSENT:  # a node is its kv object
+                continue
+            group = [node, state] if state is not None and i == last else [node]
+            size = sum([obj.nbytes for obj in group])
+            if need + size > room:
+                return groups
+            groups.append(group)
+            need += size
+        if state is not None and (not groups or groups[-1][-1] is not state) and need + state.nbytes <= room:
+            groups.append([state])  # the checkpoint alone: its chunk's kv object is in DRAM already
+        return groups
+
     def _prewrite(self, batch: OrderBatch) -> None:
         """Write LRU-end DRAM copies that would be admitted at their next eviction (E_b + 1)."""
         tiers = self._tiers
@@ -514,6 +581,8 @@ class ControlPlane:
                 orders.append(self._order(WriteOrder, objs, source=source, reason=reason))
         if batch.promotions:
             orders.append(self._order(PromoteOrder, batch.promotions))
+        if batch.prewarms:
+            orders.append(self._order(PromoteOrder, batch.prewarms, source=SSD))
         return orders
 
     def _order(self, kind: type[Order], objs: list[CacheObject], **extra: object) -> Order:

@@ -51,7 +51,7 @@ class TierState:
 class OrderBatch:
     """What one control-plane call decided: slots to drop, copies to store, promote and write."""
 
-    __slots__ = ("dram_drops", "ssd_drops", "recovered_drops", "stores", "promotions", "writes")
+    __slots__ = ("dram_drops", "ssd_drops", "recovered_drops", "stores", "promotions", "prewarms", "writes")
 
     def __init__(self) -> None:
         self.dram_drops: list[CacheObject] = []
@@ -59,6 +59,7 @@ class OrderBatch:
         self.recovered_drops: list[ObjectKey] = []
         self.stores: list[CacheObject] = []
         self.promotions: list[CacheObject] = []
+        self.prewarms: list[CacheObject] = []
         self.writes: dict[tuple[str, Tier], list[CacheObject]] = {}
 
     def write(self, reason: str, source: Tier, obj: CacheObject) -> None:
@@ -78,6 +79,9 @@ class Residency:
         self.dram = TierState(DRAM, dram_bytes)
         self.ssd = TierState(SSD, ssd_bytes)
         self.recovered: OrderedDict[ObjectKey, int] = OrderedDict()  # on SSD, not yet in the tree: bytes
+        # kv objects whose DRAM copy a prewarm brought (or is bringing) and no committed plan has read
+        # since: the mark goes on the first read (a prewarm hit) or when the copy goes (wasted if evicted).
+        self.prewarmed: set[CacheObject] = set()
         self._admission = admission
         self._tree = tree
         self._counters = counters
@@ -116,6 +120,9 @@ class Residency:
         sessions = self._admission.sessions
         if sessions is not None and obj is obj.node:
             sessions.evicted(obj, self._tree.clock)
+        if self.prewarmed and obj in self.prewarmed:
+            self.prewarmed.discard(obj)
+            self._counters.prewarm_wasted += 1
         ssd = obj.ssd
         if ssd == ABSENT:
             if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", batch):
@@ -192,6 +199,7 @@ class Residency:
         counters.promotions += len(groups)
 
     def drop_dram(self, obj: CacheObject, batch: OrderBatch) -> None:
+        self.prewarmed.discard(obj)
         self.dram.used -= obj.nbytes
         obj.dram = ABSENT
         batch.dram_drops.append(obj)
@@ -250,6 +258,24 @@ class Residency:
         batch.ssd_drops.append(obj)
         if obj.dram == ABSENT and obj.node.holds_nothing():
             self._tree.went_idle(obj.node)
+
+    def prewarm(self, groups: list[list[CacheObject]], batch: OrderBatch) -> None:
+        """Reserve DRAM slots (``FILLING``) for a prewarm of ``groups`` (each a chunk's objects, whose
+        SSD copies are ready; the caller has checked they fit in free DRAM, nothing is evicted) and
+        pin their SSD copies until the order completes. Marks the chunks' kv objects prewarmed."""
+        dram = self.dram
+        counters = self._counters
+        for objs in groups:
+            for obj in objs:
+                dram.used += obj.nbytes
+                obj.dram = FILLING
+                self.pin(obj, SSD)
+                batch.prewarms.append(obj)
+                counters.prewarm_bytes += obj.nbytes
+                if obj is obj.node:  # a node is its kv object
+                    self.prewarmed.add(obj)
+        counters.prewarm_chunks += len(groups)
+        counters.prewarm_orders += 1
 
     def drop_recovered(self, key: ObjectKey, batch: OrderBatch) -> None:
         """Drop a recovered SSD object no request has reached (its bytes are freed)."""

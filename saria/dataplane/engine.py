@@ -192,6 +192,8 @@ class TransferEngine:
         self._check_open()
         if not isinstance(order, (StoreOrder, PromoteOrder)):
             raise ValueError(f"store() takes a StoreOrder or PromoteOrder, got {type(order).__name__}")
+        if isinstance(order, PromoteOrder) and order.source is not Tier.GPU:
+            raise ValueError(f"store() copies from HBM; a PromoteOrder from {order.source} is a prewarm (execute())")
         return self._offload.store(order, kv_blocks, state_blocks or {}, prepacked or {},
                                    released if released is not None else threading.Event())
 
@@ -272,6 +274,10 @@ class TransferEngine:
                 self.drop(order)
                 released.set()
                 runs.append(OrderRun(order, None, released))
+            elif isinstance(order, PromoteOrder) and order.source is Tier.SSD:
+                self._check_open()
+                runs.append(OrderRun(order, self._offload.prewarm(order), released))
+                released.set()  # reads no pages
             elif isinstance(order, (StoreOrder, PromoteOrder)):
                 runs.append(OrderRun(order, self.store(order, kv_blocks, state_blocks, prepacked, released=released),
                                      released))

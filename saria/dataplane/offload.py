@@ -1,4 +1,4 @@
-"""The offload paths: GPU -> DRAM stores and promotions, and DRAM/GPU -> SSD writes.
+"""The offload paths: GPU -> DRAM stores and promotions, DRAM/GPU -> SSD writes, SSD -> DRAM prewarms.
 
 * **GPU -> DRAM** (``offload`` thread and stream): store and promotion orders pack pages with
   :func:`~saria.kernels.pack_pages` (one launch per object kind per order), checksum each
@@ -7,6 +7,11 @@
 * **DRAM/GPU -> SSD** (the SSD store's writer pool): write orders, from DRAM slots (no copy, their
   checksums computed at pack time) or, for write-through, from freshly packed GPU staging (packed
   on the ``offload`` thread and stream, then held by the store until written).
+
+* **SSD -> DRAM** (``prewarm`` thread): a prewarm (:class:`~saria.orders.PromoteOrder` with
+  ``source=Tier.SSD``) reads each object's SSD copy, verified by the store like every SSD read,
+  straight into freshly allocated host slots (one SSD part is one host slot), checksums the slots
+  and publishes the object once it is whole; an object that cannot be read fails alone.
 
 An order's ``released`` event is set once its source pages are no longer read: after the pack of
 every object has run on the device (at once for DRAM-source writes), or when the order fails or
@@ -53,10 +58,12 @@ class Offload:
         self.counters = counters
         self.device = tables.device
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="saria-offload")
+        self.prewarm_pool = ThreadPoolExecutor(1, thread_name_prefix="saria-prewarm")
 
     def close(self) -> None:
-        """Finish the queued orders and stop the offload thread."""
+        """Finish the queued orders and stop the offload and prewarm threads."""
         self.pool.shutdown(wait=True)
+        self.prewarm_pool.shutdown(wait=True)
 
     # --- GPU -> DRAM: store and promote ----------------------------------------------------------
 
@@ -117,6 +124,51 @@ class Offload:
         finally:
             released.set()
         ok = len(failed) < len(objects) or not objects
+        return Completion(order.order_id, ok, tuple(failed) if ok else ())
+
+    # --- SSD -> DRAM: prewarm --------------------------------------------------------------------
+
+    def prewarm(self, order: PromoteOrder) -> "Future[Completion]":
+        """Queue a prewarm: read the order's objects from SSD into new host slots (no GPU work)."""
+        if order.source is not Tier.SSD:
+            raise ValueError(f"prewarm() takes a PromoteOrder with source=Tier.SSD, got source={order.source}")
+        if self.ssd is None:
+            raise ValueError("a prewarm reads SSD, and this engine has no SSD store")
+        return self.prewarm_pool.submit(self._run_prewarm, order)
+
+    def _run_prewarm(self, order: PromoteOrder) -> Completion:
+        failed = []
+        keys = [ObjectKey(chunk, KV) for chunk in order.kv] + [ObjectKey(chunk, STATE) for chunk in order.state]
+        t0 = time.perf_counter()
+        landed = 0
+        for key in keys:
+            slots = None
+            try:
+                _, _, expected = self.tables.table(key.kind)
+                ssd_key = object_key(key.chunk, key.kind)
+                info = self.ssd.info(ssd_key)
+                if info is None:
+                    raise LookupError(f"{key} is not on SSD")
+                if info.length != expected:
+                    raise ValueError(f"{key} is {info.length} bytes on SSD, {expected} expected")
+                slots = self.host_pool.allocate(self.host_pool.slots_for(info.length))
+                views = self.host_pool.views(slots, info.length)
+                self.ssd.read(ssd_key, views).result()  # verified against its checksums by the store
+                with nvtx.nvtx_range(nvtx.VERIFY):
+                    sums = tuple(checksum(view) for view in views)
+            except Exception as exc:
+                if slots is not None:
+                    self.host_pool.free(slots)
+                if isinstance(exc, HostPoolFull):
+                    self.counters.add(host_pool_full=1)
+                log.warning("prewarming %s failed: %s", key, exc)
+                self.counters.add(prewarm_failures=1)
+                failed.append(key)
+                continue
+            self.dram.put(key, DramObject(slots, info.length, sums))
+            landed += info.length
+        self.counters.add(ssd_to_dram_bytes=landed, ssd_to_dram_seconds=time.perf_counter() - t0)
+        ok = len(failed) < len(keys) or not keys
         return Completion(order.order_id, ok, tuple(failed) if ok else ())
 
     # --- DRAM/GPU -> SSD: writes -----------------------------------------------------------------

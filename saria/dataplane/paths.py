@@ -73,6 +73,9 @@ class EngineCounters:
     dram_drops: int = 0
     ssd_drops: int = 0
     missing_dram_objects: int = 0
+    ssd_to_dram_bytes: int = 0      # prewarms
+    ssd_to_dram_seconds: float = 0.0
+    prewarm_failures: int = 0
 
     def snapshot(self) -> dict:
         return asdict(self)

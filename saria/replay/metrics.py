@@ -12,6 +12,10 @@
   normalized writes); ``write_budget_ratio``: SSD bytes written over the endurance budget of the
   replayed duration, ``dwpd x capacity x duration / 1 day`` (first arrival to last event, or the
   truncation horizon).
+* Prewarming (``Policy.prewarm``): ``prewarm_read_bytes``, SSD bytes prewarms read into DRAM;
+  ``prewarm_hit_tokens``, tokens of the chunks a request then read from DRAM that a prewarm had
+  brought there (first read only); ``prewarm_wasted_tokens``, tokens of prewarmed chunks evicted
+  from DRAM before any request read them. All 0 without prewarming.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ __all__ = ["RESULT_KEYS", "add_retention", "char", "p25_bad", "percentile", "ret
 RESULT_KEYS = ("policy", "ssd_write_bytes", "ssd_read_bytes", "normalized_writes", "char_mean", "char_p25_bad",
                "hit_ratio", "dram_hit_tokens", "ssd_hit_tokens", "transfer_ms_mean", "transfer_ms_p90",
                "transfer_ms_p25_bad", "ttft_ms_mean", "ttft_ms_p90", "dram_evictions", "promotions",
-               "write_budget_ratio", "useful_write_fraction", "ssd_useful_write_bytes", "retention")
+               "write_budget_ratio", "useful_write_fraction", "ssd_useful_write_bytes", "retention",
+               "prewarm_read_bytes", "prewarm_hit_tokens", "prewarm_wasted_tokens")
 
 
 def char(actual: Sequence[int], achievable: Sequence[int]) -> tuple[float, float]:
@@ -103,6 +108,9 @@ def summarize(run: PolicyRun) -> dict:
         "useful_write_fraction": c.ssd_useful_write_bytes / c.ssd_bytes_written if c.ssd_bytes_written else math.nan,
         "ssd_useful_write_bytes": c.ssd_useful_write_bytes,
         "retention": math.nan,  # filled in against the run's references (add_retention)
+        "prewarm_read_bytes": c.prewarm_bytes_read,
+        "prewarm_hit_tokens": c.prewarm_hits * chunk_tokens,
+        "prewarm_wasted_tokens": c.prewarm_wasted * chunk_tokens,
     }
     assert tuple(result) == RESULT_KEYS
     return result

@@ -18,8 +18,18 @@ Alongside, an unlimited-capacity cache (the set of every chunk committed so far)
 request's achievable hits for CHAR: the longest prefix of its chunks already computed when it is
 planned (for a hybrid model cut back to a checkpoint boundary, as the planner cuts real plans).
 
-Events at the same moment run completions first, then commits (freeing slots), then arrivals.
-Deterministic: same inputs, same result.
+Prewarming (``Policy.prewarm``): each session keeps a :class:`~saria.control.prewarm.GapPredictor`
+of its own past idle gaps (observed as its requests arrive: never the recorded gap still to come).
+When a request completes and a gap has been observed, a prewarm is due ``prewarm_lead_s`` before
+the predicted next arrival (not before the completion): unless the session's next request has
+arrived by then, ``prewarm(the completed request's chunks, now, config.prewarm_max_bytes)`` runs
+and its order reads SSD on its own FIFO lane at ``config.prewarm_bytes_per_s``, completed when it
+ends (the prewarmed copies become readable then). A session's last request is prewarmed after too
+(nothing tells the replay that the session ended): what that brings in is wasted. Prewarm reads
+are not charged to the plans' ingress: the bandwidth cap is what bounds their interference.
+
+Events at the same moment run completions first, then commits (freeing slots), then arrivals,
+then prewarms. Deterministic: same inputs, same result.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Callable, Hashable, Sequence
 
 from saria.config import SariaConfig
 from saria.control import ControlPlane, Counters, DropOrder, WriteOrder
+from saria.control.prewarm import GapPredictor
 from saria.replay.arrivals import Schedule
 from saria.replay.oracle import TraceFuture
 from saria.replay.timing import GB, LOADING_MODES, transfer_seconds
@@ -45,7 +56,7 @@ class ReplayInternalError(RuntimeError):
     input (the trace and the settings were checked before the replay started). The message names
     the policy and the request; the original exception is the ``__cause__``."""
 
-_COMPLETE, _COMMIT, _ARRIVE = 0, 1, 2  # same-time order
+_COMPLETE, _COMMIT, _ARRIVE, _PREWARM = 0, 1, 2, 3  # same-time order
 
 
 @dataclass(frozen=True)
@@ -175,16 +186,30 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
     truncated = 0
     waiting: deque = deque()
     free = settings.inflight
-    ingress_free = compute_free = offload_free = write_free = -math.inf
+    ingress_free = compute_free = offload_free = write_free = prewarm_free = -math.inf
+    policy = config.policy
+    prewarming = policy.prewarm and config.dram_bytes > 0 and config.ssd_bytes > 0
+    prewarm_rate = config.prewarm_bytes_per_s
+    prewarm_cap = config.prewarm_max_bytes
+    lead = policy.prewarm_lead_s
+    predictors = [GapPredictor() for _ in sessions] if prewarming else []
+    arrived_upto = [0] * len(sessions)  # per session: the position of its latest arrived request
+    prewarm_orders: set[int] = set()  # in flight; prewarms and their completions do not extend the replay
     done = 0
-    now = start
+    now = last = start
 
     while events:
         now, kind, _, a, b = pop(events)
         if kind == _COMPLETE:
             current[0] = -1
             complete(a, True, now)  # returns only drops: nothing to schedule
+            if a in prewarm_orders:
+                prewarm_orders.discard(a)
+            else:
+                last = now
             continue
+        if kind != _PREWARM:
+            last = now
         if kind == _COMMIT:
             request_index, plan = a
             current[0] = request_index
@@ -206,6 +231,13 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
             free += 1
             session_index, position = b
             session = sessions[session_index]
+            if prewarming:
+                predictor = predictors[session_index]
+                predictor.completed(now)
+                at = predictor.prewarm_at(lead)
+                if at is not None:
+                    push(events, (at, _PREWARM, seq, session_index, position + 1))
+                    seq += 1
             if position + 1 < len(session.requests):
                 push(events, (now + session.gaps_s[position], _ARRIVE, seq, session_index, position + 1))
                 seq += 1
@@ -218,13 +250,28 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
                     raise ReplayInternalError(f"control-plane audit failed after request {request_index} (policy "
                                               f"{name!r}, {done} committed): {'; '.join(problems[:3])}. This is a "
                                               f"bug in saria; please report it")
-        elif now >= horizon:  # an arrival past the truncation: it and the rest of its session are cut
-            cut = len(sessions[a].requests) - b
-            truncated += cut
-            if progress is not None:
-                progress(cut)
+        elif kind == _PREWARM:
+            if arrived_upto[a] < b and now < horizon:  # else the turn came first, or the replay is over
+                current[0] = -1
+                for order in cp.prewarm(chunks[sessions[a].requests[b - 1]], now, prewarm_cap):
+                    if type(order) is DropOrder:
+                        continue
+                    prewarm_free = max(now, prewarm_free) + order.nbytes / prewarm_rate
+                    prewarm_orders.add(order.order_id)
+                    push(events, (prewarm_free, _COMPLETE, seq, order.order_id, None))
+                    seq += 1
         else:
-            waiting.append((now, a, b))
+            if b:
+                arrived_upto[a] = b
+                if prewarming:
+                    predictors[a].arrived(now)
+            if now >= horizon:  # an arrival past the truncation: it and the rest of its session are cut
+                cut = len(sessions[a].requests) - b
+                truncated += cut
+                if progress is not None:
+                    progress(cut)
+            else:
+                waiting.append((now, a, b))
         while free and waiting:
             arrived, session_index, position = waiting.popleft()
             free -= 1
@@ -259,6 +306,6 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
     if progress is not None and done & 255:
         progress(done & 255)
     governor = cp.governor
-    budget_s = now - start if settings.truncate_hours is None else settings.truncate_hours * 3600.0
-    return PolicyRun(name, config, cp.counters(), arrival, transfer, ttft, hits, achievable, start, now, budget_s,
+    budget_s = last - start if settings.truncate_hours is None else settings.truncate_hours * 3600.0
+    return PolicyRun(name, config, cp.counters(), arrival, transfer, ttft, hits, achievable, start, last, budget_s,
                      truncated, None if governor is None else list(governor.history), cp.audit() if audit else None)

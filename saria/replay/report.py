@@ -50,6 +50,9 @@ TABLE_ROWS = (
     ("TTFT P90 (ms)", "ttft_ms_p90", lambda v: f"{v:,.1f}"),
     ("DRAM evictions", "dram_evictions", lambda v: f"{v:,}"),
     ("promotions (chunks)", "promotions", lambda v: f"{v:,}"),
+    ("prewarm reads (GiB)", "prewarm_read_bytes", lambda v: f"{v / GiB:,.1f}"),
+    ("prewarm hit tokens", "prewarm_hit_tokens", lambda v: f"{v:,}"),
+    ("prewarm wasted tokens", "prewarm_wasted_tokens", lambda v: f"{v:,}"),
 )
 
 

@@ -17,6 +17,10 @@ Per request:
 5. ``request_finished``: release a plan never committed (aborted or preempted requests); a
    request whose commit sent orders that read its blocks (stores, promotions, writes from HBM) keeps
    them until the worker reports it sent (vLLM's delayed free), so no step waits for a copy.
+6. Prewarming (``Policy.prewarm``, :mod:`.prewarm`): a request's arrival and finish feed its
+   session's gap predictor (sessions keyed by the hash of their latest prompt's last full chunk);
+   each ``build_connector_meta`` adds the prewarm orders due (SSD -> DRAM ``PromoteOrder``\ s),
+   run by the workers like every order and completed through ``update_connector_output``.
 
 At start (``recover``), the SSD objects a previous run of this server left are taken over: each
 worker rank reports its store's inventory with its first report, and once every rank has, the
@@ -43,6 +47,7 @@ from saria.control import ControlPlane, DropOrder, ObjectKey, Order, PromoteOrde
 from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata,
                        StateCapture, add_counts)
 from .geometry import EngineGeometry
+from .prewarm import PrewarmSessions, Session
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
@@ -140,6 +145,8 @@ class SariaScheduler:
         self._inventory: dict[ObjectKey, int] = {}
         self._inventory_reports = 0
         self.loaded = LoadCounters()
+        self.prewarm = PrewarmSessions(self.control, self.config)
+        self._sessions: dict[str, Session] = {}  # request id -> its session (prewarming only)
 
     # --- hashing ---------------------------------------------------------------------------------
 
@@ -159,6 +166,9 @@ class SariaScheduler:
             return None, False  # vLLM asks again next step
         self._drop_plan(request.request_id)  # a re-query (e.g. after preemption) plans afresh
         state = self._requests[request.request_id] = _Request(request)
+        if self.prewarm.enabled and request.request_id not in self._sessions:  # its arrival
+            self._sessions[request.request_id] = self.prewarm.arrived(
+                self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
         # vLLM must compute at least the prompt's last token itself.
         hashes = self.chunk_hashes(request, request.num_prompt_tokens - 1)
         if not hashes:
@@ -232,6 +242,10 @@ class SariaScheduler:
         if self._follow_ups:
             meta.orders.append(OrderBatch(None, tuple(self._follow_ups)))
             self._follow_ups = []
+        if self.prewarm.enabled:
+            warm = self.prewarm.due(self.clock())
+            if warm:
+                meta.orders.append(OrderBatch(None, tuple(warm)))
         for batch in meta.orders:
             self._in_flight.update(o.order_id for o in batch.orders if _completes(o))
         return meta
@@ -271,6 +285,9 @@ class SariaScheduler:
         from HBM) stay with vLLM until the worker reports the request sent (those orders no longer
         read them, :meth:`SariaWorker.get_finished`); any other request's are freed at once."""
         self._drop_plan(request.request_id)
+        session = self._sessions.pop(request.request_id, None)
+        if session is not None:
+            self.prewarm.finished(session, self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
         state = self._requests.pop(request.request_id, None)
         return state is not None and state.reads_pages, None
 
@@ -286,8 +303,9 @@ class SariaScheduler:
     def has_pending_work(self) -> bool:
         """Orders not yet sent or not yet completed, or inventories awaited (for at most
         ``recover_wait_s``: an idle engine steps to fetch them, and stops stepping if they never
-        come): the engine should keep stepping."""
-        return bool(self._follow_ups or self._first or self._in_flight or (self.recovering and self._still_waiting()))
+        come), or a prewarm due now: the engine should keep stepping."""
+        return bool(self._follow_ups or self._first or self._in_flight or (self.recovering and self._still_waiting())
+                    or (self.prewarm.enabled and self.prewarm.pending(self.clock())))
 
     # --- recovery --------------------------------------------------------------------------------
 

@@ -356,6 +356,18 @@ def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
             time.sleep(0.02)
 
 
+def _idle(llm: Any, guard: Any, seconds: float) -> None:
+    """An idle gap between turns: step the engine (in this process) while saria has work pending,
+    as a serving engine's loop does (``has_pending_push_work``), else sleep."""
+    deadline = time.monotonic() + seconds
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    while time.monotonic() < deadline:
+        if in_process and guard is not None and guard.has_pending_work():
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.01)
+
+
 def _slow_packs(seconds: float, restore: Callable[[], None] | None) -> Callable[[], None]:
     """Make every pack the transfer engine runs on its own threads sleep ``seconds`` first (a test
     delay: stores still read their request's blocks when it finishes); returns the undo (after
@@ -411,7 +423,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                 corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
                 num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
-                abort_turns: list[int] = ()) -> SessionResult:
+                abort_turns: list[int] = (), gap_s: float = 0.0) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -434,7 +446,10 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     reused at once, and a batch may be preempted). ``slow_stores_s``: test delay, in this process:
     every pack on the transfer engine's own threads first sleeps this long, so a request's stores are
     still reading its blocks when it finishes. ``abort_turns``: turns (one prompt each) whose request
-    is aborted as soon as it has its first output token (its prompt's stores just started)."""
+    is aborted as soon as it has its first output token (its prompt's stores just started).
+    ``gap_s``: an idle gap after every turn but the last, during which the engine (in this process)
+    steps whenever saria has pending work, as a server's engine does (orders completing, a prewarm
+    falling due), and sleeps otherwise."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -526,6 +541,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 print(f"  turn {turn + n + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, "
                       f"{t.cached_tokens:>5} reused (DRAM {t.dram_tokens}, SSD {t.ssd_tokens}), "
                       f"TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
+        if gap_s and first < len(prompts):
+            _idle(llm, guard, gap_s)
     result.seconds = time.perf_counter() - start
     if restore is not None:
         restore()

@@ -1,0 +1,71 @@
+"""When a session's next turn will come: the prediction a prewarm is timed by (pure Python).
+
+A session alternates requests and idle gaps (the time from one request's completion to the next
+one's arrival: a tool call, a human reading). :class:`GapPredictor` keeps one session's observed
+gaps and predicts the next arrival as ``last completion + EWMA of the gaps seen so far``
+(``alpha`` weighs the newest gap; the first gap seeds the average). With no gap observed yet it
+predicts nothing: a session's first idle gap is never prewarmed. Only past gaps are used: the
+caller observes a gap when the request that ends it arrives.
+
+The caller schedules :meth:`saria.control.ControlPlane.prewarm` of the session's latest request's
+chunk hashes at ``prewarm_at(lead_s)`` = predicted arrival - ``Policy.prewarm_lead_s``, never before
+the last completion, and forgets it if the next request arrives first.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["GapPredictor"]
+
+
+class GapPredictor:
+    """One session's idle gaps and its predicted next arrival (EWMA of the observed gaps)."""
+
+    __slots__ = ("alpha", "estimate_s", "gaps", "last_completion")
+
+    def __init__(self, alpha: float = 0.5) -> None:
+        if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = float(alpha)
+        self.estimate_s: float | None = None  # EWMA of the gaps seen, None before the first
+        self.gaps = 0
+        self.last_completion: float | None = None
+
+    def completed(self, now: float) -> None:
+        """The session's latest request completed at ``now``: its idle gap starts."""
+        self.last_completion = now
+
+    def arrived(self, now: float) -> None:
+        """The session's next request arrived at ``now``: the gap since the last completion is
+        observed (a request arriving before the previous one completed observes nothing)."""
+        if self.last_completion is None:
+            return
+        gap = now - self.last_completion
+        self.last_completion = None
+        if not math.isfinite(gap) or gap < 0:
+            return
+        self.observe(gap)
+
+    def observe(self, gap_s: float) -> None:
+        """Fold one observed gap (seconds, >= 0) into the estimate."""
+        if self.estimate_s is None:
+            self.estimate_s = float(gap_s)
+        else:
+            self.estimate_s += self.alpha * (gap_s - self.estimate_s)
+        self.gaps += 1
+
+    def next_arrival(self) -> float | None:
+        """The predicted arrival of the next request, or None (no gap observed yet, or the session
+        has a request in progress)."""
+        if self.estimate_s is None or self.last_completion is None:
+            return None
+        return self.last_completion + self.estimate_s
+
+    def prewarm_at(self, lead_s: float) -> float | None:
+        """When to prewarm: ``lead_s`` before the predicted arrival, not before the last completion;
+        None when nothing is predicted."""
+        predicted = self.next_arrival()
+        if predicted is None:
+            return None
+        return max(self.last_completion, predicted - lead_s)
