@@ -298,3 +298,33 @@ def test_replay_reports_the_oracle_useful_writes_and_retention():
     assert by["oracle"]["ssd_write_bytes"] > 0
     plain, _ = exp.run([Point("paper", parse_policy("paper"))], references=False)
     assert math.isnan(plain[0]["retention"]) and plain[0]["char_mean"] == by["paper"]["char_mean"]
+
+
+def test_oracle_writes_only_what_a_later_request_reads():
+    """A chunk never referenced again is never written, even while the SSD has room to spare;
+    one referenced again is written at its eviction while the SSD keeps chunks that long."""
+
+    class Future:
+        def __init__(self, uses: dict) -> None:
+            self.uses = uses
+
+        def next_use(self, key, now):
+            return self.uses.get(key, math.inf)
+
+    future = Future({"a:0": 100.0, "a:1": 100.0})
+    cp = ControlPlane(config("oracle", dram_chunks=4, ssd_chunks=64), future=future)
+    t = 0.0
+    for name in ("a", "b", "c"):  # b and c push a out of DRAM; nobody wants b or c again
+        t += 1.0
+        keys = chain(name, 2 if name == "a" else 4)
+        plan = cp.plan(keys, t)
+        drain(cp, cp.commit_prefill(keys, t, plan=plan), t)
+    written = {k for k in ("a:0", "a:1", "b:0", "b:1", "b:2", "b:3") if cp.chunk_info(k).kv.ssd != "absent"}
+    assert written == {"a:0", "a:1"} and cp.counters().dram_evictions >= 4
+    cp._admission.ssd_retention_s = 10.0  # the SSD keeps chunks 10 s: a use 100 s away is too late
+    future.uses = {"c:0": 100.0}
+    for name in ("d", "e"):
+        t += 1.0
+        plan = cp.plan(chain(name, 4), t)
+        drain(cp, cp.commit_prefill(chain(name, 4), t, plan=plan), t)
+    assert cp.chunk_info("c:0").kv.ssd == "absent" and cp.chunk_info("c:0").kv.dram == "absent"

@@ -130,7 +130,8 @@ class Admission:
         node = obj.node
         if self._oracle:
             now = self._clock()
-            return self.future.next_use(node.key, now) - now <= self.ssd_retention_s
+            next_use = self.future.next_use(node.key, now)
+            return next_use < math.inf and next_use - now <= self.ssd_retention_s
         evidence = obj.evidence
         if not (self.admitted(evidence, extra_evictions)
                 or (self._session and self.sessions.returns(node, evidence.E_b + extra_evictions, self._clock()))):
