@@ -53,6 +53,7 @@ POLICIES = (
     ("saria+session", "saria:admission=eq1+deferred+session,session_p=0.4"),
 )
 SCALES = ((1.0, "paper capacities"), (0.1, "one tenth"))
+MARKERS = ("o", "s", "D", "v", "*", "^", "P")  # one per policy, in POLICIES order
 
 
 def traces(folder: Path) -> list[str]:
@@ -139,11 +140,11 @@ def plot(rows: list[tuple[str, str, dict[str, dict]]], folder: Path) -> list[Pat
     for trace, panels in by_trace.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
         for ax, (scale, results) in zip(axes[0], panels):
-            for label, r in results.items():
-                ax.scatter(r["ssd_write_bytes"] / GiB, r["char_mean"] * 100, s=40,
-                           marker="*" if label == "oracle" else "o")
-                ax.annotate(label, (r["ssd_write_bytes"] / GiB, r["char_mean"] * 100), fontsize=8,
-                            xytext=(4, 3), textcoords="offset points")
+            for (label, r), marker in zip(results.items(), MARKERS):
+                # A marker per policy: those on one point (saria is E2R8 under pressure) stay told apart.
+                ax.scatter(r["ssd_write_bytes"] / GiB, r["char_mean"] * 100, s=90 if marker == "*" else 45,
+                           marker=marker, label=label, alpha=0.8)
+            ax.legend(fontsize=7, loc="lower right")
             ax.set_xlabel("SSD writes (GiB)")
             ax.set_ylabel("CHAR (%)")
             ax.set_title(f"{Path(trace).stem}, {scale}", fontsize=10)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every record as JSON")
     parser.add_argument("--plot-dir", type=Path, help="write a writes-vs-CHAR plot per trace here (needs matplotlib)")
     parser.add_argument("--jobs", type=int, default=None, help="replays in parallel (default: the CPU count)")
-    parser.add_argument("--quick", action="store_true", help="synth seeds only, one tenth capacity (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="a small synth trace at one tenth capacity (a smoke run)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     specs = ["synth:sessions=60"] if args.quick else traces(args.traces)
