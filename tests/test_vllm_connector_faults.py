@@ -237,6 +237,40 @@ def test_the_summary_line_counts_faults_and_rebuilds(caplog, monkeypatch):
     assert "faults 1 (control plane rebuilt 1x)" in caplog.records[-1].getMessage()
 
 
+def test_a_prewarm_that_raises_is_a_fault_the_step_survives(tmp_path, monkeypatch):
+    """Prewarming runs from the scheduler's own hooks with no request to blame: a control plane that
+    raises while issuing a due prewarm (or while asked whether one is due) must cost a rebuild, never
+    vLLM's step."""
+    clock = Clock()
+    guard = SchedulerGuard(lambda: SariaScheduler(settings(tmp_path, prewarm=True, prewarm_lead_s=0.0), GEOMETRY,
+                                                  clock=clock), faults=Faults("scheduler", clock=clock), clock=clock)
+    engine = Engine(guard)
+    assert guard.inner.prewarm.enabled
+    engine.cache("r1", 2)           # turn 1 ends at 0 s
+    clock.now = 10.0
+    r2 = engine.request("r2", 3)    # turn 2 continues it (its prompt holds turn 1's): a 10 s gap
+    assert guard.get_num_new_matched_tokens(r2, 0) == (2 * CHUNK, True)
+    guard.request_finished(r2, [])  # (aborted before it was scheduled: the turn still ends)
+    assert guard.inner.prewarm.pending(20.0)  # turn 3 predicted at 20 s, prewarm due then
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(guard.inner.control, "prewarm", broken)
+    clock.now = 20.0
+    meta = engine.step()
+    assert calls and meta.epoch == 1 and not meta.off and meta.orders == []
+    assert guard.stats()["by_where"] == {"build_connector_meta": 1}
+    assert guard.inner.control.audit() == [] and not guard.inner.prewarm.pending(1e9)  # rebuilt empty
+    monkeypatch.setattr(guard.inner.prewarm, "pending", lambda now: 1 / 0)
+    guard.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=SariaWorkerMetadata(epoch=1),
+                                                        finished_sending={"r1"}))  # r1's blocks are free
+    assert guard.has_pending_work() is False and guard.epoch == 2
+    assert guard.get_num_new_matched_tokens(engine.request("r3", 1), 0) == (0, False)
+
+
 def test_the_worker_turning_off_turns_the_scheduler_off(engine):
     engine.report(0, off=True)
     assert engine.guard.off and engine.step().off

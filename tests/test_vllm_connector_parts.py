@@ -71,6 +71,12 @@ def test_defaults_and_sizes():
     ({"policy": ["saria"]}, "unknown policy"),
     ({"log_interval_s": float("inf")}, "log_interval_s must be >= 0"),
     ({"chunk_tokens": 2**64}, "chunk_tokens must be a positive int"),
+    ({"policy": "oracle"}, "only a replay of a recorded trace"),
+    ({"admission": "oracle"}, "only a replay of a recorded trace"),
+    ({"admission": "eq1+bogus"}, "unknown rule"),
+    ({"admission": "session"}, "refines nothing"),
+    ({"session_p": 1.5}, "session_p must be <= 1.0"),
+    ({"prewarm": "yes"}, "prewarm must be a bool"),
 ])
 def test_bad_options_are_refused_clearly(extra, match):
     with pytest.raises(ValueError, match=match):

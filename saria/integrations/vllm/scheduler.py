@@ -19,7 +19,7 @@ Per request:
    them until the worker reports it sent (vLLM's delayed free), so no step waits for a copy.
 6. Prewarming (``Policy.prewarm``, :mod:`.prewarm`): a request's arrival and finish feed its
    session's gap predictor (sessions keyed by the hash of their latest prompt's last full chunk);
-   each ``build_connector_meta`` adds the prewarm orders due (SSD -> DRAM ``PromoteOrder``\ s),
+   each ``build_connector_meta`` adds the prewarm orders due (``PromoteOrder`` from SSD to DRAM),
    run by the workers like every order and completed through ``update_connector_output``.
 
 At start (``recover``), the SSD objects a previous run of this server left are taken over: each

@@ -5,8 +5,9 @@ Every key is optional. Unknown keys are an error (a typo must not silently fall 
 ============================  ==========================================================================
 key                           meaning (default)
 ============================  ==========================================================================
-``policy``                    preset: saria, full-duplicate, dram-only, gds-only, zero-promotion,
-                              full-promotion, reuse-only, lmcache-plus (``saria``)
+``policy``                    preset: saria, paper, full-duplicate, dram-only, gds-only, zero-promotion,
+                              full-promotion, reuse-only, lmcache-plus (``saria``); not ``oracle``
+                              (nor ``admission=oracle``): it needs the future, which only a replay has
 ``theta_E``, ``theta_R``,     any :class:`saria.config.Policy` field, overriding the preset
 ``r``, ``p_tau_s``, ...
 ``dram_gb`` / ``dram_bytes``  DRAM tier size of the server, over all its ranks (8 GiB)
@@ -38,7 +39,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from saria.config import POLICY_PRESETS, Bandwidths, Capacity, ChunkSpec, Policy, SariaConfig
+from saria.config import POLICY_PRESETS, Bandwidths, Capacity, ChunkSpec, Policy, SariaConfig, admission_rules
 
 GiB = 1 << 30
 DEFAULT_CHECKPOINT_TOKENS = 16_384
@@ -129,7 +130,11 @@ class ConnectorSettings:
         if not isinstance(durable, bool):
             raise ValueError(f"durable must be true or false, got {durable!r:.60}")
         overrides = {k: v for k, v in extra.items() if k in _POLICY_FIELDS}
-        Policy.preset(policy, **overrides)  # validates the overrides now, with the field's name in the error
+        resolved = Policy.preset(policy, **overrides)  # validates the overrides now, with the field's name in the error
+        if "oracle" in admission_rules(resolved.admission):
+            raise ValueError("admission=oracle (policy oracle) knows every chunk's next use, which only a replay of a "
+                             "recorded trace can tell it; a serving engine cannot use it: choose an online policy "
+                             "(saria, paper, ...) or evaluate the oracle with saria replay --policy oracle")
         return cls(policy=policy, policy_overrides=overrides, dram_bytes=_size(extra, "dram", 8 * GiB),
                    ssd_paths=tuple(paths), ssd_bytes=_size(extra, "ssd", 64 * GiB if paths else 0),
                    chunk_tokens=_positive_int(extra, "chunk_tokens"),
