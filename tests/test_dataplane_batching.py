@@ -46,6 +46,15 @@ class Rig:
                                      ssd=self.store, state_table=PageTable(self.gdn), state_pages=1)
         self.ids = itertools.count()
 
+    def reset(self):
+        """Start an example from an empty DRAM tier and SSD store, whatever the last one left (a
+        failed example must not fail the next ones by filling the pool)."""
+        for key in self.engine.dram.keys():
+            self.engine.dram.drop(key)
+        for key in self.store.keys():
+            self.store.delete(key)
+        assert self.pool.free_slots == self.pool.num_slots, "slots leaked: held by no DRAM object"
+
     def close(self):
         self.engine.close()
         self.store.close()
@@ -90,6 +99,7 @@ def test_batched_reload_is_byte_identical_and_fails_exactly_the_injected_objects
     broken = data.draw(st.sets(st.integers(0, n - 1)), label="broken chunks")
     state_broken = state_tier is not None and data.draw(st.booleans(), label="state broken")
 
+    rig.reset()
     tag = next(rig.ids)
     chunks = [f"e{tag}-c{i}" for i in range(n)]
     src = {c: src_blocks(i) for i, c in enumerate(chunks)}
@@ -104,6 +114,7 @@ def test_batched_reload_is_byte_identical_and_fails_exactly_the_injected_objects
     runs = engine.execute([StoreOrder(2, dram, state_dram, 0),
                            WriteOrder(3, ssd, state_ssd, 0, Tier.GPU, "write-through")], src, state_src)
     assert all(r.completion.result().ok for r in runs)
+    assert rig.pool.used_slots == engine.dram.held_slots()  # every slot taken is owned by a DRAM object
     if filler:
         engine.drop(DropOrder(4, (f"e{tag}-filler",), (), 0, Tier.DRAM))
 
@@ -192,6 +203,7 @@ def test_one_unpack_launch_per_batch(tmp_path, monkeypatch):
 
 def test_duplicate_target_pages_fail_only_the_objects_that_clash(rig):
     """A batch the kernel refuses (two objects naming one page) is retried object by object."""
+    rig.reset()
     engine = rig.engine
     engine._dram_loads.zero_copy = False
     engine.batch_bytes = 1 << 30

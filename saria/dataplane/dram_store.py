@@ -99,6 +99,12 @@ class DramStore:
             return None
         return first.as_strided((obj.nbytes,), (1,))
 
+    def held_slots(self) -> int:
+        """Host-pool slots owned by resident objects. With no store in flight, the pool's
+        ``used_slots`` equals this: any difference is a leaked (or doubly owned) slot."""
+        with self._lock:
+            return sum(len(obj.slots) for obj in self._objects.values())
+
     def keys(self) -> list[ObjectKey]:
         with self._lock:
             return list(self._objects)

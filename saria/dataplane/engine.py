@@ -163,7 +163,11 @@ class TransferEngine:
                                    self._tables.ids(STATE, plan.state_chunk, state_blocks), nbytes))
         if any(i.tier is Tier.SSD for i in items) and self.ssd is None:
             raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
-        job = LoadJob(plan, items, timeline, self._streams.record("dram") if timeline is not None else None)
+        # The unpacks follow the caller's queued work (pages freed by a step still running may be
+        # written only after it); a timeline's device-timed points are measured from start_event.
+        job = LoadJob(plan, items, timeline,
+                      start_event=self._streams.record("dram", timing=True) if timeline is not None else None,
+                      after=self._streams.caller_event())
         self._counters.add(loads=1, load_objects=len(items))
         dram_items = [i for i in items if i.tier is Tier.DRAM]
         ssd_items = [i for i in items if i.tier is Tier.SSD]

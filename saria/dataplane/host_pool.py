@@ -13,9 +13,11 @@ before refusing with :class:`HostPoolFull`.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
+import weakref
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -46,15 +48,86 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _register(ptr: int, nbytes: int) -> None:
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)} "
-                           "(too much pinned memory? try a smaller pool or segment size)")
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call we reported ourselves: left set, the
+    next kernel launch's check in torch raises it there, far from its cause (seen on an H200: a
+    failed cudaHostRegister surfaced as a tensor ``clone`` failing "memory range already mapped").
+    Uses the libcudart torch already loaded (``RTLD_NOLOAD``); does nothing if none is found."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        lib.cudaGetLastError()
+        return
 
 
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+class HostRegistry:
+    """Every host range a :class:`HostPool` has registered, in this process: the one place that
+    calls ``cudaHostRegister`` / ``cudaHostUnregister``, and the CPU twin of CUDA's own bookkeeping.
+
+    CUDA refuses to register a range that overlaps one still registered (error 712,
+    ``cudaErrorHostMemoryAlreadyRegistered``); a range left registered after its memory is unmapped
+    poisons the next mapping at that address. The registry refuses the same overlap on every
+    machine (on one without CUDA nothing is pinned, but pools still register their ranges here), and
+    an unregistration of a range it does not hold (a double unregistration). Tests read
+    :meth:`ranges` to check that every registered range is unregistered exactly once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ranges: dict[int, tuple[int, bool]] = {}  # start -> (bytes, pinned with CUDA)
+
+    def register(self, ptr: int, nbytes: int, pin: bool) -> None:
+        if nbytes < 1:
+            raise ValueError(f"cannot register {nbytes} bytes")
+        with self._lock:
+            for start, (length, _) in self._ranges.items():
+                if start < ptr + nbytes and ptr < start + length:
+                    raise RuntimeError(
+                        f"host range [{ptr:#x}, +{nbytes}) overlaps [{start:#x}, +{length}), which is still "
+                        "registered (CUDA error 712, cudaErrorHostMemoryAlreadyRegistered): a pool's memory was "
+                        "unmapped without unregistering it")
+            if pin:
+                err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+                if err != 0:
+                    _clear_last_cuda_error()
+                    raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {err} "
+                                       "(too much pinned memory? try a smaller pool or segment size)")
+            self._ranges[ptr] = (nbytes, pin)
+
+    def unregister(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._ranges.pop(ptr, None)
+            if entry is None:
+                raise RuntimeError(f"host range at {ptr:#x} is not registered (unregistered twice?)")
+            if entry[1]:
+                err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+                if err != 0:
+                    _clear_last_cuda_error()
+                    raise RuntimeError(f"cudaHostUnregister of the range at {ptr:#x} failed with CUDA error {err}")
+
+    def ranges(self) -> list[tuple[int, int, bool]]:
+        """``(start, bytes, pinned)`` of every range registered now."""
+        with self._lock:
+            return [(start, length, pinned) for start, (length, pinned) in sorted(self._ranges.items())]
+
+
+REGISTRY = HostRegistry()
+
+
+def _release_segments(registered: list[int], maps: list[mmap.mmap]) -> None:
+    """Unregister a pool's segments (before their memory can be unmapped): run once, by
+    :meth:`HostPool.close` or, for a pool dropped without close, when it is garbage collected.
+    ``maps`` is held only so the memory outlives its registration."""
+    errors = []
+    while registered:
+        try:
+            REGISTRY.unregister(registered.pop())
+        except Exception as exc:  # keep unregistering the others
+            errors.append(exc)
+    maps.clear()
+    if errors:
+        raise errors[0]
 
 
 class HostPool:
@@ -91,7 +164,12 @@ class HostPool:
         self._used = bytearray(self.num_slots)
         self.counters = HostPoolCounters()
         self._maps: list[mmap.mmap] = []
+        self._registered: list[int] = []
         self._segments: list[torch.Tensor] = []
+        # Unregisters exactly once: at close(), or when a pool nobody closed is collected (before
+        # its memory is unmapped; an unmapped range left registered breaks the next pool there).
+        self._release = weakref.finalize(self, _release_segments, self._registered, self._maps)
+        self._release.atexit = False  # at interpreter exit the process's registrations go with it
         per_segment = segment_bytes // slot_bytes
         try:
             for first in range(0, self.num_slots, per_segment):
@@ -99,8 +177,8 @@ class HostPool:
                 mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 self._maps.append(mm)
                 seg = torch.frombuffer(mm, dtype=torch.uint8)
-                if self.pinned:
-                    _register(seg.data_ptr(), nbytes)
+                REGISTRY.register(seg.data_ptr(), nbytes, pin=self.pinned)
+                self._registered.append(seg.data_ptr())
                 self._segments.append(seg)
         except BaseException:
             self.close()
@@ -183,12 +261,14 @@ class HostPool:
         return out
 
     def close(self) -> None:
-        """Unpin and drop the memory. Tensors still viewing slots keep their segment alive."""
-        segments, self._segments = self._segments, []
-        if self.pinned:
-            for seg in segments:
-                _unregister(seg.data_ptr())
-        self._maps = []
+        """Unregister (unpin) and drop the memory; idempotent. Tensors still viewing slots keep
+        their segment mapped (as pageable memory): no copy may still be reading or writing them."""
+        self._segments = []
+        self._release()
+
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
 
     def __enter__(self) -> "HostPool":
         return self

@@ -61,10 +61,19 @@ class LoadItem:
 
 class LoadJob:
     """One reload in flight. ``wait()`` blocks the host until every object is in its pages;
-    ``wait_on(stream)`` instead makes a CUDA stream wait (no host block once all is issued)."""
+    ``wait_on(streams)`` instead makes the caller's CUDA stream wait (no host block once all is issued).
 
-    def __init__(self, plan: ReloadPlan, items: list[LoadItem], timeline: list | None, start_event=None):
+    ``start_event``: with a ``timeline``, a timing event recorded when the reload started (the
+    time base of the device-timed points :meth:`mark` gets). ``after``: an event on the caller's
+    stream that the reload's unpacks must follow (its pages may still be in use by work the caller
+    queued before it, e.g. a step that freed them); ``None``: nothing to follow."""
+
+    def __init__(self, plan: ReloadPlan, items: list[LoadItem], timeline: list | None, start_event=None,
+                 after=None):
+        if timeline is not None and start_event is not None and not start_event.enable_timing:
+            raise ValueError("a timeline's start event must be created with enable_timing=True")
         self.plan = plan
+        self.after = after
         self.items = tuple(items)
         self._pending = len(items)
         self._lock = threading.Lock()
@@ -103,10 +112,19 @@ class LoadJob:
         if last:
             self._issued.set()
 
+    @property
+    def timed(self) -> bool:
+        """Whether this reload keeps a timeline (callers skip recording timing events otherwise)."""
+        return self.timeline is not None
+
     def mark(self, path: str, nbytes: int, event=None) -> None:
-        """A timeline point: ``nbytes`` of ``path`` done now (host time) or when ``event`` fires
-        (resolved in :meth:`wait`, without blocking the copy threads). No-op without a timeline."""
+        """A timeline point: ``nbytes`` of ``path`` done now (host time) or when ``event`` (a timing
+        event) fires, resolved in :meth:`wait` without blocking the copy threads. No-op without a
+        timeline."""
         if self.timeline is not None:
+            if event is not None and (self._start_event is None or not event.enable_timing):
+                raise ValueError("a device-timed timeline point needs a timing event (enable_timing=True) and "
+                                 "the job's timing start event")
             with self._lock:
                 self._marks.append((path, event if event is not None else time.perf_counter() - self._start, nbytes))
 
@@ -146,12 +164,13 @@ class LoadJob:
                 self.timeline.sort(key=lambda point: point[1])
         return self.result()
 
-    def wait_on(self, stream) -> None:
-        """Make ``stream`` wait for every copy and unpack of this reload (CUDA); host-blocks only
-        until everything is issued."""
+    def wait_on(self, streams, name: str | None = None) -> None:
+        """Make a stream of ``streams`` (a :class:`~saria.dataplane.streams.Streams`; ``name``
+        ``None``: the caller's current stream) wait for every copy and unpack of this reload, without
+        blocking the host once everything is issued (on the CPU the work is done by then)."""
         self._issued.wait()
         for event in self._events:
-            stream.wait_event(event)
+            streams.wait(name, event)
 
     def result(self) -> LoadResult:
         if not self._issued.is_set():

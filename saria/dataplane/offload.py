@@ -81,43 +81,43 @@ class Offload:
 
     def _run_store(self, order: Order, objects: Objects, ready, released: threading.Event) -> Completion:
         failed = []
-        stored = []
+        stored: list[tuple[ObjectKey, DramObject]] = []  # slots taken, not yet owned by the DRAM store
         try:
             with self.streams.on("offload"):
-                if ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(ready)
+                self.streams.wait(None, ready)  # the offload stream (current here) follows the caller's work
                 t0 = time.perf_counter()
                 packed = self._pack_objects(objects)
                 self._packed_on_device("offload")
                 released.set()
                 for key, staging, error in packed:
+                    slots = None
                     try:
                         if error is not None:
                             raise error
                         sums = self._part_checksums(staging)
                         slots = self.host_pool.allocate(self.host_pool.slots_for(staging.numel()))
-                    except HostPoolFull as exc:
-                        log.warning("host pool full: %s not stored (%s)", key, exc)
-                        self.counters.add(host_pool_full=1, store_failures=1)
-                        failed.append(key)
-                        continue
+                        self._copy_to_slots(staging, slots)
                     except Exception as exc:
-                        log.warning("storing %s failed: %s", key, exc)
-                        self.counters.add(store_failures=1)
+                        if slots is not None:  # copies into them may be queued: let them land first
+                            self._settle("offload")
+                            self.host_pool.free(slots)
+                        if isinstance(exc, HostPoolFull):
+                            log.warning("host pool full: %s not stored (%s)", key, exc)
+                            self.counters.add(host_pool_full=1, store_failures=1)
+                        else:
+                            log.warning("storing %s failed: %s", key, exc)
+                            self.counters.add(store_failures=1)
                         failed.append(key)
                         continue
-                    offset = 0
-                    with nvtx.nvtx_range(nvtx.COPY_D2H):
-                        for piece in self.host_pool.views(slots, staging.numel()):
-                            piece.copy_(staging[offset:offset + piece.numel()], non_blocking=True)
-                            offset += piece.numel()
                     stored.append((key, DramObject(slots, staging.numel(), sums)))
                 self.streams.synchronize("offload")  # the slots hold the bytes before the objects are published
-            for key, obj in stored:
-                self.dram.put(key, obj)
-            self.counters.add(gpu_to_dram_bytes=sum(obj.nbytes for _, obj in stored),
-                              gpu_to_dram_seconds=time.perf_counter() - t0)
+            nbytes = sum(obj.nbytes for _, obj in stored)
+            while stored:  # each object's slots pass to the DRAM store as it is published
+                self.dram.put(*stored[0])
+                stored.pop(0)
+            self.counters.add(gpu_to_dram_bytes=nbytes, gpu_to_dram_seconds=time.perf_counter() - t0)
         except BaseException:
+            self._settle("offload")
             for _, obj in stored:  # not published: give the slots back
                 self.host_pool.free(obj.slots)
             raise
@@ -125,6 +125,22 @@ class Offload:
             released.set()
         ok = len(failed) < len(objects) or not objects
         return Completion(order.order_id, ok, tuple(failed) if ok else ())
+
+    def _copy_to_slots(self, staging: torch.Tensor, slots: list[int]) -> None:
+        """Queue the copy of one object's staging into its host slots on the current stream."""
+        offset = 0
+        with nvtx.nvtx_range(nvtx.COPY_D2H):
+            for piece in self.host_pool.views(slots, staging.numel()):
+                piece.copy_(staging[offset:offset + piece.numel()], non_blocking=True)
+                offset += piece.numel()
+
+    def _settle(self, stream_name: str) -> None:
+        """Wait for what is queued on a stream before its memory is given back (failure paths:
+        never raises; a device that cannot even synchronize has bigger problems to report)."""
+        try:
+            self.streams.synchronize(stream_name)
+        except Exception as exc:
+            log.warning("synchronizing the %s stream failed: %s", stream_name, exc)
 
     # --- SSD -> DRAM: prewarm --------------------------------------------------------------------
 
@@ -201,8 +217,7 @@ class Offload:
         then hand each object's staging to the SSD store (which holds it until written)."""
         try:
             with self.streams.on("offload"):
-                if ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(ready)
+                self.streams.wait(None, ready)  # the offload stream (current here) follows the caller's work
                 packed = self._pack_objects(objects)
                 self._packed_on_device("offload")
                 released.set()
@@ -329,6 +344,4 @@ class Offload:
 
     def _packed_on_device(self, stream_name: str) -> None:
         """Block until the packs queued on ``stream_name`` have run (CUDA): the pages are free."""
-        event = self.streams.record(stream_name)
-        if event is not None:
-            event.synchronize()
+        self.streams.record(stream_name).synchronize()

@@ -1,7 +1,7 @@
 """What the transfer engine's paths share: their results (:class:`Completion`, :class:`OrderRun`),
-their counters (:class:`Counters`), their CUDA streams (:class:`Streams`), the engine's page tables
-with the block-id checks (:class:`Tables`), and the one unpack both reload paths end with
-(:func:`unpack_run`).
+their counters (:class:`Counters`), the engine's page tables with the block-id checks
+(:class:`Tables`), and the one unpack both reload paths end with (:func:`unpack_run`). Their CUDA
+streams and events (and the events' CPU twins) are in :mod:`~saria.dataplane.streams`.
 
 Each path (:mod:`~saria.dataplane.dram_loads`, :mod:`~saria.dataplane.ssd_loads`,
 :mod:`~saria.dataplane.offload`) is given these by :class:`~saria.dataplane.engine.TransferEngine`.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
@@ -23,12 +22,11 @@ from saria.kernels import PageTable, drop_leading_pages, unpack_pages
 
 from . import nvtx
 from .load_job import LoadItem, LoadJob
+from .streams import STREAMS, Streams  # noqa: F401  (re-exported: the paths import them from here)
 
 log = logging.getLogger("saria.dataplane.engine")
 
 Blocks = Sequence[int] | torch.Tensor
-
-STREAMS = ("dram", "ssd", "offload")
 
 
 @dataclass(frozen=True)
@@ -98,44 +96,6 @@ class Counters:
             return self._values.snapshot()
 
 
-class Streams:
-    """One CUDA stream per path (``dram``, ``ssd``, ``offload``) on a CUDA device; none on the CPU,
-    where :meth:`on` is a no-op context and :meth:`record` returns ``None``."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        cuda = device.type == "cuda"
-        self._streams = {name: torch.cuda.Stream(device) for name in STREAMS} if cuda else {}
-
-    def on(self, name: str):
-        """A context that makes ``name``'s stream current (CUDA)."""
-        stream = self._streams.get(name)
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-    def record(self, name: str):
-        """An event recorded on ``name``'s stream now, or ``None`` without CUDA."""
-        stream = self._streams.get(name)
-        if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def synchronize(self, name: str) -> None:
-        """Wait for everything queued on ``name``'s stream (CUDA)."""
-        stream = self._streams.get(name)
-        if stream is not None:
-            stream.synchronize()
-
-    def caller_event(self):
-        """An event recorded on the caller's current stream (CUDA): a path's work waits for it."""
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-
 class Tables:
     """The engine's page tables and object shapes: ``kv_table`` (a kv object is ``pages_per_chunk``
     of its pages) and, for hybrid models, ``state_table`` (a state object is ``state_pages``)."""
@@ -194,6 +154,8 @@ def unpack_run(job: LoadJob, items: list[LoadItem], staging: torch.Tensor, path:
     alone and only those that fail alone fail."""
     try:
         with streams.on(path), nvtx.nvtx_range(nvtx.UNPACK):
+            if job.after is not None:  # the pages are written only after the caller's queued work
+                streams.wait(path, job.after)
             if len(items) == 1:
                 _unpack(items[0], staging)
             else:
