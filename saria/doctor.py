@@ -71,23 +71,24 @@ def _nvml_report() -> dict[str, Any]:
         pynvml.nvmlShutdown()
 
 
-def _kvikio_report(cuda: bool) -> dict[str, Any]:
-    version = _version("kvikio-cu13") or _version("kvikio")
-    if version is None:
-        return {"installed": False, "usable": False,
-                "reason": "not installed (pip install 'saria[gds]' on a GPU machine)"}
-    if not cuda:
-        return {"installed": True, "version": version, "usable": False,
-                "reason": "kvikio needs libcuda even in compat mode; no CUDA device here"}
-    try:
-        import kvikio
-        import kvikio.defaults
+def _storage_report(cuda: bool, ssd_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(kvikio, storage): what kvikio would do here and the SSD store's ``auto`` backend, from the
+    one decision :func:`saria.dataplane.ssd_backends.open_payload_io` makes. Where that is kvikio,
+    a ``CuFile`` is also opened in ``ssd_path`` (as the store opens its drive files; where that
+    fails the store falls back to POSIX, and so does this report)."""
+    from saria.dataplane.ssd_backends import POSIX_DESCRIPTION, choose_backend, kvikio_status, probe_kvikio_open
 
-        compat = kvikio.defaults.compat_mode()
-        return {"installed": True, "version": version, "usable": True, "compat_mode": str(compat),
-                "module": getattr(kvikio, "__version__", version)}
-    except Exception as exc:  # a broken install must not break the doctor
-        return {"installed": True, "version": version, "usable": False, "reason": f"import failed: {exc}"}
+    status = kvikio_status(cuda)
+    choice = choose_backend("auto", status)
+    storage = choice.as_dict()
+    if choice.backend == "kvikio" and os.path.isdir(ssd_path):
+        error = probe_kvikio_open(ssd_path)
+        storage["open_probe"] = {"path": ssd_path, "ok": error is None, "error": error}
+        if error is not None:
+            storage.update(backend="posix", mode=None, name="posix", gds_active=False,
+                           reason=f"kvikio could not open a file in {ssd_path}: {error}",
+                           description=f"{POSIX_DESCRIPTION}; kvikio could not open a file in {ssd_path})")
+    return status.as_dict(), storage
 
 
 def _ssd_report(path: str) -> dict[str, Any]:
@@ -112,7 +113,8 @@ def collect(ssd_path: str | None = None) -> dict[str, Any]:
 
     torch_info = _torch_report()
     cuda = torch_info["cuda_available"]
-    kvikio_info = _kvikio_report(cuda)
+    ssd_path = ssd_path or tempfile.gettempdir()
+    kvikio_info, storage = _storage_report(cuda, ssd_path)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     device = torch.device("cuda" if cuda else "cpu")
     return {
@@ -126,8 +128,9 @@ def collect(ssd_path: str | None = None) -> dict[str, Any]:
                            "interpreted": INTERPRETED and not cuda},
         "nvml": _nvml_report(),
         "kvikio": kvikio_info,
-        "storage_backend": "kvikio" if kvikio_info.get("usable") else "posix",
-        "ssd": _ssd_report(ssd_path or tempfile.gettempdir()),
+        "storage_backend": storage["backend"],  # "kvikio" or "posix"; how and why: "storage"
+        "storage": storage,
+        "ssd": _ssd_report(ssd_path),
         "pinned_memory": {
             "pinning": "cudaHostRegister" if cuda else "none (no CUDA: host pool is pageable memory)",
             "memlock_soft": _limit(soft),
@@ -156,8 +159,13 @@ def render(report: dict[str, Any]) -> str:
     if k["backend"] == "torch" and k["device"] == "cpu":
         kernel += " (pure-torch reference; set TRITON_INTERPRET=1 to run the Triton kernels on CPU)"
     nvml = f"driver {nv['driver']}, {nv['devices']} device(s)" if nv["available"] else nv["reason"]
-    kvikio = (f"{kv['version']}, compat mode {kv.get('compat_mode')}" if kv.get("usable")
-              else kv["reason"] if not kv["installed"] else f"{kv['version']}: {kv['reason']}")
+    if not kv["installed"]:
+        kvikio = kv["reason"]
+    elif kv["usable"]:
+        kvikio = (f"{kv['version'] or '?'}: {kv['reason']}"
+                  + (f"; libcufile {kv['libcufile_version']}" if kv["libcufile_version"] else ""))
+    else:
+        kvikio = f"{kv['version'] or '?'}: {kv['reason']}"
     memlock = pin["memlock_soft"] if isinstance(pin["memlock_soft"], str) else _bytes(pin["memlock_soft"])
     rows = [
         ("saria", report["saria"]),
@@ -169,8 +177,7 @@ def render(report: dict[str, Any]) -> str:
         ("kernel backend", f"{kernel} on {k['device']}"),
         ("NVML", nvml),
         ("kvikio", kvikio),
-        ("storage backend", report["storage_backend"]
-         + ("" if report["storage_backend"] == "kvikio" else " (pread/pwrite on a thread pool)")),
+        ("storage backend", report["storage"]["description"]),
         ("ssd O_DIRECT", f"{report['ssd']['path']}: {report['ssd']['reason']}"),
         ("pinned memory", f"{pin['pinning']}; memlock limit {memlock}; "
                           f"host memory {_gib(pin['mem_available_bytes'])} free of {_gib(pin['mem_total_bytes'])}"),

@@ -432,7 +432,8 @@ class SSDStore:
 
     @property
     def backend_name(self) -> str:
-        """``"posix"`` or ``"kvikio"``: the payload backend in use."""
+        """The payload backend in use: ``"posix"``, ``"kvikio (GDS)"`` or ``"kvikio (compat mode)"``
+        (kvikio's own POSIX path: no GPUDirect), as ``saria doctor`` reports it."""
         assert self._payload is not None
         return self._payload.name
 
