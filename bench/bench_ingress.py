@@ -337,6 +337,7 @@ def kvikio_read_gbps(store, keys, threads: int, device, repeats: int = 3) -> tup
 
     files: dict[str, object] = {}
     lock = threading.Lock()
+    index = device.index if device.index is not None else torch.cuda.current_device()
 
     def file_of(path):
         with lock:
@@ -348,6 +349,7 @@ def kvikio_read_gbps(store, keys, threads: int, device, repeats: int = 3) -> tup
         return torch.empty(-(-size // ALIGN) * ALIGN, dtype=torch.uint8, device=device)
 
     def read_one(buf, path, offset, length):
+        torch.cuda.set_device(index)  # kvikio's bounce buffers need the device's context current on this thread
         got = file_of(path).raw_read(buf[:length], length, offset)
         if got != length:
             raise OSError(f"kvikio read {got} of {length} bytes at {offset}")
