@@ -51,7 +51,8 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -x --maxfail=5)
 step doctor 60 "$PY" -m saria.cli doctor
 wanted doctor && "$PY" -m saria.cli doctor --json >"$out/doctor.json" 2>/dev/null
 step kernel_tests 240 "${PYTEST[@]}" -n 8 tests/test_kernels_pages.py tests/test_kernels_state.py \
-  tests/test_kernels_checksum.py tests/test_kernels_codegen.py tests/test_kernels_misuse.py
+  tests/test_kernels_checksum.py tests/test_kernels_codegen.py tests/test_kernels_misuse.py \
+  tests/test_kernels_launch.py
 # SARIA_SWEEP_KERNELS=1 adds the tile/warp sweep (about a minute more) for re-tuning from the CSV.
 step bench_kernels 150 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" \
   ${SARIA_SWEEP_KERNELS:+--sweep-block}
@@ -68,7 +69,7 @@ step bench_ingress 200 "$PY" bench/bench_ingress.py --tokens "${SARIA_INGRESS_TO
   --png "$out/ingress_timeline.png" --csv "$out/ingress_timeline.csv" --json
 step bench_pacer 90 "$PY" bench/bench_pacer.py --json
 rm -rf "$out/ssd"
-step ncu 120 profiling/ncu_kernels.sh "$out/ncu"
+step ncu 60 profiling/ncu_kernels.sh "$out/ncu"
 
 grep -h '^target ' "$out"/*.log >"$out/targets.txt" 2>/dev/null
 echo "== targets: $(grep -c -- '-> MET' "$out/targets.txt") met, $(grep -c -- '-> MISSED' "$out/targets.txt") missed"

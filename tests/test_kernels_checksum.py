@@ -46,7 +46,7 @@ def test_matches_formula(backend, n):
 
 
 def test_backends_agree_on_multi_program_buffer():
-    block = checksum_module.WORDS_PER_PROGRAM if DEVICE.type == "cuda" else checksum_module.WORDS_PER_PROGRAM_INTERPRETED
+    block = checksum_module.BLOCK_WORDS if DEVICE.type == "cuda" else checksum_module.BLOCK_WORDS_INTERPRETED
     data = random_bytes((3 * block * 4 + 12,), torch.uint8, 1)  # several kernel programs
     assert checksum(data, backend=TRITON) == checksum_reference(data)
 
@@ -177,7 +177,7 @@ def test_cpu_path_agrees_with_the_triton_kernel():
     """The host path and the Triton kernel (interpreted on CPU, compiled on CUDA) on random buffers."""
     if TRITON != "triton":
         pytest.skip("no Triton kernel here: neither CUDA nor TRITON_INTERPRET=1")
-    block = checksum_module.WORDS_PER_PROGRAM if DEVICE.type == "cuda" else checksum_module.WORDS_PER_PROGRAM_INTERPRETED
+    block = checksum_module.BLOCK_WORDS if DEVICE.type == "cuda" else checksum_module.BLOCK_WORDS_INTERPRETED
     rng = random.Random(0)
     for seed, n in enumerate([0, 3, 4, 4 * block - 1, 4 * block, 4 * block + 5, BLOCK_BYTES + 1,
                               *(rng.randrange(1, 3 * BLOCK_BYTES) for _ in range(4))]):

@@ -27,16 +27,20 @@ def ptx(fn, signature, constexprs, aligned=()):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 copy_sig = {"p_table": "*i64", "p_ids": "*i64", "staging_addr": "i64", "pages_per_chunk": "i64",
-            "chunk_bytes": "i64", "PACK": "constexpr", "WORDS": "constexpr", "BYTES": "constexpr"}
+            "chunk_bytes": "i64", "tiles": "i32", "PACK": "constexpr", "WORDS": "constexpr", "BYTES": "constexpr",
+            "TILE_MAJOR": "constexpr"}
 out = {}
 for pack in (True, False):
-    text = ptx(pages._copy_pages_kernel, copy_sig,
-               {"PACK": pack, "WORDS": pages.WORDS_PER_ITER, "BYTES": pages.BYTES_PER_ITER})
-    out["pack" if pack else "unpack"] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
-text = ptx(checksum._checksum_kernel, {"p_words": "*i32", "n_words": "i64", "p_partials": "*i64",
-                                       "WORDS": "constexpr"}, {"WORDS": checksum.WORDS_PER_PROGRAM},
-           aligned=("p_words", "n_words", "p_partials"))
+    for tile_major in (False, True):
+        text = ptx(pages._copy_pages_kernel, copy_sig, {"PACK": pack, "WORDS": pages.TILE_WORDS,
+                                                        "BYTES": pages.BYTES_PER_ITER, "TILE_MAJOR": tile_major})
+        name = ("pack" if pack else "unpack") + ("_tile_major" if tile_major else "")
+        out[name] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
+text = ptx(checksum._checksum_kernel, {"p_words": "*i32", "n_words": "i64", "p_bytes": "*u8", "n_bytes": "i64",
+                                       "p_sum": "*i64", "BLOCK": "constexpr"}, {"BLOCK": checksum.BLOCK_WORDS},
+           aligned=("p_words", "p_bytes", "p_sum"))
 out["checksum"] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
+out["checksum_atomics"] = re.findall(r"(?:atom|red)\.global[.\w]*", text)
 print(json.dumps(out))
 """
 
@@ -49,7 +53,7 @@ def global_memory_ops():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("direction", ["pack", "unpack"])
+@pytest.mark.parametrize("direction", ["pack", "unpack", "pack_tile_major", "unpack_tile_major"])
 def test_aligned_pages_copy_in_16_byte_words(global_memory_ops, direction):
     ops = global_memory_ops[direction]
     assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, ops
@@ -58,3 +62,9 @@ def test_aligned_pages_copy_in_16_byte_words(global_memory_ops, direction):
 
 def test_checksum_reads_16_byte_words(global_memory_ops):
     assert any(op.startswith("ld.global.v4") for op in global_memory_ops["checksum"]), global_memory_ops
+
+
+def test_checksum_reduces_on_the_device_with_one_64_bit_atomic_per_program(global_memory_ops):
+    atomics = global_memory_ops["checksum_atomics"]
+    assert len(atomics) == 1 and atomics[0].endswith(".add.u64"), atomics
+    assert not any(op.startswith("st.global") for op in global_memory_ops["checksum"]), global_memory_ops

@@ -8,7 +8,7 @@ import torch
 from kernel_cases import (DEVICE, DTYPES, assert_round_trip, flashinfer, fresh_like, gdn_pages, legacy_halves, mla,
                           random_bytes, vllm_layers)
 from saria.kernels import PageTable, pack_pages, pack_pages_reference, resolve_backend, unpack_pages
-from saria.kernels.pages import BYTES_PER_ITER, WORDS_PER_ITER
+from saria.kernels.pages import BYTES_PER_ITER, TILE_WORDS
 
 TRITON = resolve_backend("auto", DEVICE)  # "triton" under the interpreter or on CUDA
 BACKENDS = sorted({TRITON, "torch"})
@@ -112,8 +112,8 @@ def test_unaligned_addresses_take_the_narrow_path_correctly(backend):
     assert torch.equal(fresh_big[1:].view(7, 64)[ids].view(torch.uint8), cache[ids].view(torch.uint8))
 
 
-@pytest.mark.parametrize("page_bytes", [pytest.param(4 * (2 * WORDS_PER_ITER + 4), id="aligned-3-iterations"),
-                                        pytest.param(2 * BYTES_PER_ITER + 3, id="unaligned-3-iterations")])
+@pytest.mark.parametrize("page_bytes", [pytest.param(4 * (2 * TILE_WORDS + 4), id="aligned-3-tiles"),
+                                        pytest.param(2 * BYTES_PER_ITER + 3, id="unaligned-3-byte-steps")])
 def test_pages_larger_than_one_loop_iteration(page_bytes):
     caches = [random_bytes((4, page_bytes), torch.uint8, 11), random_bytes((4, page_bytes), torch.uint8, 12)]
     ids = _ids(3, 0)
