@@ -395,8 +395,13 @@ def check_block_ids(block_ids: torch.Tensor, table: PageTable, *, unique: bool) 
             values, counts = torch.unique(host, return_counts=True)
             raise ValueError(f"block id {int(values[counts > 1][0])} appears more than once; unpacking it "
                              "twice would race on the same page")
-    ids = host if table.device.type == "cpu" else host.to(table.device, non_blocking=True)
-    return ids, chunks, per_chunk
+    if table.device.type == "cpu":
+        return host, chunks, per_chunk
+    # Through pinned memory: a copy from pageable memory makes CUDA synchronize the stream first, so
+    # the host would wait for everything queued before (a reload's whole batch of H2D copies) before
+    # it could launch the unpack and queue the next batch. torch's pinned allocator keeps the block
+    # until the copy has run.
+    return host.pin_memory().to(table.device, non_blocking=True), chunks, per_chunk
 
 
 def check_staging(staging: torch.Tensor, table: PageTable, chunks: int, per_chunk: int, what: str) -> None:
