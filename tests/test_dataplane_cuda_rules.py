@@ -225,3 +225,34 @@ def _ssd_key(chunk):
     from saria.dataplane import object_key
 
     return object_key(chunk, "kv")
+
+
+# --- the SSD store's bounce buffers ------------------------------------------------------------------
+
+def test_bounce_buffers_are_registered_and_unregistered_once(tmp_path):
+    """The POSIX backend's bounce buffers (pinned where CUDA is, so copies to and from GPU memory
+    are DMA, not CUDA's pageable path) are registered ranges like a host pool's: unregistered when
+    the store closes, and when a pool nobody closed is collected."""
+    from saria.dataplane.ssd_backends import AlignedPool
+
+    part = 2 * SLOT  # bounce buffers are a part long; header blocks (also registered) are 4 KiB
+    (tmp_path / "d").mkdir()
+    store = SSDStore([tmp_path / "d"], 4096 + 4 * (4096 + part), part, backend="posix")
+    before = set(REGISTRY.ranges())
+    data = torch.arange(part + 100, dtype=torch.int64).to(torch.uint8).to(DEVICE)
+    store.write(b"k", data).result()
+    out = torch.empty(part + 100, dtype=torch.uint8, device=DEVICE)
+    store.read(b"k", out).result()  # the partial last part (and, on a GPU, every part) goes through a bounce
+    assert torch.equal(out, data)
+    bounce = {r for r in set(REGISTRY.ranges()) - before if r[1] == part}
+    assert bounce and all(pinned == torch.cuda.is_available() for _, _, pinned in bounce)
+    store.close()
+    assert not bounce & set(REGISTRY.ranges())
+
+    pool = AlignedPool(8192, pin=False)
+    with pool.acquire() as buf:
+        ptr = buf.tensor.data_ptr()
+    assert any(r[0] == ptr for r in REGISTRY.ranges())
+    del pool, buf
+    gc.collect()
+    assert not any(r[0] == ptr for r in REGISTRY.ranges())

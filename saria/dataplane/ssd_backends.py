@@ -38,6 +38,7 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -97,23 +98,56 @@ class AlignedBuffer:
 
 
 class AlignedPool:
-    """Reusable :class:`AlignedBuffer` s of one size (one is made whenever none is free)."""
+    """Reusable :class:`AlignedBuffer` s of one size (one is made whenever none is free).
 
-    def __init__(self, nbytes: int):
+    ``pin``: register each buffer with CUDA, so the copies between a bounce buffer and GPU memory
+    are DMA at the link's rate instead of CUDA's pageable path (which stages them through the
+    driver's own buffers, one copy at a time across threads, after synchronizing the stream).
+    Buffers are registered in the host pool's :data:`~saria.dataplane.host_pool.REGISTRY` on every
+    machine (pinned only with ``pin``), and unregistered exactly once: by :meth:`close`, or when a
+    pool nobody closed is collected. Buffers made after :meth:`close` are plain memory."""
+
+    def __init__(self, nbytes: int, pin: bool = False):
         self.nbytes = nbytes
+        self.pin = pin
         self._free: list[AlignedBuffer] = []
+        self._made: list[AlignedBuffer] = []
         self._lock = threading.Lock()
+        self._release = weakref.finalize(self, _unregister_buffers, self._made)
+        self._release.atexit = False  # at interpreter exit the registrations go with the process
+
+    def _new(self) -> AlignedBuffer:
+        from .host_pool import REGISTRY
+
+        buf = AlignedBuffer(self.nbytes)
+        with self._lock:
+            if self._release.alive:
+                REGISTRY.register(buf.tensor.data_ptr(), self.nbytes, pin=self.pin)
+                self._made.append(buf)
+        return buf
 
     @contextmanager
     def acquire(self) -> Iterator[AlignedBuffer]:
         with self._lock:
             buf = self._free.pop() if self._free else None
-        buf = buf or AlignedBuffer(self.nbytes)
+        buf = buf or self._new()
         try:
             yield buf
         finally:
             with self._lock:
                 self._free.append(buf)
+
+    def close(self) -> None:
+        """Unregister every buffer made so far (idempotent; they stay usable as plain memory)."""
+        with self._lock:
+            self._release()
+
+
+def _unregister_buffers(made: list[AlignedBuffer]) -> None:
+    from .host_pool import REGISTRY
+
+    while made:  # the list holds the buffers (their memory mapped) until they are unregistered
+        REGISTRY.unregister(made.pop().tensor.data_ptr())
 
 
 def host_view(t: torch.Tensor) -> memoryview:
@@ -341,9 +375,10 @@ class PosixPayloadIO:
 
     name = "posix"
 
-    def __init__(self, files: list[DriveFile], part_bytes: int):
+    def __init__(self, files: list[DriveFile], part_bytes: int, pin: bool | None = None):
         self._files = files
-        self._bounce = AlignedPool(part_bytes)
+        # Pinned where CUDA is: CUDA destinations and sources are copied through these buffers.
+        self._bounce = AlignedPool(part_bytes, pin=torch.cuda.is_available() if pin is None else pin)
 
     def read_payload(self, drive: int, offset: int, dest: torch.Tensor, length: int) -> None:
         f = self._files[drive]
@@ -390,7 +425,7 @@ class PosixPayloadIO:
                 f.write_exact(b.view[:size], offset + head)
 
     def close(self) -> None:
-        pass
+        self._bounce.close()
 
 
 # ------------------------------------------------------------------ kvikio: what it would do here
@@ -735,6 +770,7 @@ class KvikioPayloadIO:
         for f in self._files:
             f.close()
         self._files = []
+        self._posix.close()
 
 
 def open_payload_io(backend: str, files: list[DriveFile], part_bytes: int, counters: SSDCounters, *,
