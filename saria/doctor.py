@@ -76,7 +76,7 @@ def _storage_report(cuda: bool, ssd_path: str) -> tuple[dict[str, Any], dict[str
     one decision :func:`saria.dataplane.ssd_backends.open_payload_io` makes. Where that is kvikio,
     a ``CuFile`` is also opened in ``ssd_path`` (as the store opens its drive files; where that
     fails the store falls back to POSIX, and so does this report)."""
-    from saria.dataplane.ssd_backends import POSIX_DESCRIPTION, choose_backend, kvikio_status, probe_kvikio_open
+    from saria.dataplane.kvikio_status import POSIX_DESCRIPTION, choose_backend, kvikio_status, probe_kvikio_open
 
     status = kvikio_status(cuda)
     choice = choose_backend("auto", status)

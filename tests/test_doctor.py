@@ -13,7 +13,7 @@ import torch
 
 from saria import doctor
 from saria.dataplane import SSDStore
-from saria.dataplane.ssd_backends import choose_backend, kvikio_status
+from saria.dataplane.kvikio_status import choose_backend, kvikio_status
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()

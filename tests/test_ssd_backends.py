@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from saria.dataplane.ssd_backends import (
-    DriveFile, IoOps, KvikioStatus, PosixPayloadIO, _compat_name, choose_backend, decide_kvikio, kvikio_facts,
-    kvikio_status, open_payload_io)
+from saria.dataplane.kvikio_status import (KvikioStatus, _compat_name, choose_backend, decide_kvikio, kvikio_facts,
+                                           kvikio_status)
+from saria.dataplane.ssd_backends import DriveFile, IoOps, PosixPayloadIO, open_payload_io
 from saria.dataplane.ssd_counters import SSDCounters
 from saria.dataplane.ssd_errors import StoreConfigError
 
