@@ -43,6 +43,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from .host_pool import REGISTRY
 from .kvikio_status import BACKENDS, KvikioStatus, choose_backend, kvikio_status
 from .ssd_counters import SSDCounters
 from .ssd_errors import StoreConfigError
@@ -113,8 +114,6 @@ class AlignedPool:
         self._release.atexit = False  # at interpreter exit the registrations go with the process
 
     def _new(self) -> AlignedBuffer:
-        from .host_pool import REGISTRY
-
         buf = AlignedBuffer(self.nbytes)
         with self._lock:
             if self._release.alive:
@@ -140,8 +139,6 @@ class AlignedPool:
 
 
 def _unregister_buffers(made: list[AlignedBuffer]) -> None:
-    from .host_pool import REGISTRY
-
     while made:  # the list holds the buffers (their memory mapped) until they are unregistered
         REGISTRY.unregister(made.pop().tensor.data_ptr())
 
