@@ -27,6 +27,9 @@ key                           meaning (default)
 ``coordinator``               coordinated, overlap or serial (``coordinated``)
 ``durable``                   fdatasync SSD writes before they count (``true``)
 ``log_interval_s``            seconds between one-line summaries in the log; 0 turns them off (60)
+``audit_kv``                  check every reloaded page bit for bit against the KV vLLM computed
+                              (:mod:`~saria.integrations.vllm.audit`; a copy and a hash per page:
+                              tests, the demo, debugging) (``false``)
 ``on_load_failure``           ``recompute``: a reload that fails (corrupt SSD object, I/O error)
                               makes vLLM recompute those tokens; ``fail``: the request fails.
                               Sets vLLM's ``kv_load_failure_policy`` (``recompute``)
@@ -46,7 +49,7 @@ DEFAULT_CHECKPOINT_TOKENS = 16_384
 _POLICY_FIELDS = {f.name for f in dataclasses.fields(Policy)} - {"name"}
 _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", "chunk_tokens",
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
-         "log_interval_s", "on_load_failure"} | _POLICY_FIELDS
+         "log_interval_s", "on_load_failure", "audit_kv"} | _POLICY_FIELDS
 
 
 MAX_BYTES = 1 << 60  # an exabyte: beyond any tier a machine could give
@@ -106,6 +109,7 @@ class ConnectorSettings:
     durable: bool = True
     log_interval_s: float = 60.0
     on_load_failure: str = "recompute"
+    audit_kv: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -129,6 +133,9 @@ class ConnectorSettings:
         durable = extra.get("durable", True)
         if not isinstance(durable, bool):
             raise ValueError(f"durable must be true or false, got {durable!r:.60}")
+        audit_kv = extra.get("audit_kv", False)
+        if not isinstance(audit_kv, bool):
+            raise ValueError(f"audit_kv must be true or false, got {audit_kv!r:.60}")
         overrides = {k: v for k, v in extra.items() if k in _POLICY_FIELDS}
         resolved = Policy.preset(policy, **overrides)  # validates the overrides now, with the field's name in the error
         if "oracle" in admission_rules(resolved.admission):
@@ -141,7 +148,8 @@ class ConnectorSettings:
                    checkpoint_tokens=_positive_int(extra, "checkpoint_tokens"),
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
                    log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
-                   on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")))
+                   on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")),
+                   audit_kv=audit_kv)
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
         """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only

@@ -53,6 +53,7 @@ from saria.dataplane.keys import parse_object_key
 from saria.dataplane.setup import DataPlane, open_data_plane
 from saria.kernels import PageTable
 
+from .audit import KVAudit
 from .faults import Faults
 from .geometry import EngineGeometry
 from .layout import ParallelLayout, page_layout, rank_directories, store_identity
@@ -110,6 +111,7 @@ class SariaWorker:
         self._final_counters: dict = {}  # the engine's counters when its data plane closed
         self._stats_seen: dict[str, float] = {}
         self._inventory: dict[ObjectKey, int] | None = None  # to report once: this rank's recovered SSD objects
+        self.audit: KVAudit | None = None  # audit_kv: reloaded pages checked against what vLLM computed
 
     @property
     def engine(self):
@@ -134,7 +136,8 @@ class SariaWorker:
     def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
         g = self.geometry
         views = self._views(g.attention_layers + g.state_layers, kv_caches)
-        table = PageTable([v for name in g.attention_layers for v in views[name]])
+        kv_views = [v for name in g.attention_layers for v in views[name]]
+        table = PageTable(kv_views)
         if table.bytes_per_page != g.kv_bytes_per_token * self.block_size:
             raise ValueError(f"saria: attention pages hold {table.bytes_per_page} B, vLLM's spec says "
                              f"{g.kv_bytes_per_token * self.block_size}")
@@ -153,6 +156,8 @@ class SariaWorker:
                                     ssd_paths=directories, ssd_identity=identity,
                                     coordinator_mode=self.settings.coordinator, durable=self.settings.durable)
         self._inventory = self._take_inventory()
+        if self.settings.audit_kv:
+            self.audit = KVAudit(kv_views)
         log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page, host pool %s, SSD %s",
                  self.layout.rank, self.layout.shards, len(g.attention_layers), len(g.state_layers),
                  table.bytes_per_page, self.data.host_pool,
@@ -254,6 +259,9 @@ class SariaWorker:
         req_id = spec.req_id
         self._finished.add(req_id)
         self._load_reports.append(LoadReport(req_id, spec.plan.plan_id, result.failed, result.valid_chunks))
+        if self.audit is not None:
+            for c in range(result.valid_chunks):
+                self.audit.check(spec.plan.chunk_hashes[c], spec.kv_blocks[c], spec.skip_pages if c == 0 else 0)
         if result.failed:
             if self.geometry.hybrid:  # block ids are per group: vLLM takes request-level failures
                 self._failed_requests.add(req_id)
@@ -323,6 +331,10 @@ class SariaWorker:
             return
         if isinstance(order, (StoreOrder, PromoteOrder)):
             self._dram_keys.update(_keys(order))  # before it can land
+        if self.audit is not None and not drop:
+            for chunk in order.kv:
+                if chunk in batch.kv_blocks:  # this order reads the chunk from vLLM's blocks
+                    self.audit.stored(chunk, batch.kv_blocks[chunk])
         try:
             (run,) = self.engine.execute([order], batch.kv_blocks, prepacked=prepacked)
         except Exception as exc:  # the engine started nothing of it
@@ -410,6 +422,8 @@ class SariaWorker:
         if self.data.ssd is not None:
             for key in self.data.ssd.keys():
                 self.data.ssd.delete(key)
+        if self.audit is not None:
+            self.audit.forget()
         left = engine.dram_objects()
         if left:
             raise RuntimeError(f"{left} DRAM object(s) left after dropping every one stored")
@@ -462,6 +476,8 @@ class SariaWorker:
             out = {}
         out["connector"] = dict(self.faults.snapshot(), epoch=self.epoch, off=self.off, held=len(self._held),
                                 preemption_waits=self.preemption_waits)
+        if self.audit is not None:
+            out["audit"] = self.audit.counters()
         return out
 
     def stats_delta(self) -> dict[str, int | float]:

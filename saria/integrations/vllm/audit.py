@@ -1,0 +1,94 @@
+"""An opt-in audit of what saria restores: every reloaded page holds the bytes vLLM computed.
+
+With the connector option ``audit_kv: true`` the worker digests, page by page, the attention KV of
+each chunk a store or SSD write reads out of vLLM's blocks (after the forward that computed it,
+when ``wait_for_save`` starts the order), and digests the pages a reload wrote once it has landed
+(``get_finished``). A reloaded page must be bit-for-bit the page vLLM computed; one that is not is
+counted and logged as an error. The digests read vLLM's own tensors directly, with none of saria's
+kernels, staging buffers, tiers or checksums in between, so the audit checks the whole path
+(pack, host pool, SSD, unpack) independently of it.
+
+Why a byte check and not only an output check: two runs of vLLM compute the same prefix's KV in
+different steps (a whole prompt at once, or a new turn over a cached prefix), and on some CPUs
+vLLM's attention rounds the two differently (``docs/numerics.md``). Outputs then differ in their
+last bits for reasons that are vLLM's, not saria's; the bytes saria restores must never differ.
+
+Cost: a device-to-host copy and a hash of every page stored and reloaded, on the engine's thread.
+For tests, ``saria demo`` and debugging a deployment, not for serving at speed. Objects that a
+previous run left on SSD were computed before this process started: their reloads count as
+``unverified``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Hashable, Sequence
+
+import torch
+
+log = logging.getLogger("saria.vllm")
+
+DIGEST_BYTES = 16
+
+
+class KVAudit:
+    """Page digests of stored chunks, checked against the pages their reloads wrote.
+
+    ``views``: every attention layer's paged tensors (dim 0 indexes vLLM blocks), as the page
+    table sees them. A chunk stored again (recomputed after its objects were dropped) replaces its
+    digests: a reload reads the newest copy."""
+
+    def __init__(self, views: Sequence[torch.Tensor]):
+        if not views:
+            raise ValueError("KVAudit needs at least one paged tensor")
+        self.views = list(views)
+        self._stored: dict[Hashable, tuple[bytes, ...]] = {}
+        self.stored_pages = 0
+        self.checked_pages = 0
+        self.mismatched_pages = 0
+        self.unverified_pages = 0
+        self._reported: set[Hashable] = set()
+
+    def page_digest(self, block: int) -> bytes:
+        """The digest of one vLLM block over every attention layer, in layer order."""
+        h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        for view in self.views:
+            page = view[block].detach().contiguous()
+            h.update(page.view(torch.uint8).cpu().numpy().tobytes())
+        return h.digest()
+
+    def stored(self, chunk: Hashable, blocks: Sequence[int]) -> None:
+        """A store or write is about to read ``chunk`` from ``blocks``: what they hold now is what
+        vLLM computed."""
+        self._stored[chunk] = tuple(self.page_digest(b) for b in blocks)
+        self.stored_pages += len(blocks)
+
+    def check(self, chunk: Hashable, blocks: Sequence[int], skip: int = 0) -> int:
+        """A reload wrote ``chunk`` into ``blocks[skip:]`` (the first ``skip`` pages are vLLM's own
+        and were left alone); returns how many of those pages differ from what was stored."""
+        written = range(skip, len(blocks))
+        expected = self._stored.get(chunk)
+        if expected is None or len(expected) != len(blocks):
+            self.unverified_pages += len(written)
+            return 0
+        bad = [i for i in written if self.page_digest(blocks[i]) != expected[i]]
+        self.checked_pages += len(written)
+        self.mismatched_pages += len(bad)
+        if bad and chunk not in self._reported:
+            self._reported.add(chunk)
+            log.error("saria audit: reloaded chunk %s differs from the KV vLLM computed in page(s) %s of %d",
+                      _short(chunk), bad, len(blocks))
+        return len(bad)
+
+    def forget(self) -> None:
+        """Every object is gone (a new epoch): nothing stored before can be reloaded."""
+        self._stored.clear()
+
+    def counters(self) -> dict[str, int]:
+        return {"stored_pages": self.stored_pages, "checked_pages": self.checked_pages,
+                "mismatched_pages": self.mismatched_pages, "unverified_pages": self.unverified_pages}
+
+
+def _short(chunk: Hashable) -> str:
+    return chunk.hex()[:12] if isinstance(chunk, bytes) else repr(chunk)[:24]
