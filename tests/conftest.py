@@ -1,9 +1,48 @@
-"""Without CUDA the Triton kernels run under Triton's interpreter, which must be chosen before any
-``@triton.jit`` function is defined, i.e. before saria.kernels is imported by a test module."""
+"""Shared set-up of the test suite.
+
+* Without CUDA the Triton kernels run under Triton's interpreter, which must be chosen before any
+  ``@triton.jit`` function is defined, i.e. before saria.kernels is imported by a test module.
+* Tests marked ``long`` (long hunts, soaks, engine scenarios beyond one of each kind) run only with
+  ``SARIA_LONG_TESTS=1`` (``SARIA_LONG_TESTS=1 make test``); ``make test`` reports them skipped.
+* The dense engine tests share one small model and one reference run of plain vLLM
+  (``dense_session``), instead of building and running their own.
+"""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+LONG = os.environ.get("SARIA_LONG_TESTS", "") not in ("", "0")
+DENSE_CHUNK = 64  # the dense engine tests' chunk: two 32-token vLLM blocks
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: a long hunt or an extra engine scenario; runs with SARIA_LONG_TESTS=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if LONG:
+        return
+    skip = pytest.mark.skip(reason="long test: run with SARIA_LONG_TESTS=1 make test")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def dense_session(tmp_path_factory):
+    """The dense engine tests' model (a small Qwen3 with random weights), their 4-turn agent
+    session, and plain vLLM's reference for it: each turn computed in full and over vLLM's own
+    prefix cache holding the 4 chunks the saria runs reuse (``compare_outputs``)."""
+    from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session
+
+    root = tmp_path_factory.mktemp("dense-session")
+    model = str(build_model(root / "model", "dense"))
+    prompts = synthetic_session(4, system_tokens=250, step_tokens=150, seed=1)
+    spec = {"model": model, "prompts": prompts, "max_tokens": 6, "enforce_eager": True}  # eager: starts faster
+    reference = run_in_subprocess(dict(spec, prefix_caching=True, variants=[[0, 4 * DENSE_CHUNK]] * len(prompts)))
+    return {"model": model, "prompts": prompts, "spec": spec, "reference": reference}

@@ -43,7 +43,8 @@ def server_env(cache: Path) -> dict[str, str]:
                TRITON_CACHE_DIR=str(cache / "triton"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", VLLM_LOGGING_COLOR="0",
                VLLM_LOG_STATS_INTERVAL="2",
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               OMP_NUM_THREADS="1")  # numerics pinned: one thread in both servers (docs/numerics.md)
     env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernels; the server uses the torch references
     return env
 
@@ -244,14 +245,17 @@ async def agent_sessions(base_url: str, model: str, *, sessions: int = 4, turns:
     return [o for r in results for o in r]
 
 
-def completions(base_url: str, model: str, prompts: list[str], *, max_tokens: int = 6) -> list[dict]:
-    """Greedy completions of ``prompts``, one after another: token ids and logprobs of each."""
+def completions(base_url: str, model: str, prompts: list[str], *, max_tokens: int = 6,
+                cache_salt: str | None = None) -> list[dict]:
+    """Greedy completions of ``prompts``, one after another: token ids and logprobs of each.
+    ``cache_salt``: vLLM's, which keys its prefix cache (a new salt: nothing cached is reused)."""
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120.0)
     out = []
     try:
         for prompt in prompts:
             r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=1,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+                                          extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                      **({"cache_salt": cache_salt} if cache_salt else {})})
             choice = r.choices[0]
             extra = choice.model_extra or {}
             out.append({"token_ids": list(extra.get("token_ids") or []), "text": choice.text,

@@ -367,6 +367,8 @@ def served(tmp_path_factory):
         result["plain_server"] = reference
         try:
             result["plain_fixed"] = run_fixed(reference, model)
+            # vLLM's own full recomputation of the same prompts: a new cache salt reuses nothing
+            result["plain_recomputed"] = completions(reference.url, model, fixed_prompts(), cache_salt="recompute")
             result["plain_metrics"] = reference.get("/metrics")
         except BaseException:
             print(reference.tail(), file=sys.stderr)
@@ -391,9 +393,11 @@ def test_every_request_ended_cleanly_and_the_server_stayed_up(served):
     # request_finished ran for them)
     assert metric(samples, "vllm:num_requests_running") == 0 and metric(samples, "vllm:num_requests_waiting") == 0
     log = served["log"]
-    aborted = sum(line.count(",") + 1 for line in log.splitlines() if "Aborted request(s)" in line)
-    cancels = sum(o.kind in ("cancel-stream", "timeout") for o in served["outcomes"])
-    assert aborted >= cancels, served["saria_server"].tail()  # vLLM aborted what the clients dropped
+    # Not asserted: that vLLM logged an abort for every request a client dropped. It aborts one
+    # only if it notices the disconnect before the request ends (a run logged 0 aborts for 3
+    # dropped 1000-token requests that had finished by then), and a request given up on after
+    # 0.3 s may never reach it. A request aborted mid-flight, with its stores still reading its
+    # blocks, is test_vllm_connector_stores.py's (abort_turns), where vLLM's abort is certain.
     assert "Traceback" not in log and " ERROR " not in log, served["saria_server"].tail()
 
 
@@ -433,12 +437,26 @@ def test_summary_line_and_connector_stats_in_vllms_log(served):
 
 def test_outputs_served_from_saria_match_vllms_own_prefix_cache(served):
     """Greedy outputs of the fixed prompts, the second time (prefixes from saria's DRAM and SSD
-    tiers) and the first, equal those of vLLM's own prefix cache fed the same prompts."""
+    tiers) and the first, against those of vLLM's own prefix cache fed the same prompts: identical
+    tokens; logprobs as close as vLLM's own paths are to each other. The two servers computed the
+    shared prefixes in different steps (saria's during concurrent sessions), and vLLM's CPU
+    attention rounds a token's KV by the step it was computed in, on some CPUs
+    (docs/numerics.md). So the tolerance is measured, not chosen: the largest difference between
+    the plain server's outputs from its own prefix cache and its full recomputation of the same
+    prompts (zero where vLLM's arithmetic does not depend on the split)."""
+    recomputed = served["plain_recomputed"]
+    tolerance = 0.0
+    for run in (0, 1):
+        for i, (cached, full) in enumerate(zip(served["plain_fixed"][run], recomputed)):
+            assert cached["token_ids"] == full["token_ids"], f"vLLM itself: run {run}, prompt {i}"
+            tolerance = max([tolerance] + [abs(a - b) for a, b in zip(cached["logprobs"], full["logprobs"])])
     for run in (0, 1):
         for i, (got, ref) in enumerate(zip(served["saria_fixed"][run], served["plain_fixed"][run])):
             assert got["prompt_tokens"] == ref["prompt_tokens"] < MAX_MODEL_LEN
             assert len(got["token_ids"]) == 6, got
             assert got["token_ids"] == ref["token_ids"], f"run {run}, prompt {i}"
-            assert got["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-2), f"run {run}, prompt {i}"
+            gap = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
+            assert gap <= tolerance, (f"run {run}, prompt {i}: logprobs differ by {gap:.3g}, vLLM's own prefix "
+                                      f"cache from its recomputation by {tolerance:.3g}")
     plain = prometheus(served["plain_metrics"])
     assert metric(plain, "vllm:prefix_cache_hits_total") > 0  # the reference did reuse its own cache

@@ -11,6 +11,8 @@ from saria.config import Capacity, Policy, SariaConfig
 from saria.control import ControlPlane, PromoteOrder, Tier
 from saria.integrations.vllm.prewarm import PrewarmSessions
 
+from test_vllm_connector import assert_kv_audited, assert_same_outputs
+
 CHUNK = 64  # two 32-token vLLM blocks per chunk
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 KV heads, head dim 64, bf16
 
@@ -99,44 +101,48 @@ def test_prewarm_off_tracks_nothing():
 # --- on vLLM ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session
+def engine_runs(tmp_path_factory, dense_session):
+    """The first 3 turns of the dense engine tests' session (``dense_session``: its model, prompts
+    and plain vLLM's reference), with saria and an idle gap after each turn, without and with
+    prewarm: ``(reference, run)``, ``run(prewarm)`` starting its engine when a test first asks."""
+    from saria.integrations.vllm.session import run_in_subprocess
 
     root = tmp_path_factory.mktemp("prewarm")
-    model = str(build_model(root / "model", "dense"))
-    prompts = synthetic_session(3, system_tokens=250, step_tokens=150, seed=1)
-    spec = {"model": model, "prompts": prompts, "max_tokens": 6}
-    reference = run_in_subprocess(spec)
+    spec = dict(dense_session["spec"], prompts=dense_session["prompts"][:3])
     runs = {}
-    for prewarm in (False, True):
-        ssd = root / f"ssd-{prewarm}"
-        ssd.mkdir()
-        # DRAM holds 4 chunks, theta_E=1: turn 1 leaves chunks 0-3 in DRAM, turn 2's commit evicts
-        # them to SSD (their slots held until the writes end, so turn 2's new chunks find no room).
-        config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(ssd)],
-                  "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0,
-                  "prewarm": prewarm, "prewarm_lead_s": 1.5, "prewarm_dram_fraction": 1.0}
-        runs[prewarm] = run_in_subprocess(dict(spec, extra_config=config, gap_s=3.0))
-    return reference, runs
+
+    def run(prewarm: bool) -> dict:
+        if prewarm not in runs:
+            ssd = root / f"ssd-{prewarm}"
+            ssd.mkdir()
+            # DRAM holds 4 chunks, theta_E=1: turn 1 leaves chunks 0-3 in DRAM, turn 2's commit evicts
+            # them to SSD (their slots held until the writes end, so turn 2's new chunks find no room).
+            config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(ssd)],
+                      "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0,
+                      "prewarm": prewarm, "prewarm_lead_s": 1.5, "prewarm_dram_fraction": 1.0, "audit_kv": True}
+            runs[prewarm] = run_in_subprocess(dict(spec, extra_config=config, gap_s=3.0))
+        return runs[prewarm]
+
+    return dense_session["reference"], run
 
 
 def _same_outputs(reference, run):
-    for i, (ref, got) in enumerate(zip(reference["turns"], run["turns"])):
-        assert got["output_tokens"] == ref["output_tokens"], f"turn {i}: tokens differ"
-        assert got["logprobs"] == ref["logprobs"], f"turn {i}: logprobs differ"
+    assert_same_outputs(reference, run)
+    assert_kv_audited(run)  # promoted objects too: each reloaded page is the page vLLM computed
 
 
+@pytest.mark.long
 def test_without_prewarm_the_third_turn_reads_ssd(engine_runs):
-    reference, runs = engine_runs
-    turns = runs[False]["turns"]
+    reference, run = engine_runs
+    turns = run(False)["turns"]
     assert turns[2]["ssd_tokens"] == 4 * CHUNK and turns[2]["dram_tokens"] == 0
-    assert runs[False]["control"]["prewarm_orders"] == 0
-    _same_outputs(reference, runs[False])
+    assert run(False)["control"]["prewarm_orders"] == 0
+    _same_outputs(reference, run(False))
 
 
 def test_a_prewarm_between_turns_makes_the_third_turn_load_from_dram(engine_runs):
     reference, runs = engine_runs
-    run = runs[True]
+    run = runs(True)
     turns, control = run["turns"], run["control"]
     assert control["prewarm_orders"] >= 1 and control["prewarm_bytes_read"] >= 4 * CHUNK * KV_BYTES_PER_TOKEN
     assert turns[2]["dram_tokens"] == 4 * CHUNK and turns[2]["ssd_tokens"] == 0

