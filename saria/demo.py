@@ -58,10 +58,12 @@ def audit_verdict(worker: dict, hit_tokens: int) -> tuple[bool, str]:
     if audit is None:
         return False, "KV bytes: not audited (the worker reported no audit)"
     checked, bad = audit["checked_pages"], audit["mismatched_pages"]
-    ok = bad == 0 and (checked > 0 or hit_tokens == 0)
     if bad:
         return False, f"KV bytes: {bad} of {checked} reloaded pages DIFFER from the pages vLLM computed"
-    return ok, (f"KV bytes: each of the {checked} pages saria reloaded is bit-for-bit the page vLLM computed "
+    if checked == 0:
+        return (False, f"KV bytes: {hit_tokens} tokens were reused but no reloaded page was checked") if hit_tokens \
+            else (True, "KV bytes: nothing was reloaded")
+    return True, (f"KV bytes: each of the {checked} pages saria reloaded is bit-for-bit the page vLLM computed "
                 f"(every attention layer)" + (f"; {audit['unverified_pages']} unverified" if audit["unverified_pages"]
                                               else ""))
 
@@ -125,11 +127,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"      {time.perf_counter() - t0:.0f} s")
 
     turns, base = saria["turns"], plain["turns"]
+    hit = sum(t["cached_tokens"] for t in turns)
     check = compare_outputs(turns, plain)
-    bytes_ok, bytes_line = audit_verdict(saria["worker"], sum(t["cached_tokens"] for t in turns))
+    bytes_ok, bytes_line = audit_verdict(saria["worker"], hit)
     control = saria["control"]
     duplicate = full_duplicate_writes(prompts, dram_bytes, ssd_bytes)
-    hit = sum(t["cached_tokens"] for t in turns)
     result = {
         "requests": len(turns),
         "hit_tokens": hit,

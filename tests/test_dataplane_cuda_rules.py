@@ -16,19 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernel_cases import vllm_layers
-from saria.config import SariaConfig
 from saria.control import DropOrder, ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
-from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine
+from saria.dataplane import HostPool, SSDStore
 from saria.dataplane.host_pool import REGISTRY, HostRegistry
 from saria.dataplane.load_job import LoadJob
 from saria.dataplane.offload import Offload
 from saria.dataplane.streams import CudaEvent, Event, HostEvent, Streams
-from saria.kernels import PageTable
+from test_dataplane_engine import PAGES, SLOT, blocks_of, engine_rig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PAGES = 2
 NB = 48
-SLOT = 4096
 
 
 # --- events ----------------------------------------------------------------------------------------
@@ -145,19 +142,8 @@ def test_a_failed_registration_leaves_no_error_for_the_next_launch():
 @pytest.fixture
 def rig(tmp_path):
     caches = [c.to(DEVICE) for c in vllm_layers(NB, 4, 2, 8, torch.bfloat16, layers=3, seed=5)]
-    pool = HostPool(16 * SLOT, SLOT)
-    (tmp_path / "d").mkdir()
-    store = SSDStore([tmp_path / "d"], 4096 + 24 * (4096 + SLOT), SLOT)
-    engine = TransferEngine(PageTable(caches), host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
-                            pages_per_chunk=PAGES, ssd=store)
-    yield caches, engine, store, pool
-    engine.close()
-    store.close()
-    pool.close()
-
-
-def blocks_of(i):
-    return [PAGES * i, PAGES * i + 1]
+    with engine_rig(caches, [tmp_path / "d"], 24) as parts:
+        yield parts
 
 
 def test_a_store_whose_copy_fails_gives_its_slots_back(rig, monkeypatch):

@@ -3,6 +3,7 @@ dir (kernels under Triton's interpreter on CPU): every reloaded page is compared
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -35,20 +36,28 @@ def blocks_of(i, base=0):
     return [base + PAGES * i, base + PAGES * i + 1]
 
 
-@pytest.fixture
-def engine_parts(tmp_path):
-    caches = layers()
+@contextlib.contextmanager
+def engine_rig(caches, drives, ssd_slots: int):
+    """A transfer engine over ``caches`` with a 16-slot host pool and an SSD store of
+    ``ssd_slots`` slots over ``drives`` (made here): ``(caches, engine, store, pool)``, closed after."""
     pool = HostPool(16 * SLOT, SLOT)
-    drives = [tmp_path / "d0", tmp_path / "d1"]
     for d in drives:
         d.mkdir()
-    store = SSDStore(drives, 4096 + 16 * (4096 + SLOT), SLOT)
+    store = SSDStore(drives, 4096 + ssd_slots * (4096 + SLOT), SLOT)
     engine = TransferEngine(PageTable(caches), host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
                             pages_per_chunk=PAGES, ssd=store)
-    yield caches, engine, store, pool
-    engine.close()
-    store.close()
-    pool.close()
+    try:
+        yield caches, engine, store, pool
+    finally:
+        engine.close()
+        store.close()
+        pool.close()
+
+
+@pytest.fixture
+def engine_parts(tmp_path):
+    with engine_rig(layers(), [tmp_path / "d0", tmp_path / "d1"], 16) as parts:
+        yield parts
 
 
 def plan(chunks, sources, *, serial=False, plan_id=1):

@@ -17,6 +17,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def audit(checked, mismatched, unverified=0):
+    return {"audit": {"stored_pages": checked, "checked_pages": checked, "mismatched_pages": mismatched,
+                      "unverified_pages": unverified}}
+
+
+@pytest.mark.parametrize("worker, hit, ok, line", [
+    ({}, 64, False, "not audited"),
+    (audit(0, 0), 64, False, "64 tokens were reused but no reloaded page was checked"),
+    (audit(0, 0), 0, True, "nothing was reloaded"),
+    (audit(4, 1), 64, False, "1 of 4 reloaded pages DIFFER"),
+    (audit(4, 0, 2), 64, True, "each of the 4 pages saria reloaded is bit-for-bit the page vLLM computed"),
+])
+def test_the_byte_verdict_passes_only_on_checked_identical_pages(worker, hit, ok, line):
+    from saria.demo import audit_verdict
+
+    got, text = audit_verdict(worker, hit)
+    assert got is ok and line in text
+
+
 def run_demo(tmp_path: Path, turns: int, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "demo.json"
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the demo's kernels: torch's

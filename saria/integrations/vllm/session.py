@@ -361,12 +361,18 @@ def _primed_turn(llm: Any, prompt: list[int], count: int, params: Any) -> TurnRe
         _prime(llm, prompt[:count])
     t0 = time.perf_counter()
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    return _turn_result(out, len(prompt), time.perf_counter() - t0)
+
+
+def _turn_result(out: Any, prompt_tokens: int, wall: float, dram: int = 0, ssd: int = 0,
+                 ranks: list[dict[str, int]] | None = None) -> TurnResult:
+    """One request's ``TurnResult`` from vLLM's ``RequestOutput`` (``wall``: the time to first token
+    when vLLM reports none)."""
     completion = out.outputs[0]
     ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
-    return TurnResult(len(prompt), out.num_cached_tokens or 0, 0, 0, list(completion.token_ids),
+    return TurnResult(prompt_tokens, out.num_cached_tokens or 0, dram, ssd, list(completion.token_ids),
                       [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
-                      ttft if ttft > 0 else wall)
+                      ttft if ttft > 0 else wall, list(ranks or []))
 
 
 def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
@@ -570,13 +576,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
             per_token = max(1, loaded[0]["kv_bytes_per_token"])
             dram, ssd = per_rank[0]["dram"] // per_token, per_rank[0]["ssd"] // per_token
         for n, (prompt, out) in enumerate(zip(group, outs)):
-            completion = out.outputs[0]
-            ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
-            result.turns.append(TurnResult(
-                len(prompt), out.num_cached_tokens or 0, dram if n == 0 else 0, ssd if n == 0 else 0,
-                list(completion.token_ids),
-                [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
-                ttft if ttft > 0 else wall, per_rank if n == 0 else []))
+            lead = n == 0  # a batch's reused tokens by tier count on its first turn
+            result.turns.append(_turn_result(out, len(prompt), wall, dram if lead else 0, ssd if lead else 0,
+                                             per_rank if lead else None))
             if variants is not None:
                 result.variants[turn][variants[turn][0]] = result.turns[-1]
             if progress:
