@@ -354,6 +354,7 @@ def served(tmp_path_factory):
         result["saria_start_s"] = server.started_s
         try:
             result["outcomes"] = asyncio.run(agent_sessions(server.url, model, max_model_len=MAX_MODEL_LEN))
+            result["metrics_before_fixed"] = server.get("/metrics")
             result["saria_fixed"] = run_fixed(server, model)
             result["healthy"] = server.healthy()
             result["metrics"] = server.get("/metrics")
@@ -411,8 +412,16 @@ def test_hits_from_dram_and_ssd_in_prometheus(served):
     assert metric(samples, "vllm:saria_ssd_writes_total") > 0
     assert metric(samples, "vllm:saria_admissions_total") > 0  # theta_E=1: mostly prewrites
     assert metric(samples, "vllm:saria_faults_total") == 0
-    # vLLM's own view agrees that prompt tokens came from the connector
-    assert metric(samples, "vllm:prompt_tokens_cached_total") >= dram + ssd
+    # vLLM's own view agrees that prompt tokens came from the connector, over the fixed prompts
+    # (sent one after another). Not over the concurrent sessions: a load can deliver a prefix to a
+    # request the client then drops before its first token, which saria counts (it loaded it) and
+    # vLLM's prompt_tokens_cached does not (it counts a prefill that ran); with vLLM's AVX2
+    # kernels, slower, that happens in every run.
+    before = prometheus(served["metrics_before_fixed"])
+    hits = sum(metric(samples, "vllm:saria_hit_tokens_total", tier=t) - metric(before, "vllm:saria_hit_tokens_total",
+                                                                                tier=t) for t in ("dram", "ssd"))
+    cached = metric(samples, "vllm:prompt_tokens_cached_total") - metric(before, "vllm:prompt_tokens_cached_total")
+    assert cached >= hits > 0, (cached, hits)
 
 
 def test_every_saria_counter_is_served_at_metrics(served):
