@@ -22,7 +22,7 @@ from enum import StrEnum
 from typing import Hashable
 
 __all__ = ["ControlPlaneError", "DropOrder", "ObjectKey", "Order", "PromoteOrder", "ReloadPlan", "StoreOrder",
-           "Tier", "WriteOrder"]
+           "Tier", "WriteOrder", "split_keys"]
 
 
 class ControlPlaneError(ValueError):
@@ -55,6 +55,14 @@ class ObjectKey:
     def __post_init__(self) -> None:
         if self.kind not in (KV, STATE):
             raise ControlPlaneError(f"ObjectKey.kind must be 'kv' or 'state', got {self.kind!r}")
+
+
+def split_keys(keys) -> tuple[tuple[Hashable, ...], tuple[Hashable, ...]]:
+    """Objects as an order names them: the chunks of the kv objects and the chunks of the state
+    objects among ``keys`` (each in the order given)."""
+    kv = tuple([key.chunk for key in keys if key.kind == KV])
+    state = tuple([key.chunk for key in keys if key.kind != KV])
+    return kv, state
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,10 @@ class Order:
     kv: tuple[Hashable, ...]
     state: tuple[Hashable, ...]
     nbytes: int
+
+    def keys(self) -> list[ObjectKey]:
+        """The objects this order moves: its kv objects, then its state objects."""
+        return [ObjectKey(chunk, KV) for chunk in self.kv] + [ObjectKey(chunk, STATE) for chunk in self.state]
 
 
 @dataclass(frozen=True, slots=True)
