@@ -48,8 +48,8 @@ step() {  # step NAME SECONDS COMMAND...
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -x --maxfail=5)
 
-step doctor 60 "$PY" -m saria.cli doctor
-wanted doctor && "$PY" -m saria.cli doctor --json >"$out/doctor.json" 2>/dev/null
+step doctor 60 "$PY" -m saria.commands.cli doctor
+wanted doctor && "$PY" -m saria.commands.cli doctor --json >"$out/doctor.json" 2>/dev/null
 step kernel_tests 240 "${PYTEST[@]}" -n 8 tests/test_kernels_pages.py tests/test_kernels_state.py \
   tests/test_kernels_checksum.py tests/test_kernels_codegen.py tests/test_kernels_misuse.py \
   tests/test_kernels_launch.py

@@ -29,12 +29,12 @@ import torch
 
 from saria.config import SariaConfig
 from saria.control import ControlPlane, ObjectKey, Order, ReloadPlan
-from saria.dataplane.engine import Blocks, Completion, LoadJob
-from saria.dataplane.setup import open_data_plane, sized_config
+from saria.dataplane.transfer.engine import Blocks, Completion, LoadJob
+from saria.dataplane.build import open_data_plane, sized_config
 from saria.kernels import PageTable
 
 class TieredCache:
-    """A :class:`~saria.control.ControlPlane` and a :class:`~saria.dataplane.engine.TransferEngine`
+    """A :class:`~saria.control.ControlPlane` and a :class:`~saria.dataplane.transfer.engine.TransferEngine`
     over one engine's paged KV cache (module docstring).
 
     ``kv_caches``: the engine's full-attention paged tensors (or a :class:`PageTable`);

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .models import ModelSpec
+from saria.models import ModelSpec
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                 "fp8": torch.float8_e4m3fn}

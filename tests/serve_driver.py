@@ -1,7 +1,7 @@
 """A ``saria serve`` server in a subprocess and an OpenAI-client driver of agent sessions against
 it, for tests/test_serve.py.
 
-* :class:`Server` starts ``python -m saria.cli serve MODEL ...`` with every cache (vLLM's,
+* :class:`Server` starts ``python -m saria.commands.cli serve MODEL ...`` with every cache (vLLM's,
   Hugging Face's, torch's) in a temp dir, waits for ``/health`` (failing at once if the process
   dies), keeps its output in a file, and stops it (SIGINT, then SIGKILL).
 * :func:`agent_sessions` runs concurrent agent sessions through ``/v1/chat/completions``: a
@@ -66,7 +66,7 @@ class Server:
         self.cache.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "saria.cli", "serve", *self.args, "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "saria.commands.cli", "serve", *self.args, "--port", str(self.port),
                                       "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT,
                                      env=server_env(self.cache), start_new_session=True)
         log.close()

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from saria.dataplane import IoOps
-from saria.dataplane.ssd_format import BLOCK, FILE_NAME, HEADER_BYTES, SUPERBLOCK_BYTES, Geometry
+from saria.dataplane.ssd.format import BLOCK, FILE_NAME, HEADER_BYTES, SUPERBLOCK_BYTES, Geometry
 
 PB = 16384  # part_bytes of most tests: small parts keep the interpreted checksum cheap
 

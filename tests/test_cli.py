@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def saria(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "saria.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "saria.commands.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 

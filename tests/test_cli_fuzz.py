@@ -1,11 +1,11 @@
 """CLI fuzz test: every subcommand of ``saria``, run in-process on hypothesis-generated trace files
 and argument values, against the CLI's error contract.
 
-The contract (README, ``saria.cli``):
+The contract (README, ``saria.commands.cli``):
 
 * exit status 0 (done) or 2 (bad argument or bad input file); argparse's usage errors exit 2 too.
   Status 1 means an internal error (a bug), so it fails here, and so does any exception that
-  escapes ``saria.cli.main`` (the harness catches only ``SystemExit``);
+  escapes ``saria.commands.cli.main`` (the harness catches only ``SystemExit``);
 * no traceback on stderr; on status 2 stderr ends with one error line ``saria CMD: error: ...``
   (argparse's format), possibly followed by indented continuation lines (the list of malformed
   trace lines), and that error names the argument, or the trace file (and line);
@@ -28,7 +28,7 @@ invalid UTF-8 bytes, very long lines), replayed with and without ``--skip-bad-li
 lines only replays (status 0, every line a request), and with ``--skip-bad-lines`` every non-blank
 line is either a request or reported as skipped.
 
-Arguments: the options of every subparser are read from ``saria.cli.build_parser()``, so a new
+Arguments: the options of every subparser are read from ``saria.commands.cli.build_parser()``, so a new
 option is fuzzed without touching this file. Each test starts from a fast, valid command line per
 subcommand and replaces one option (or two to four) with a value drawn from numbers at the edges
 (0, -1, 1e-300, 1e308, 1e400, inf, nan, 10**30, 2**63, 400 nines), unit strings, comma lists,
@@ -68,9 +68,9 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-import saria.cli
-import saria.demo
-from saria.cli import build_parser
+import saria.commands.cli
+import saria.commands.demo
+from saria.commands.cli import build_parser
 
 # ============================================================================================ sizes
 EXAMPLES = int(os.environ.get("SARIA_FUZZ_EXAMPLES", "100"))
@@ -115,7 +115,7 @@ class Run:
     stdout: str
     stderr: str
     seconds: float
-    escaped: BaseException | None = None  # an exception that escaped saria.cli.main: a failure
+    escaped: BaseException | None = None  # an exception that escaped saria.commands.cli.main: a failure
     escaped_tb: str = ""
 
     def describe(self) -> str:
@@ -150,15 +150,14 @@ def _demo_guard():
         raise WorkStarted()
 
     stack = contextlib.ExitStack()
-    from saria.integrations.vllm import session
-
+    from saria.harness import session
     stack.enter_context(mock.patch.object(session, "build_model", started))
     stack.enter_context(mock.patch.object(session, "run_in_subprocess", started))
     return stack
 
 
 def run_cli(argv, *, timeout: float | None = None, memory: int = RUN_MEMORY) -> Run:
-    """``saria.cli.main(argv)`` in this process, stdout and stderr captured, under a time limit and
+    """``saria.commands.cli.main(argv)`` in this process, stdout and stderr captured, under a time limit and
     a memory limit. ``SystemExit`` (argparse) gives the exit status; any other exception escaping
     ``main`` is kept in ``Run.escaped`` (a failure for the checks)."""
     argv = [str(a) for a in argv]
@@ -180,7 +179,7 @@ def run_cli(argv, *, timeout: float | None = None, memory: int = RUN_MEMORY) -> 
             resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
             signal.setitimer(signal.ITIMER_REAL, limit)
             with guard, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = saria.cli.main(argv)
+                code = saria.commands.cli.main(argv)
         finally:  # disarmed before anything below runs
             signal.setitimer(signal.ITIMER_REAL, 0)
             resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
@@ -297,7 +296,7 @@ def check(run: Run, outputs: list[Output] = (), *, names: tuple[str, ...] = ()) 
         if isinstance(run.escaped, RunTimeout):
             raise ContractViolation("timeout", f"unbounded work: {run.escaped}\n"
                                                + run.describe())
-        run.escaped.add_note(f"saria.cli.main raised instead of exiting 0 or 2\n{run.describe()}")
+        run.escaped.add_note(f"saria.commands.cli.main raised instead of exiting 0 or 2\n{run.describe()}")
         raise run.escaped
     if run.code not in (0, 2, "started"):
         raise ContractViolation("exit-status", f"exit status {run.code!r} (0 or 2 expected; 1 is an internal "
@@ -902,7 +901,7 @@ def build_argv(command: str, tmp: Path, fuzzed) -> tuple[list[str], list[Output]
             names.append(str(positionals[pos_actions.index(action)]) if not action.option_strings
                          else str(texts.get(action.dest, action.default)))
     if command == "demo" and "trace" not in texts:  # its default trace
-        names.append(str(getattr(saria.demo, "DEFAULT_TRACE", "")))
+        names.append(str(getattr(saria.commands.demo, "DEFAULT_TRACE", "")))
     if uses_synth_trace:  # a synth trace has its own block size (synth:block_tokens)
         options.pop("--block-tokens", None)
     if command == "synth" and not any(a.dest == "out" for a, _, _ in fuzzed):
@@ -1273,7 +1272,7 @@ def test_harness_reports_escaped_exceptions_and_timeouts(monkeypatch):
     def boom(argv=None):
         raise OverflowError("boom")
 
-    monkeypatch.setattr(saria.cli, "main", boom)
+    monkeypatch.setattr(saria.commands.cli, "main", boom)
     run = run_cli(["replay", "x"])
     assert isinstance(run.escaped, OverflowError) and "boom" in run.escaped_tb
     with pytest.raises(OverflowError):
@@ -1283,7 +1282,7 @@ def test_harness_reports_escaped_exceptions_and_timeouts(monkeypatch):
         while True:
             pass
 
-    monkeypatch.setattr(saria.cli, "main", slow)
+    monkeypatch.setattr(saria.commands.cli, "main", slow)
     run = run_cli(["replay", "x"], timeout=0.2)
     assert isinstance(run.escaped, RunTimeout)
     with pytest.raises(ContractViolation, match="timeout"):

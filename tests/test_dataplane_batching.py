@@ -17,7 +17,7 @@ from kernel_cases import gdn_pages, vllm_layers
 from saria.config import SariaConfig
 from saria.control import DropOrder, ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, LoadItem, LoadJob, SSDStore, TransferEngine, object_key
-from saria.dataplane.load_job import StagingPool
+from saria.dataplane.transfer.load_job import StagingPool
 from saria.kernels import PageTable
 from ssd_cases import flip_byte
 
@@ -173,8 +173,7 @@ def test_one_unpack_launch_per_batch(tmp_path, monkeypatch):
     """Four DRAM objects and four SSD objects read together: one launch for the DRAM batch (zero-copy
     run of fresh, adjacent slots, or gathered staging), and at most one per SSD object (fewer when
     several arrive together)."""
-    from saria.dataplane import paths as paths_module
-
+    from saria.dataplane.transfer import paths as paths_module
     rig = Rig(tmp_path)
     engine = rig.engine
     calls = []

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from saria.config import Bandwidths
-from saria.dataplane.coordinator import Coordinator, pace_bytes_per_s
-from saria.dataplane.pcie import PCIeMonitor, calibrate
+from saria.dataplane.transfer.coordinator import Coordinator, pace_bytes_per_s
+from saria.dataplane.transfer.pcie import PCIeMonitor, calibrate
 
 MB = 1e6
 

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from kernel_cases import vllm_layers
 from saria.control import DropOrder, ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import HostPool, SSDStore
-from saria.dataplane.host_pool import REGISTRY, HostRegistry
-from saria.dataplane.load_job import LoadJob
-from saria.dataplane.offload import Offload
-from saria.dataplane.streams import CudaEvent, Event, HostEvent, Streams
+from saria.dataplane.dram.host_pool import REGISTRY, HostRegistry
+from saria.dataplane.transfer.load_job import LoadJob
+from saria.dataplane.transfer.offload import Offload
+from saria.dataplane.transfer.streams import CudaEvent, Event, HostEvent, Streams
 from test_dataplane_engine import PAGES, SLOT, blocks_of, engine_rig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -219,7 +219,7 @@ def test_bounce_buffers_are_registered_and_unregistered_once(tmp_path):
     """The POSIX backend's bounce buffers (pinned where CUDA is, so copies to and from GPU memory
     are DMA, not CUDA's pageable path) are registered ranges like a host pool's: unregistered when
     the store closes, and when a pool nobody closed is collected."""
-    from saria.dataplane.ssd_backends import AlignedPool
+    from saria.dataplane.ssd.backends import AlignedPool
 
     part = 2 * SLOT  # bounce buffers are a part long; header blocks (also registered) are 4 KiB
     (tmp_path / "d").mkdir()

@@ -14,7 +14,7 @@ from saria.cache import TieredCache
 from saria.config import Capacity, ChunkSpec, SariaConfig
 from saria.control import DropOrder, ObjectKey, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, object_key
-from saria.dataplane.ssd_format import Geometry
+from saria.dataplane.ssd.format import Geometry
 from saria.kernels import PageTable
 from ssd_cases import drive_file, flip_byte
 

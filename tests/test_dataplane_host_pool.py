@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from saria.dataplane.host_pool import HostPool, HostPoolFull
+from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
 
 SLOT = 16 << 10
 

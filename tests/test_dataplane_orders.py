@@ -15,7 +15,7 @@ from kernel_cases import gdn_pages, vllm_layers
 from saria.config import SariaConfig
 from saria.control import DropOrder, ObjectKey, PromoteOrder, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, OrderRun, SSDStore, TransferEngine, object_key
-from saria.dataplane import offload as offload_module
+from saria.dataplane.transfer import offload as offload_module
 from saria.kernels import PageTable, pack_pages
 
 PAGES = 2

@@ -30,7 +30,7 @@ def audit(checked, mismatched, unverified=0):
     (audit(4, 0, 2), 64, True, "each of the 4 pages saria reloaded is bit-for-bit the page vLLM computed"),
 ])
 def test_the_byte_verdict_passes_only_on_checked_identical_pages(worker, hit, ok, line):
-    from saria.demo import audit_verdict
+    from saria.commands.demo import audit_verdict
 
     got, text = audit_verdict(worker, hit)
     assert got is ok and line in text
@@ -40,7 +40,7 @@ def run_demo(tmp_path: Path, turns: int, **env: str) -> tuple[subprocess.Complet
     out = tmp_path / "demo.json"
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the demo's kernels: torch's
     environ.update(env)
-    proc = subprocess.run([sys.executable, "-m", "saria.cli", "demo", "--turns", str(turns), "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "demo", "--turns", str(turns), "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT, env=environ)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())

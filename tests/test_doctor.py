@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from saria import doctor
+from saria.commands import doctor
 from saria.dataplane import SSDStore
-from saria.dataplane.kvikio_status import choose_backend, kvikio_status
+from saria.dataplane.ssd.kvikio_status import choose_backend, kvikio_status
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -51,7 +51,7 @@ def test_doctor_here_says_posix_and_why(tmp_path):
 
 
 def test_doctor_cli_json_and_text_carry_the_storage_decision(tmp_path):
-    run = [sys.executable, "-m", "saria.cli", "doctor", "--ssd-path", str(tmp_path)]
+    run = [sys.executable, "-m", "saria.commands.cli", "doctor", "--ssd-path", str(tmp_path)]
     proc = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)

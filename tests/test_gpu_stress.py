@@ -35,8 +35,7 @@ def test_every_reloaded_object_matches_and_every_corruption_is_caught(stress, tm
 
 def test_a_wrong_byte_would_be_reported(stress, tmp_path, capsys, monkeypatch):
     """The stress must be able to fail: an unpack that writes one wrong byte is caught."""
-    from saria.dataplane import paths
-
+    from saria.dataplane.transfer import paths
     real = paths.unpack_pages
 
     def unpack_one_wrong(staging, table, ids, **kw):

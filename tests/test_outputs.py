@@ -113,9 +113,9 @@ def test_a_named_pipe_is_written_in_place(tmp_path):
 
 def test_synth_to_stdout_keeps_stdout_for_the_trace(capfd):
     """``saria synth /dev/stdout | ...``: the requests on stdout, what was done on stderr."""
-    import saria.cli
+    import saria.commands.cli
 
-    code = saria.cli.main(["synth", "/dev/stdout", "--sessions", "2", "--requests-per-session", "2",
+    code = saria.commands.cli.main(["synth", "/dev/stdout", "--sessions", "2", "--requests-per-session", "2",
                            "--prompt-tokens", "3000", "--first-prompt-tokens", "1000"])
     out, err = capfd.readouterr()
     assert code == 0 and err.startswith("wrote /dev/stdout: ")

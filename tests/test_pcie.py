@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from saria.config import Bandwidths
-from saria.dataplane.pcie import PCIeMonitor, Sample, calibrate, link_bytes_per_s, nvml_source
+from saria.dataplane.transfer.pcie import PCIeMonitor, Sample, calibrate, link_bytes_per_s, nvml_source
 
 
 def nvml_usable() -> bool:
@@ -82,7 +82,7 @@ def test_stop_does_not_hang_on_a_stuck_read(caplog):
     monitor = PCIeMonitor(stuck, interval_s=0.001).start()
     assert entered.wait(5)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="saria.dataplane.pcie"):
+    with caplog.at_level(logging.WARNING, logger="saria.dataplane.transfer.pcie"):
         monitor.stop(timeout=0.2)
     assert time.monotonic() - t0 < 2
     assert "left behind" in caplog.text
@@ -178,7 +178,7 @@ def test_a_slow_read_counts_towards_the_interval():
 def test_calibration_counts_payload_not_nvml_wire_bytes():
     """NVML counts headers too: on the H200 its RX read 1.11 x the payload rate. B_GPU is a payload
     rate, so calibration scales what the monitor saw by its payload efficiency."""
-    from saria.dataplane.pcie import NVML_PAYLOAD_EFFICIENCY, NvmlSource
+    from saria.dataplane.transfer.pcie import NVML_PAYLOAD_EFFICIENCY, NvmlSource
 
     assert NvmlSource.payload_efficiency == NVML_PAYLOAD_EFFICIENCY == 0.90
     wire = PCIeMonitor(lambda: (57e9, 0.0), payload_efficiency=NVML_PAYLOAD_EFFICIENCY)

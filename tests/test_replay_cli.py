@@ -21,7 +21,7 @@ CACHE = ["--dram-tokens", "20000", "--ssd-tokens", "200000", "--window-hours", "
 
 
 def saria(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "saria.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "saria.commands.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -181,7 +181,7 @@ def test_help_explains_the_commands():
 
 
 def test_replay_never_imports_torch():
-    code = ("import sys, saria.cli, saria.replay, saria.replay.cli; saria.cli.build_parser(); "
+    code = ("import sys, saria.commands.cli, saria.replay, saria.replay.cli; saria.commands.cli.build_parser(); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'numpy') "
             "or m.startswith(('saria.kernels', 'saria.dataplane', 'saria.layouts'))); print(bad); "
             "sys.exit(1 if bad else 0)")
@@ -194,7 +194,7 @@ def test_replay_never_imports_torch():
 def test_an_internal_error_says_it_is_a_bug_and_names_the_request_and_policy(monkeypatch, capsys, jobs):
     """A control-plane exception mid-replay is a bug, not bad input: one line naming the policy and
     the request and saying so, then the traceback; exit status 1 (bad input is 2)."""
-    from saria.cli import main
+    from saria.commands.cli import main
     from saria.control import ControlPlane
 
     real = ControlPlane.commit_prefill

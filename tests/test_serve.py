@@ -26,9 +26,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from saria import cli, serve
+from saria.commands import cli, serve
 from saria.integrations.vllm import logs
-from saria.integrations.vllm.session import VOCAB, build_model, build_tokenizer
+from saria.harness.session import VOCAB, build_model, build_tokenizer
 
 from serve_driver import Server, agent_sessions, completions, metric, prometheus, system_prompt, text
 
@@ -109,7 +109,7 @@ def test_other_commands_still_refuse_unknown_arguments(capsys):
 
 
 def test_help_explains_the_passthrough_rule():
-    proc = subprocess.run([sys.executable, "-m", "saria.cli", "serve", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "serve", "--help"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0
     flat = " ".join(proc.stdout.split())
@@ -117,7 +117,7 @@ def test_help_explains_the_passthrough_rule():
                    "--dram-gb", "--ssd-path", "--print-command", "--no-connector", "--vllm-help",
                    "VLLM_CPU_NUM_OF_RESERVED_CPU"):
         assert needle in flat, needle
-    top = subprocess.run([sys.executable, "-m", "saria.cli", "--help"], capture_output=True, text=True, timeout=120,
+    top = subprocess.run([sys.executable, "-m", "saria.commands.cli", "--help"], capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
     assert "serve" in top.stdout
 
@@ -192,7 +192,7 @@ def test_saria_lines_go_through_vllms_handlers_in_its_format(clean_logging):
     assert logs.route_to_vllm()  # idempotent: one handler
     assert len(logging.getLogger(logs.SARIA).handlers) == 1
     logging.getLogger("saria.vllm").info("saria: 3 requests, loaded 64 tokens")
-    logging.getLogger("saria.dataplane.engine").debug("not at vLLM's level")
+    logging.getLogger("saria.dataplane.transfer.engine").debug("not at vLLM's level")
     line = first.getvalue()
     assert line.count("\n") == 1 and " INFO " in line and "saria: 3 requests, loaded 64 tokens" in line
     assert "[test_serve.py:" in line  # vLLM's [file:line]

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from saria.dataplane.kvikio_status import (KvikioStatus, _compat_name, choose_backend, decide_kvikio, kvikio_facts,
+from saria.dataplane.ssd.kvikio_status import (KvikioStatus, _compat_name, choose_backend, decide_kvikio, kvikio_facts,
                                            kvikio_status)
-from saria.dataplane.ssd_backends import DriveFile, IoOps, PosixPayloadIO, open_payload_io
-from saria.dataplane.ssd_counters import SSDCounters
-from saria.dataplane.ssd_errors import StoreConfigError
+from saria.dataplane.ssd.backends import DriveFile, IoOps, PosixPayloadIO, open_payload_io
+from saria.dataplane.ssd.counters import SSDCounters
+from saria.dataplane.ssd.errors import StoreConfigError
 
 CUDA = torch.cuda.is_available()
 try:

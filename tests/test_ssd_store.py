@@ -18,7 +18,7 @@ import torch
 
 from saria.dataplane import (ObjectNotFound, SSDStore, StoreClosed, StoreConfigError, StoreFull,
                              probe_direct_io)
-from saria.dataplane.ssd_backends import O_DIRECT
+from saria.dataplane.ssd.backends import O_DIRECT
 from saria.kernels import checksum_reference
 from ssd_cases import PB, Fault, FaultyOps, capacity, drive_file, drives, is_payload, payload
 
@@ -174,12 +174,12 @@ def test_probe_direct_io_on_a_missing_directory(tmp_path):
 
 def test_doctor_reports_o_direct(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "saria.cli", "doctor", "--json", "--ssd-path", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "doctor", "--json", "--ssd-path", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
     ssd = json.loads(proc.stdout)["ssd"]
     assert ssd["path"] == str(tmp_path) and ssd["o_direct"] is probe_direct_io(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "saria.cli", "doctor", "--ssd-path", str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "doctor", "--ssd-path", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0 and "ssd O_DIRECT" in proc.stdout and "not usable" in proc.stdout
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from saria.dataplane.ssd_alloc import SlotAllocator
-from saria.dataplane.ssd_errors import StoreFull
-from saria.dataplane.ssd_format import (EMPTY_HEADER, HEADER_BYTES, SUPERBLOCK_BYTES, Geometry, SlotHeader,
+from saria.dataplane.ssd.alloc import SlotAllocator
+from saria.dataplane.ssd.errors import StoreFull
+from saria.dataplane.ssd.format import (EMPTY_HEADER, HEADER_BYTES, SUPERBLOCK_BYTES, Geometry, SlotHeader,
                                         SuperBlock, decode_header)
-from saria.dataplane.ssd_index import assemble
+from saria.dataplane.ssd.index import assemble
 
 PB = 8192
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from kernel_cases import vllm_layers
 from saria.config import Capacity, ChunkSpec, SariaConfig
 from saria.dataplane import SSDStore, StoreConfigError
-from saria.dataplane.setup import open_data_plane, sized_config
-from saria.dataplane.ssd_format import (FORMAT_VERSION, MAX_IDENTITY_BYTES, SUPERBLOCK_BYTES, SuperBlock,
+from saria.dataplane.build import open_data_plane, sized_config
+from saria.dataplane.ssd.format import (FORMAT_VERSION, MAX_IDENTITY_BYTES, SUPERBLOCK_BYTES, SuperBlock,
                                         encode_identity)
 from saria.kernels import PageTable
 from ssd_cases import PB, capacity, drive_file, drives, flip_byte, payload, read_back

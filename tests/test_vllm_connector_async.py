@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-import saria.dataplane.offload as offload_module
+import saria.dataplane.transfer.offload as offload_module
 from saria.kernels import pack_pages
 from saria.control import ObjectKey, StoreOrder, Tier, WriteOrder
 from saria.integrations.vllm.faults import Faults

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from saria.control import DropOrder, ObjectKey, Tier
-from saria.dataplane.keys import object_key
-from saria.dataplane.ssd_format import FILE_NAME, MAX_IDENTITY_BYTES, encode_identity
+from saria.dataplane.ssd.keys import object_key
+from saria.dataplane.ssd.format import FILE_NAME, MAX_IDENTITY_BYTES, encode_identity
 from saria.integrations.vllm.faults import Faults
 from saria.integrations.vllm.guard import SchedulerGuard
 from saria.integrations.vllm.layout import (ParallelLayout, model_identity, page_layout, rank_directories,

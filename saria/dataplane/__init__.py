@@ -14,19 +14,19 @@ verified on every read and found again after a restart (``ssd_store``; on-disk f
 ``ssd_backends``; checks on the caller's memory in ``ssd_memory``).
 """
 
-from .coordinator import Coordinator, pace_bytes_per_s
-from .dram_store import DramObject, DramStore
-from .engine import Completion, OrderRun, TransferEngine
-from .host_pool import HostPool, HostPoolFull
-from .keys import object_key
-from .load_job import LoadItem, LoadJob, LoadResult
-from .pcie import PCIeMonitor, calibrate
-from .ssd_backends import IoOps, probe_direct_io
-from .ssd_counters import PathCounters, SSDCounters
-from .ssd_errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable,
+from saria.dataplane.transfer.coordinator import Coordinator, pace_bytes_per_s
+from saria.dataplane.dram.store import DramObject, DramStore
+from saria.dataplane.transfer.engine import Completion, OrderRun, TransferEngine
+from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
+from saria.dataplane.ssd.keys import object_key
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
+from saria.dataplane.transfer.pcie import PCIeMonitor, calibrate
+from saria.dataplane.ssd.backends import IoOps, probe_direct_io
+from saria.dataplane.ssd.counters import PathCounters, SSDCounters
+from saria.dataplane.ssd.errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable,
                          ObjectWriteError, SSDStoreError, StoreClosed, StoreConfigError, StoreFull)
-from .ssd_index import ObjectInfo, PartLocation
-from .ssd_store import SSDStore
+from saria.dataplane.ssd.index import ObjectInfo, PartLocation
+from saria.dataplane.ssd.store import SSDStore
 
 __all__ = [
     "Completion", "Coordinator", "DramObject", "DramStore", "HostPool", "HostPoolFull", "LoadItem", "LoadJob",

@@ -1,6 +1,6 @@
 """``saria replay``, ``saria sweep``, ``saria tune`` and ``saria synth``: argument parsing and output.
 
-``saria.cli`` registers these commands with :func:`add_commands`; everything they do lives in
+``saria.commands.cli`` registers these commands with :func:`add_commands`; everything they do lives in
 the ``saria.replay`` modules.
 """
 

@@ -48,9 +48,9 @@ from typing import Hashable
 import torch
 
 from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
-from saria.dataplane.engine import LoadJob, LoadResult
-from saria.dataplane.keys import parse_object_key
-from saria.dataplane.setup import DataPlane, open_data_plane
+from saria.dataplane.transfer.engine import LoadJob, LoadResult
+from saria.dataplane.ssd.keys import parse_object_key
+from saria.dataplane.build import DataPlane, open_data_plane
 from saria.kernels import PageTable
 
 from .audit import KVAudit

@@ -16,11 +16,11 @@ import torch
 
 from saria.kernels import checksum
 
-from .nvtx import SSD_READ, SSD_WRITE, VERIFY, nvtx_range
-from .ssd_errors import DriveLost, ObjectCorrupt, ObjectReadError, ObjectUnreadable, ObjectWriteError
-from .ssd_format import SlotHeader
-from .ssd_index import IndexEntry, ObjectInfo, PartLocation
-from .ssd_memory import Claim
+from saria.dataplane.nvtx import SSD_READ, SSD_WRITE, VERIFY, nvtx_range
+from saria.dataplane.ssd.errors import DriveLost, ObjectCorrupt, ObjectReadError, ObjectUnreadable, ObjectWriteError
+from saria.dataplane.ssd.format import SlotHeader
+from saria.dataplane.ssd.index import IndexEntry, ObjectInfo, PartLocation
+from saria.dataplane.ssd.memory import Claim
 
 
 class Gather:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .ssd_format import SlotHeader
+from saria.dataplane.ssd.format import SlotHeader
 
 
 @dataclass(frozen=True)

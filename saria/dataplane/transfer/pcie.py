@@ -26,7 +26,7 @@ from typing import Callable
 
 from saria.config import Bandwidths
 
-log = logging.getLogger("saria.dataplane.pcie")
+log = logging.getLogger("saria.dataplane.transfer.pcie")
 
 # A source returns (rx_bytes_per_s, tx_bytes_per_s) as seen by the GPU.
 Source = Callable[[], tuple[float, float]]

@@ -2,7 +2,7 @@
 
 Every request's DRAM objects, in submission order, batch by batch (at most ``batch_bytes`` each,
 one page table); each host-slot-sized slice waits for the
-:class:`~saria.dataplane.coordinator.Coordinator` (Eq. 4 pacing while SSD reads are runnable),
+:class:`~saria.dataplane.transfer.coordinator.Coordinator` (Eq. 4 pacing while SSD reads are runnable),
 then is copied into the batch's GPU staging; the batch is unpacked into its pages with
 :func:`~saria.kernels.unpack_pages`. On the CPU the slots already are device memory: objects
 whose slots are adjacent are unpacked straight from them (no staging copy), the others gathered
@@ -22,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from . import nvtx
-from .coordinator import Coordinator
-from .dram_store import DramObject, DramStore
-from .load_job import LoadItem, LoadJob, StagingPool
-from .paths import Counters, Streams, log, unpack_run
+from saria.dataplane import nvtx
+from saria.dataplane.transfer.coordinator import Coordinator
+from saria.dataplane.dram.store import DramObject, DramStore
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob, StagingPool
+from saria.dataplane.transfer.paths import Counters, Streams, log, unpack_run
 
 
 class DramLoads:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .ssd_errors import StoreFull
+from saria.dataplane.ssd.errors import StoreFull
 
 
 class SlotAllocator:

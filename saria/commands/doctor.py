@@ -73,10 +73,10 @@ def _nvml_report() -> dict[str, Any]:
 
 def _storage_report(cuda: bool, ssd_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(kvikio, storage): what kvikio would do here and the SSD store's ``auto`` backend, from the
-    one decision :func:`saria.dataplane.ssd_backends.open_payload_io` makes. Where that is kvikio,
+    one decision :func:`saria.dataplane.ssd.backends.open_payload_io` makes. Where that is kvikio,
     a ``CuFile`` is also opened in ``ssd_path`` (as the store opens its drive files; where that
     fails the store falls back to POSIX, and so does this report)."""
-    from saria.dataplane.kvikio_status import POSIX_DESCRIPTION, choose_backend, kvikio_status, probe_kvikio_open
+    from saria.dataplane.ssd.kvikio_status import POSIX_DESCRIPTION, choose_backend, kvikio_status, probe_kvikio_open
 
     status = kvikio_status(cuda)
     choice = choose_backend("auto", status)

@@ -2,7 +2,7 @@
 the SSD store's index).
 
 :class:`DramStore` owns the map ``ObjectKey -> DramObject`` and the lock around it; the bytes live
-in a :class:`~saria.dataplane.host_pool.HostPool` it references (and whose slots it frees when an
+in a :class:`~saria.dataplane.dram.host_pool.HostPool` it references (and whose slots it frees when an
 object is replaced or dropped). It decides nothing: the transfer engine publishes objects once
 their bytes are in their slots, and drops them when the control plane says so. Reading an object
 that is being dropped is the control plane's business to prevent (it pins what a plan reads).
@@ -18,7 +18,7 @@ import torch
 
 from saria.orders import KV, ObjectKey
 
-from .host_pool import HostPool
+from saria.dataplane.dram.host_pool import HostPool
 
 
 @dataclass

@@ -11,28 +11,24 @@ from saria.argtypes import int_range
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from saria import serve
-
+    from saria.commands import serve
     return serve.main(args)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from saria import doctor
-
+    from saria.commands import doctor
     report = doctor.collect(ssd_path=args.ssd_path)
     print(json.dumps(report, indent=2) if args.json else doctor.render(report))
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from saria import demo
-
+    from saria.commands import demo
     return demo.main(args)
 
 
 def _cmd_roundtrip(args: argparse.Namespace) -> int:
-    from saria import roundtrip
-
+    from saria.commands import roundtrip
     return roundtrip.main(args)
 
 
@@ -44,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    from saria import serve  # light: vLLM is imported only when the server starts
+    from saria.commands import serve  # light: vLLM is imported only when the server starts
 
     p = sub.add_parser("serve", help="start vLLM's OpenAI-compatible server with saria as its KV connector",
                        usage=serve.USAGE, description=serve.__doc__, epilog=serve.EPILOG,
@@ -61,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory to probe for O_DIRECT (the SSD store's drive path; default: the system temp dir)")
     p.set_defaults(func=_cmd_doctor)
 
-    from saria import demo  # light: vLLM is imported only by the session subprocesses
+    from saria.commands import demo  # light: vLLM is imported only by the session subprocesses
 
     p = sub.add_parser("demo", help="run the main job: a multi-turn agent session through vLLM with saria",
                        description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,10 +1,10 @@
 """What the transfer engine's paths share: their results (:class:`Completion`, :class:`OrderRun`),
 their counters (:class:`Counters`), the engine's page tables with the block-id checks
 (:class:`Tables`), and the one unpack both reload paths end with (:func:`unpack_run`). Their CUDA
-streams and events (and the events' CPU twins) are in :mod:`~saria.dataplane.streams`.
+streams and events (and the events' CPU twins) are in :mod:`~saria.dataplane.transfer.streams`.
 
-Each path (:mod:`~saria.dataplane.dram_loads`, :mod:`~saria.dataplane.ssd_loads`,
-:mod:`~saria.dataplane.offload`) is given these by :class:`~saria.dataplane.engine.TransferEngine`.
+Each path (:mod:`~saria.dataplane.transfer.dram_loads`, :mod:`~saria.dataplane.transfer.ssd_loads`,
+:mod:`~saria.dataplane.transfer.offload`) is given these by :class:`~saria.dataplane.transfer.engine.TransferEngine`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 from saria.orders import KV, ObjectKey, Order
 from saria.kernels import PageTable, drop_leading_pages, unpack_pages
 
-from . import nvtx
-from .load_job import LoadItem, LoadJob
-from .streams import STREAMS, Streams  # noqa: F401  (re-exported: the paths import them from here)
+from saria.dataplane import nvtx
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob
+from saria.dataplane.transfer.streams import STREAMS, Streams  # noqa: F401  (re-exported: the paths import them from here)
 
-log = logging.getLogger("saria.dataplane.engine")
+log = logging.getLogger("saria.dataplane.transfer.engine")
 
 Blocks = Sequence[int] | torch.Tensor
 

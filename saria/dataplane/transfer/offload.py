@@ -3,7 +3,7 @@
 * **GPU -> DRAM** (``offload`` thread and stream): store and promotion orders pack pages with
   :func:`~saria.kernels.pack_pages` (one launch per object kind per order), checksum each
   host-slot-sized part on the GPU, and copy into freshly allocated host slots; the objects are
-  published in the :class:`~saria.dataplane.dram_store.DramStore` once the copies landed.
+  published in the :class:`~saria.dataplane.dram.store.DramStore` once the copies landed.
 * **DRAM/GPU -> SSD** (the SSD store's writer pool): write orders, from DRAM slots (no copy, their
   checksums computed at pack time) or, for write-through, from freshly packed GPU staging (packed
   on the ``offload`` thread and stream, then held by the store until written).
@@ -18,7 +18,7 @@ every object has run on the device (at once for DRAM-source writes), or when the
 the engine closes.
 
 The packs look :func:`pack_pages` up in this module at run time: tests and the vLLM session
-runner replace ``saria.dataplane.offload.pack_pages`` to slow or gate them.
+runner replace ``saria.dataplane.transfer.offload.pack_pages`` to slow or gate them.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import torch
 from saria.orders import KV, STATE, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, WriteOrder
 from saria.kernels import checksum, pack_pages
 
-from . import nvtx
-from .dram_store import DramObject, DramStore
-from .host_pool import HostPool, HostPoolFull
-from .keys import object_key
-from .paths import Blocks, Completion, Counters, Streams, Tables, log
-from .ssd_store import SSDStore
+from saria.dataplane import nvtx
+from saria.dataplane.dram.store import DramObject, DramStore
+from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
+from saria.dataplane.ssd.keys import object_key
+from saria.dataplane.transfer.paths import Blocks, Completion, Counters, Streams, Tables, log
+from saria.dataplane.ssd.store import SSDStore
 
 # (key, block ids, prepacked staging) per object of an order: see Offload.resolve
 Objects = list[tuple[ObjectKey, "torch.Tensor | None", "torch.Tensor | None"]]

@@ -165,7 +165,7 @@ class LoadJob:
         return self.result()
 
     def wait_on(self, streams, name: str | None = None) -> None:
-        """Make a stream of ``streams`` (a :class:`~saria.dataplane.streams.Streams`; ``name``
+        """Make a stream of ``streams`` (a :class:`~saria.dataplane.transfer.streams.Streams`; ``name``
         ``None``: the caller's current stream) wait for every copy and unpack of this reload, without
         blocking the host once everything is issued (on the CPU the work is done by then)."""
         self._issued.wait()

@@ -19,7 +19,7 @@
 * :class:`KvikioPayloadIO` reads and writes CUDA tensors with ``kvikio.CuFile.pread`` /
   ``pwrite`` (GPUDirect Storage, or kvikio's POSIX compat mode) and hands CPU tensors to POSIX.
 * What kvikio would do here, and so which backend ``auto`` picks, is decided once in
-  :mod:`~saria.dataplane.kvikio_status` (:func:`kvikio_status`, :func:`choose_backend`), for
+  :mod:`~saria.dataplane.ssd.kvikio_status` (:func:`kvikio_status`, :func:`choose_backend`), for
   :func:`open_payload_io` and ``saria doctor`` alike.
 
 Headers always go through :class:`DriveFile`, so both backends share the header handling,
@@ -43,11 +43,11 @@ from typing import Iterator, Protocol
 
 import torch
 
-from .host_pool import REGISTRY
-from .kvikio_status import BACKENDS, KvikioStatus, choose_backend, kvikio_status
-from .ssd_counters import SSDCounters
-from .ssd_errors import StoreConfigError
-from .ssd_format import BLOCK, round_up
+from saria.dataplane.dram.host_pool import REGISTRY
+from saria.dataplane.ssd.kvikio_status import BACKENDS, KvikioStatus, choose_backend, kvikio_status
+from saria.dataplane.ssd.counters import SSDCounters
+from saria.dataplane.ssd.errors import StoreConfigError
+from saria.dataplane.ssd.format import BLOCK, round_up
 
 log = logging.getLogger("saria.dataplane.ssd")
 
@@ -100,7 +100,7 @@ class AlignedPool:
     ``pin``: register each buffer with CUDA, so the copies between a bounce buffer and GPU memory
     are DMA at the link's rate instead of CUDA's pageable path (which stages them through the
     driver's own buffers, one copy at a time across threads, after synchronizing the stream).
-    Buffers are registered in the host pool's :data:`~saria.dataplane.host_pool.REGISTRY` on every
+    Buffers are registered in the host pool's :data:`~saria.dataplane.dram.host_pool.REGISTRY` on every
     machine (pinned only with ``pin``), and unregistered exactly once: by :meth:`close`, or when a
     pool nobody closed is collected. Buffers made after :meth:`close` are plain memory."""
 

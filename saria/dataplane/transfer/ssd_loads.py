@@ -2,7 +2,7 @@
 stream).
 
 A reload's SSD objects travel in batches of at most ``batch_bytes``: a batch's objects are read
-with one :meth:`~saria.dataplane.ssd_store.SSDStore.read_many` into one staging (GDS through
+with one :meth:`~saria.dataplane.ssd.store.SSDStore.read_many` into one staging (GDS through
 kvikio, or POSIX, with O_DIRECT straight into the page-aligned CPU staging), each part verified
 against its checksum by the store on the reader thread; the reader that finishes an object hands
 it to the unpack thread (the one hand-off), which unpacks every run of arrived objects adjacent in
@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from .coordinator import Coordinator
-from .keys import object_key
-from .load_job import LoadItem, LoadJob, StagingPool
-from .paths import Counters, Streams, log, unpack_run
-from .ssd_store import SSDStore
+from saria.dataplane.transfer.coordinator import Coordinator
+from saria.dataplane.ssd.keys import object_key
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob, StagingPool
+from saria.dataplane.transfer.paths import Counters, Streams, log, unpack_run
+from saria.dataplane.ssd.store import SSDStore
 
 
 class _SsdBatch:

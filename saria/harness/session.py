@@ -10,7 +10,7 @@ connector tests run.
   turn's tokens, logprobs, reused tokens by tier and time to first token.
 
 vLLM keeps process-wide state, so each run belongs in a process of its own:
-``python -m saria.integrations.vllm.session SPEC.json OUT.json`` runs :func:`run_session` with the
+``python -m saria.harness.session SPEC.json OUT.json`` runs :func:`run_session` with the
 spec's arguments and writes the results (``VLLM_*`` variables are set before vLLM is imported).
 """
 
@@ -284,9 +284,9 @@ def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int],
     that reads from SSD. Returns ``(arm, restore)``: call ``arm(turn)`` before each turn,
     ``restore()`` at the end."""
     from saria.control import ControlPlane, Tier
-    from saria.dataplane.engine import TransferEngine
+    from saria.dataplane.transfer.engine import TransferEngine
 
-    from .scheduler import SariaScheduler
+    from saria.integrations.vllm.scheduler import SariaScheduler
 
     def reads_ssd(plan, *args, **kwargs) -> bool:
         return Tier.SSD in plan.kv_sources or plan.state_source is Tier.SSD
@@ -405,7 +405,7 @@ def _slow_packs(seconds: float, restore: Callable[[], None] | None) -> Callable[
     """Make every pack the transfer engine runs on its own threads sleep ``seconds`` first (a test
     delay: stores still read their request's blocks when it finishes); returns the undo (after
     ``restore``, if given)."""
-    import saria.dataplane.offload as offload_module
+    import saria.dataplane.transfer.offload as offload_module
 
     original, caller = offload_module.pack_pages, threading.get_ident()
 
@@ -427,7 +427,7 @@ def _slow_packs(seconds: float, restore: Callable[[], None] | None) -> Callable[
 def corrupt_ssd(paths: list[str], rank: int | None = None) -> int:
     """Flip one byte in the payload of every committed SSD part in the rank stores (``rank<r>``
     directories; only rank ``rank``'s if given) under ``paths`` (test fault)."""
-    from saria.dataplane.ssd_format import FILE_NAME, Geometry, SuperBlock, decode_header
+    from saria.dataplane.ssd.format import FILE_NAME, Geometry, SuperBlock, decode_header
 
     flipped = 0
     pattern = "rank*" if rank is None else f"rank{rank}"
@@ -628,7 +628,7 @@ def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: flo
         env["VLLM_CACHE_ROOT"] = str(Path(tmp) / "vllm-cache")  # vLLM's compile cache: nothing left behind
         log_path = Path(tmp) / "log"
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "saria.integrations.vllm.session", str(spec_path),
+            proc = subprocess.Popen([sys.executable, "-m", "saria.harness.session", str(spec_path),
                                      str(out_path)], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
             lines = []
             watchdog = threading.Timer(timeout, proc.kill)
@@ -653,7 +653,7 @@ def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: flo
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m saria.integrations.vllm.session SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m saria.harness.session SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     result = run_session(**spec)

@@ -10,10 +10,10 @@ from typing import Sequence
 from saria.config import SariaConfig
 from saria.kernels import PageTable
 
-from .coordinator import Coordinator
-from .engine import TransferEngine
-from .host_pool import HostPool
-from .ssd_store import SSDStore
+from saria.dataplane.transfer.coordinator import Coordinator
+from saria.dataplane.transfer.engine import TransferEngine
+from saria.dataplane.dram.host_pool import HostPool
+from saria.dataplane.ssd.store import SSDStore
 
 MAX_SLOT_BYTES = 4 << 20  # host slot = SSD part: 4 MiB moves at full PCIe / NVMe speed
 PAGE = 4096

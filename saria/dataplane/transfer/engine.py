@@ -5,17 +5,17 @@ KV cache, the host pool (DRAM tier) and the SSD store, on separate queues.
 between the two reload paths, and hands stores and writes to the offload path. Each path is its
 own module, owning its thread(s) and (on CUDA) its own stream:
 
-* **DRAM -> GPU** (:mod:`~saria.dataplane.dram_loads`, ``dram`` stream): every request's DRAM
+* **DRAM -> GPU** (:mod:`~saria.dataplane.transfer.dram_loads`, ``dram`` stream): every request's DRAM
   objects in submission order, batch by batch, each host-slot-sized slice paced by the
-  :class:`~saria.dataplane.coordinator.Coordinator` (Eq. 4), one unpack per batch.
-* **SSD -> GPU** (:mod:`~saria.dataplane.ssd_loads`, ``ssd`` stream): one
-  :meth:`~saria.dataplane.ssd_store.SSDStore.read_many` per batch into one staging, verified on
+  :class:`~saria.dataplane.transfer.coordinator.Coordinator` (Eq. 4), one unpack per batch.
+* **SSD -> GPU** (:mod:`~saria.dataplane.transfer.ssd_loads`, ``ssd`` stream): one
+  :meth:`~saria.dataplane.ssd.store.SSDStore.read_many` per batch into one staging, verified on
   the reader threads, one hand-off to the unpack thread, one unpack per run of arrived objects.
-* **GPU -> DRAM** and **DRAM/GPU -> SSD** (:mod:`~saria.dataplane.offload`, ``offload`` stream):
+* **GPU -> DRAM** and **DRAM/GPU -> SSD** (:mod:`~saria.dataplane.transfer.offload`, ``offload`` stream):
   stores and promotions packed, checksummed per host-slot part and copied into host slots;
   writes from DRAM slots or from freshly packed GPU staging.
 
-What they share (counters, streams, page tables, the unpack) is in :mod:`~saria.dataplane.paths`.
+What they share (counters, streams, page tables, the unpack) is in :mod:`~saria.dataplane.transfer.paths`.
 The data plane costs bytes, not objects: a reload's objects travel in batches (at most
 ``batch_bytes`` each, one page table), each batch landing in one staging (the objects' packed
 bytes back to back, which is exactly what :func:`~saria.kernels.pack_pages` makes for a 2-D
@@ -48,16 +48,16 @@ from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, R
     WriteOrder
 from saria.kernels import PageTable
 
-from .coordinator import Coordinator
-from .dram_loads import DramLoads
-from .dram_store import DramObject, DramStore
-from .host_pool import HostPool
-from .keys import object_key
-from .load_job import LoadItem, LoadJob, LoadResult, StagingPool
-from .offload import Offload
-from .paths import Blocks, Completion, Counters, EngineCounters, OrderRun, Streams, Tables
-from .ssd_loads import SsdLoads
-from .ssd_store import SSDStore
+from saria.dataplane.transfer.coordinator import Coordinator
+from saria.dataplane.transfer.dram_loads import DramLoads
+from saria.dataplane.dram.store import DramObject, DramStore
+from saria.dataplane.dram.host_pool import HostPool
+from saria.dataplane.ssd.keys import object_key
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult, StagingPool
+from saria.dataplane.transfer.offload import Offload
+from saria.dataplane.transfer.paths import Blocks, Completion, Counters, EngineCounters, OrderRun, Streams, Tables
+from saria.dataplane.transfer.ssd_loads import SsdLoads
+from saria.dataplane.ssd.store import SSDStore
 
 _LoadItem = LoadItem  # the name before load_job.py
 

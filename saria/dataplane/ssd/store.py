@@ -3,7 +3,7 @@ restart, verified on every read, never served when their bytes are not the ones 
 
 An object (``key``: up to 64 bytes, e.g. chunk hash + object kind) is a list of parts of
 ``part_bytes`` (the last one may be shorter); part ``i`` lands in a free slot on drive
-``(start + i) % D`` (see :class:`~saria.dataplane.ssd_alloc.SlotAllocator`), so the parts of one
+``(start + i) % D`` (see :class:`~saria.dataplane.ssd.alloc.SlotAllocator`), so the parts of one
 object are read in parallel from several drives. The on-disk format is in ``ssd_format``.
 
 Write protocol (one Future per object, on the writer pool):
@@ -85,15 +85,15 @@ from typing import Any
 
 import torch
 
-from .ssd_alloc import SlotAllocator
-from .ssd_backends import DirectoryLock, DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
-from .ssd_counters import SSDCounters
-from .ssd_errors import DriveLost, ObjectNotFound, StoreClosed, StoreConfigError, StoreFull
-from .ssd_format import (BLOCK, EMPTY_HEADER, FILE_NAME, HEADER_BYTES, MAX_KEY_BYTES, SUPERBLOCK_BYTES, Geometry,
+from saria.dataplane.ssd.alloc import SlotAllocator
+from saria.dataplane.ssd.backends import DirectoryLock, DriveFile, IoOps, O_DIRECT, PayloadIO, open_payload_io, probe_direct_io
+from saria.dataplane.ssd.counters import SSDCounters
+from saria.dataplane.ssd.errors import DriveLost, ObjectNotFound, StoreClosed, StoreConfigError, StoreFull
+from saria.dataplane.ssd.format import (BLOCK, EMPTY_HEADER, FILE_NAME, HEADER_BYTES, MAX_KEY_BYTES, SUPERBLOCK_BYTES, Geometry,
                          SlotHeader, SuperBlock, decode_header, encode_identity)
-from .ssd_index import IndexEntry, ObjectInfo, PartLocation, assemble
-from .ssd_jobs import ReadJob, WriteJob
-from .ssd_memory import Claim, MemoryInUse, WritableProbe
+from saria.dataplane.ssd.index import IndexEntry, ObjectInfo, PartLocation, assemble
+from saria.dataplane.ssd.jobs import ReadJob, WriteJob
+from saria.dataplane.ssd.memory import Claim, MemoryInUse, WritableProbe
 
 log = logging.getLogger("saria.dataplane.ssd")
 
@@ -487,7 +487,7 @@ class SSDStore:
             return self._alloc.free
 
     def counters(self) -> dict[str, Any]:
-        """A snapshot of the counters (:class:`~saria.dataplane.ssd_counters.SSDCounters`)."""
+        """A snapshot of the counters (:class:`~saria.dataplane.ssd.counters.SSDCounters`)."""
         return self._counters.snapshot()
 
     def contains(self, key: bytes) -> bool:

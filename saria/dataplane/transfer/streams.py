@@ -157,7 +157,7 @@ class Streams:
         blocking the host. Refuses what is not one of this device's events, and an event never
         recorded (CUDA would let the stream wait for nothing)."""
         if not isinstance(event, Event):
-            raise TypeError(f"a stream waits for an Event of saria.dataplane.streams, got {type(event).__name__}")
+            raise TypeError(f"a stream waits for an Event of saria.dataplane.transfer.streams, got {type(event).__name__}")
         if event.device_type != self.device.type:
             raise ValueError(f"a {event.device_type} event cannot order work on {self.device}")
         if not event.recorded:

@@ -11,7 +11,7 @@
 4. Run the same turns through plain vLLM, each turn twice from an emptied prefix cache: computed
    in full (the TTFT baseline), and over its own prefix cache primed with exactly the prefix saria
    reused (the same split of reused and computed tokens). Outputs are checked against the latter
-   (:func:`saria.integrations.vllm.compare.compare_outputs`): identical tokens, and logprobs
+   (:func:`saria.harness.compare.compare_outputs`): identical tokens, and logprobs
    bit-identical or, on a CPU where vLLM's own prefix cache already differs from its full
    recomputation in the last bits (long prefixes, a small L2: docs/numerics.md), within that
    measured difference.
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from saria.argtypes import int_range
-from saria.integrations.vllm.compare import compare_outputs
+from saria.harness.compare import compare_outputs
 from saria.config import POLICY_PRESETS
 from saria.outputs import check_output, write_output
 
@@ -86,8 +86,8 @@ def full_duplicate_writes(prompts: list[list[int]], dram_bytes: int, ssd_bytes: 
 
 
 def main(args: argparse.Namespace) -> int:
-    from saria import doctor
-    from saria.integrations.vllm.session import build_model, run_in_subprocess, synthetic_session, trace_session
+    from saria.commands import doctor
+    from saria.harness.session import build_model, run_in_subprocess, synthetic_session, trace_session
 
     if args.json is not None:
         check_output(args.json, "--json")

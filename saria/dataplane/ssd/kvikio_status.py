@@ -3,7 +3,7 @@
 :func:`kvikio_status` says it (not usable and why, or ``"gds"`` / ``"compat"`` mode):
 :func:`kvikio_facts` observes (every kvikio query guarded: a broken install never breaks the
 doctor or the store) and the pure :func:`decide_kvikio` decides. :func:`choose_backend` turns it
-into the store's payload backend; :func:`~saria.dataplane.ssd_backends.open_payload_io` and
+into the store's payload backend; :func:`~saria.dataplane.ssd.backends.open_payload_io` and
 ``saria doctor`` read that one decision, so they cannot disagree (on the first H200 run the doctor
 said "import failed" while the store used kvikio). kvikio 26 reads its settings with
 ``kvikio.defaults.get(name)``; ``compat_mode()`` is gone.
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .ssd_errors import StoreConfigError
+from saria.dataplane.ssd.errors import StoreConfigError
 
 BACKENDS = ("auto", "posix", "kvikio")
 

@@ -52,7 +52,7 @@ def _free_bytes(device) -> int | None:
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    from saria.doctor import _meminfo_bytes
+    from saria.commands.doctor import _meminfo_bytes
 
     return _meminfo_bytes("MemAvailable")
 
