@@ -38,7 +38,7 @@ def dense_session(tmp_path_factory):
     """The dense engine tests' model (a small Qwen3 with random weights), their 4-turn agent
     session, and plain vLLM's reference for it: each turn computed in full and over vLLM's own
     prefix cache holding the 4 chunks the saria runs reuse (``compare_outputs``)."""
-    from saria.harness.session import build_model, run_in_subprocess, synthetic_session
+    from saria.harness import build_model, run_in_subprocess, synthetic_session
 
     root = tmp_path_factory.mktemp("dense-session")
     model = str(build_model(root / "model", "dense"))

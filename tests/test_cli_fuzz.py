@@ -150,9 +150,9 @@ def _demo_guard():
         raise WorkStarted()
 
     stack = contextlib.ExitStack()
-    from saria.harness import session
-    stack.enter_context(mock.patch.object(session, "build_model", started))
-    stack.enter_context(mock.patch.object(session, "run_in_subprocess", started))
+    from saria.harness import model, run
+    stack.enter_context(mock.patch.object(model, "build_model", started))
+    stack.enter_context(mock.patch.object(run, "run_in_subprocess", started))
     return stack
 
 

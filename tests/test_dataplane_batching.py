@@ -17,7 +17,7 @@ from kernel_cases import gdn_pages, vllm_layers
 from saria.config import SariaConfig
 from saria.control import DropOrder, ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, LoadItem, LoadJob, SSDStore, TransferEngine, object_key
-from saria.dataplane.transfer.load_job import StagingPool
+from saria.dataplane.dram.staging import StagingPool
 from saria.kernels import PageTable
 from ssd_cases import flip_byte
 
@@ -173,12 +173,12 @@ def test_one_unpack_launch_per_batch(tmp_path, monkeypatch):
     """Four DRAM objects and four SSD objects read together: one launch for the DRAM batch (zero-copy
     run of fresh, adjacent slots, or gathered staging), and at most one per SSD object (fewer when
     several arrive together)."""
-    from saria.dataplane.transfer import paths as paths_module
+    from saria.dataplane.transfer import tables as tables_module
     rig = Rig(tmp_path)
     engine = rig.engine
     calls = []
-    real = paths_module.unpack_pages
-    monkeypatch.setattr(paths_module, "unpack_pages", lambda s, t, ids, **kw: calls.append(ids.dim()) or real(
+    real = tables_module.unpack_pages
+    monkeypatch.setattr(tables_module, "unpack_pages", lambda s, t, ids, **kw: calls.append(ids.dim()) or real(
         s, t, ids, **kw))
     engine.batch_bytes = 1 << 30
     chunks = [f"launch-{i}" for i in range(8)]
@@ -227,8 +227,11 @@ def test_load_job_finishes_marks_and_defers():
     timeline = []
     job = LoadJob(ReloadPlan(1, ("c0", "c1", "c2"), (Tier.DRAM, Tier.SSD, Tier.SSD), None, None, 24, 0, 0, True),
                   items, timeline)
-    job.defer_ssd(items[1:])
-    assert job.take_deferred() == items[1:] and job.take_deferred() == []
+    started = []
+    job.then(lambda j, deferred: started.append((j, deferred)), items[1:])
+    job.start_deferred()
+    job.start_deferred()  # each held-back part starts once
+    assert started == [(job, items[1:])]
     job.mark("dram", 10)
     job.finish(items[0])
     assert not job.done()

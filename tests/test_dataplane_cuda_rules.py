@@ -20,7 +20,7 @@ from saria.control import DropOrder, ObjectKey, ReloadPlan, StoreOrder, Tier, Wr
 from saria.dataplane import HostPool, SSDStore
 from saria.dataplane.dram.host_pool import REGISTRY, HostRegistry
 from saria.dataplane.transfer.load_job import LoadJob
-from saria.dataplane.transfer.offload import Offload
+from saria.dataplane.transfer.stores import Stores
 from saria.dataplane.transfer.streams import CudaEvent, Event, HostEvent, Streams
 from test_dataplane_engine import PAGES, SLOT, blocks_of, engine_rig
 
@@ -148,7 +148,7 @@ def rig(tmp_path):
 
 def test_a_store_whose_copy_fails_gives_its_slots_back(rig, monkeypatch):
     caches, engine, store, pool = rig
-    real = Offload._copy_to_slots
+    real = Stores._copy_to_slots
     calls = []
 
     def flaky(self, staging, slots):
@@ -157,7 +157,7 @@ def test_a_store_whose_copy_fails_gives_its_slots_back(rig, monkeypatch):
             raise RuntimeError("copy failed (injected)")
         return real(self, staging, slots)
 
-    monkeypatch.setattr(Offload, "_copy_to_slots", flaky)
+    monkeypatch.setattr(Stores, "_copy_to_slots", flaky)
     done = engine.store(StoreOrder(1, ("a", "b", "c"), (), 0), {c: blocks_of(i) for i, c in enumerate("abc")}).result()
     assert done.ok and done.failed == (ObjectKey("b", "kv"),)
     assert engine.dram_object("b") is None and engine.dram_object("a") and engine.dram_object("c")
@@ -174,7 +174,7 @@ def test_every_slot_taken_is_owned_or_given_back(rig, monkeypatch, steps):
     caches, engine, store, pool = rig
     for key in engine.dram.keys():
         engine.dram.drop(key)
-    real = Offload._copy_to_slots
+    real = Stores._copy_to_slots
     fail = threading.Event()
 
     def maybe_fail(self, staging, slots):
@@ -182,7 +182,7 @@ def test_every_slot_taken_is_owned_or_given_back(rig, monkeypatch, steps):
             raise RuntimeError("copy failed (injected)")
         return real(self, staging, slots)
 
-    monkeypatch.setattr(Offload, "_copy_to_slots", maybe_fail)
+    monkeypatch.setattr(Stores, "_copy_to_slots", maybe_fail)
     order = 100
     for op, i, flag in steps:
         chunk = f"k{i}"

@@ -15,7 +15,7 @@ from kernel_cases import gdn_pages, vllm_layers
 from saria.config import SariaConfig
 from saria.control import DropOrder, ObjectKey, PromoteOrder, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, OrderRun, SSDStore, TransferEngine, object_key
-from saria.dataplane.transfer import offload as offload_module
+from saria.dataplane.transfer import packing as packing_module
 from saria.kernels import PageTable, pack_pages
 
 PAGES = 2
@@ -80,7 +80,7 @@ def test_execute_returns_one_run_per_order_in_order(parts):
 def test_released_is_set_only_after_the_pack_ran(parts, monkeypatch):
     caches, gdn, engine, store, pool = parts
     gated = GatedPack()
-    monkeypatch.setattr(offload_module, "pack_pages", gated)
+    monkeypatch.setattr(packing_module, "pack_pages", gated)
     src = {c: blocks_of(i) for i, c in enumerate("ab")}
     store_run, write_run = engine.execute([StoreOrder(1, ("a", "b"), (), 0),
                                            WriteOrder(2, ("a",), (), 0, Tier.GPU, "write-through")], src)
@@ -96,7 +96,7 @@ def test_released_at_once_for_drops_and_dram_source_writes(parts, monkeypatch):
     caches, gdn, engine, store, pool = parts
     assert engine.store(StoreOrder(1, ("a",), (), 0), {"a": blocks_of(0)}).result().ok
     gated = GatedPack()  # never opened: a DRAM-source write and a drop must not pack
-    monkeypatch.setattr(offload_module, "pack_pages", gated)
+    monkeypatch.setattr(packing_module, "pack_pages", gated)
     write_run, drop_run = engine.execute([WriteOrder(2, ("a",), (), 0, Tier.DRAM, "eviction"),
                                           DropOrder(3, ("a",), (), 0, Tier.DRAM)])
     assert write_run.released.is_set() and drop_run.released.is_set() and drop_run.completion is None
@@ -108,7 +108,7 @@ def test_released_is_set_when_the_pack_fails(parts, monkeypatch):
     caches, gdn, engine, store, pool = parts
     gated = GatedPack(fail=True)
     gated.gate.set()
-    monkeypatch.setattr(offload_module, "pack_pages", gated)
+    monkeypatch.setattr(packing_module, "pack_pages", gated)
     runs = engine.execute([StoreOrder(1, ("a", "b"), (), 0), WriteOrder(2, ("a",), (), 0, Tier.GPU, "x")],
                           {c: blocks_of(i) for i, c in enumerate("ab")})
     for run in runs:
@@ -123,7 +123,7 @@ def test_released_is_set_when_the_order_dies_part_way(parts, monkeypatch):
     def broken(*args):
         raise RuntimeError("device lost (injected)")
 
-    monkeypatch.setattr(engine._offload, "_packed_on_device", broken)
+    monkeypatch.setattr(engine._packer, "packed_on_device", broken)
     run, = engine.execute([StoreOrder(1, ("a",), (), 0)], {"a": blocks_of(0)})
     with pytest.raises(RuntimeError, match="device lost"):
         run.completion.result()
@@ -136,7 +136,7 @@ def test_queued_orders_are_released_by_close(tmp_path, monkeypatch):
         engine = TransferEngine(PageTable(caches), host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
                                 pages_per_chunk=PAGES)
         gated = GatedPack()
-        monkeypatch.setattr(offload_module, "pack_pages", gated)
+        monkeypatch.setattr(packing_module, "pack_pages", gated)
         runs = engine.execute([StoreOrder(i, (f"c{i}",), (), 0) for i in range(3)],
                               {f"c{i}": blocks_of(i) for i in range(3)})
         assert gated.entered.wait(30)
@@ -159,7 +159,7 @@ def test_a_bad_order_raises_before_it_starts_and_earlier_ones_run(parts):
     ]:
         with pytest.raises(ValueError, match=match):
             engine.execute([good, bad], blocks)
-    engine._offload.pool.submit(lambda: None).result()  # the good orders ran
+    engine._packer.pool.submit(lambda: None).result()  # the good orders ran
     assert engine.dram_object("a") is not None and engine.dram_object("b") is None
 
 

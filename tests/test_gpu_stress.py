@@ -35,14 +35,14 @@ def test_every_reloaded_object_matches_and_every_corruption_is_caught(stress, tm
 
 def test_a_wrong_byte_would_be_reported(stress, tmp_path, capsys, monkeypatch):
     """The stress must be able to fail: an unpack that writes one wrong byte is caught."""
-    from saria.dataplane.transfer import paths
-    real = paths.unpack_pages
+    from saria.dataplane.transfer import tables
+    real = tables.unpack_pages
 
     def unpack_one_wrong(staging, table, ids, **kw):
         staging = staging.clone()
         staging.view(-1)[0] ^= 1
         return real(staging, table, ids, **kw)
 
-    monkeypatch.setattr(paths, "unpack_pages", unpack_one_wrong)
+    monkeypatch.setattr(tables, "unpack_pages", unpack_one_wrong)
     assert stress.main(["--rounds", "3", "--corrupt", "0", "--ssd-dir", str(tmp_path)]) == 1
     assert "differs from its source" in capsys.readouterr().out

@@ -28,7 +28,7 @@ import pytest
 
 from saria.commands import cli, serve
 from saria.integrations.vllm import logs
-from saria.harness.session import VOCAB, build_model, build_tokenizer
+from saria.harness import VOCAB, build_model, build_tokenizer
 
 from serve_driver import Server, agent_sessions, completions, metric, prometheus, system_prompt, text
 

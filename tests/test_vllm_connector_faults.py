@@ -451,7 +451,7 @@ def test_an_unpack_that_cannot_start_fails_its_objects_and_the_path_goes_on(tmp_
 def test_session_fault_injection_raises_once_in_its_turn_and_restores():
     from saria.config import SariaConfig
     from saria.control import ControlPlane
-    from saria.harness.session import patch_faults
+    from saria.harness import patch_faults
 
     with pytest.raises(ValueError, match="unknown fault target"):
         patch_faults({"commit": [1]})

@@ -209,7 +209,7 @@ def test_session_priming_is_refused_where_it_would_not_give_the_same_split(kwarg
     """``prime`` and ``variants`` (the references of the output comparisons) need vLLM's own prefix
     cache, no connector, counts for every prompt shorter than it, one prompt per turn; anything
     else is refused before an engine starts."""
-    from saria.harness.session import run_session
+    from saria.harness import run_session
 
     with pytest.raises(ValueError, match="prime or variants|shorter than its prompt|not both|one prompt per turn"):
         run_session("no-such-model", [[1, 2, 3]] * (2 if "batches" in kwargs else 1), **kwargs)

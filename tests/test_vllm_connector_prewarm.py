@@ -105,7 +105,7 @@ def engine_runs(tmp_path_factory, dense_session):
     """The first 3 turns of the dense engine tests' session (``dense_session``: its model, prompts
     and plain vLLM's reference), with saria and an idle gap after each turn, without and with
     prewarm: ``(reference, run)``, ``run(prewarm)`` starting its engine when a test first asks."""
-    from saria.harness.session import run_in_subprocess
+    from saria.harness import run_in_subprocess
 
     root = tmp_path_factory.mktemp("prewarm")
     spec = dict(dense_session["spec"], prompts=dense_session["prompts"][:3])

@@ -24,7 +24,7 @@ import random
 
 import pytest
 
-from saria.harness.session import VOCAB, build_model, run_in_subprocess
+from saria.harness import VOCAB, build_model, run_in_subprocess
 
 BLOCK = 32
 CHUNK = 64

@@ -2,7 +2,7 @@
 worker process per rank): every rank reloads its own shard, the ranks agree on failures, and a
 restarted server finds its SSD objects again only with the same layout.
 
-Each scenario is one engine in a subprocess (``saria.harness.session``); the per-rank
+Each scenario is one engine in a subprocess (``saria.harness.run``); the per-rank
 counters come from every worker through ``LLM.collective_rpc``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from saria.harness.session import build_model, run_in_subprocess, synthetic_session
+from saria.harness import build_model, run_in_subprocess, synthetic_session
 
 from test_vllm_connector import (CHUNK, KV_BYTES_PER_TOKEN, assert_identical_outputs, assert_kv_audited,
                                  assert_same_outputs, hybrid_session, reference_spec)

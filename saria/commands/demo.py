@@ -87,7 +87,9 @@ def full_duplicate_writes(prompts: list[list[int]], dram_bytes: int, ssd_bytes: 
 
 def main(args: argparse.Namespace) -> int:
     from saria.commands import doctor
-    from saria.harness.session import build_model, run_in_subprocess, synthetic_session, trace_session
+    from saria.harness.model import build_model
+    from saria.harness.run import run_in_subprocess
+    from saria.harness.workload import synthetic_session, trace_session
 
     if args.json is not None:
         check_output(args.json, "--json")

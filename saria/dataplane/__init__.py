@@ -1,32 +1,33 @@
-"""The data plane: moves bytes between GPU, pinned DRAM and NVMe SSD (DESIGN.md, "Data plane").
+"""The data plane: moves bytes between GPU, pinned DRAM and NVMe SSD (docs/architecture.md,
+"Data plane"), in three folders by medium and job:
 
-Transfer engine: :class:`TransferEngine` executes the control plane's reload plans and orders on
-separate paths (DRAM->GPU paced by the :class:`Coordinator`, SSD->GPU, GPU->DRAM, SSD writes),
-one module each (``dram_loads``, ``ssd_loads``, ``offload``; what they share in ``paths``).
-Host pool: :class:`HostPool`, pinned host memory in fixed-size slots (the DRAM tier), indexed by
-:class:`DramStore`. A reload in flight is a :class:`LoadJob` (``load_job``).
-PCIe monitor: :class:`PCIeMonitor` samples NVML's PCIe counters; :func:`calibrate` refines the
-coordinator's bandwidth estimates from them.
+* ``dram/``: the DRAM tier: :class:`HostPool` (pinned host memory in fixed-size slots),
+  :class:`DramStore` (which objects live in which slots) and the reloads' staging buffers.
+* ``ssd/``: the SSD tier: :class:`SSDStore` (opaque objects striped over one preallocated file per
+  drive, verified on every read, found again after a restart), its on-disk format, index, jobs,
+  backends (POSIX, kvikio GDS) and errors.
+* ``transfer/``: :class:`TransferEngine`, which executes the control plane's reload plans and
+  orders on separate paths (DRAM->GPU paced by the :class:`Coordinator`, SSD->GPU, GPU->DRAM,
+  SSD writes, SSD->DRAM prewarms), one module each; a reload in flight is a :class:`LoadJob`;
+  :class:`PCIeMonitor` samples NVML's PCIe counters and :func:`calibrate` refines the
+  coordinator's bandwidth estimates from them.
 
-SSD store: :class:`SSDStore` keeps opaque objects striped over one preallocated file per drive,
-verified on every read and found again after a restart (``ssd_store``; on-disk format in
-``ssd_format``; POSIX / kvikio backends, drive locks and the ``IoOps`` syscall layer in
-``ssd_backends``; checks on the caller's memory in ``ssd_memory``).
+``build`` sizes and opens all of it for a configuration; ``nvtx`` names the profiler ranges.
 """
 
-from saria.dataplane.transfer.coordinator import Coordinator, pace_bytes_per_s
-from saria.dataplane.dram.store import DramObject, DramStore
-from saria.dataplane.transfer.engine import Completion, OrderRun, TransferEngine
 from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
-from saria.dataplane.ssd.keys import object_key
-from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
-from saria.dataplane.transfer.pcie import PCIeMonitor, calibrate
+from saria.dataplane.dram.store import DramObject, DramStore
 from saria.dataplane.ssd.backends import IoOps, probe_direct_io
 from saria.dataplane.ssd.counters import PathCounters, SSDCounters
 from saria.dataplane.ssd.errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable,
-                         ObjectWriteError, SSDStoreError, StoreClosed, StoreConfigError, StoreFull)
+                                        ObjectWriteError, SSDStoreError, StoreClosed, StoreConfigError, StoreFull)
 from saria.dataplane.ssd.index import ObjectInfo, PartLocation
+from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
+from saria.dataplane.transfer.coordinator import Coordinator, pace_bytes_per_s
+from saria.dataplane.transfer.engine import Completion, OrderRun, TransferEngine
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
+from saria.dataplane.transfer.pcie import PCIeMonitor, calibrate
 
 __all__ = [
     "Completion", "Coordinator", "DramObject", "DramStore", "HostPool", "HostPoolFull", "LoadItem", "LoadJob",

@@ -18,30 +18,31 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
 from saria.dataplane import nvtx
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.dram.store import DramObject, DramStore
-from saria.dataplane.transfer.load_job import LoadItem, LoadJob, StagingPool
-from saria.dataplane.transfer.paths import Counters, Streams, log, unpack_run
+from saria.dataplane.dram.staging import StagingPool
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob
+from saria.dataplane.transfer.results import TransferCounters
+from saria.dataplane.transfer.streams import Streams
+from saria.dataplane.transfer.tables import log, unpack_run
 
 
 class DramLoads:
     """The DRAM -> GPU path: :meth:`submit` queues a reload's DRAM objects for the dispatcher
-    thread; ``submit_ssd(job, items)`` starts a serial plan's deferred SSD reads."""
+    thread, which starts what the job holds back for after them (a serial plan's SSD reads)."""
 
-    def __init__(self, dram: DramStore, coordinator: Coordinator, streams: Streams, counters: Counters,
-                 staging: StagingPool, batch_bytes: int, submit_ssd: Callable[[LoadJob, list[LoadItem]], None]):
+    def __init__(self, dram: DramStore, coordinator: Coordinator, streams: Streams, counters: TransferCounters,
+                 staging: StagingPool, batch_bytes: int):
         self.dram = dram
         self.coordinator = coordinator
         self.streams = streams
         self.counters = counters
         self.staging = staging
         self.batch_bytes = batch_bytes
-        self.submit_ssd = submit_ssd
         # On the CPU the host slots are device memory: DRAM objects are unpacked straight from them
         # when their slots are contiguous (tests turn this off to exercise the gather path).
         self.zero_copy = streams.device.type == "cpu"
@@ -70,9 +71,7 @@ class DramLoads:
             job, items = work
             for batch in self._batches(items):
                 self._load_batch(job, batch)
-            deferred = job.take_deferred()  # a serial plan's SSD part starts once its DRAM part is issued
-            if deferred:
-                self._on_device(self.submit_ssd, job, deferred)
+            self._on_device(job.start_deferred)  # a serial plan's SSD part starts once its DRAM part is issued
 
     def _batches(self, items: list[LoadItem]) -> list[list[LoadItem]]:
         """Cut a reload's items (in plan order) into batches unpacked by one launch each: items of

@@ -11,11 +11,15 @@ own module, owning its thread(s) and (on CUDA) its own stream:
 * **SSD -> GPU** (:mod:`~saria.dataplane.transfer.ssd_loads`, ``ssd`` stream): one
   :meth:`~saria.dataplane.ssd.store.SSDStore.read_many` per batch into one staging, verified on
   the reader threads, one hand-off to the unpack thread, one unpack per run of arrived objects.
-* **GPU -> DRAM** and **DRAM/GPU -> SSD** (:mod:`~saria.dataplane.transfer.offload`, ``offload`` stream):
-  stores and promotions packed, checksummed per host-slot part and copied into host slots;
-  writes from DRAM slots or from freshly packed GPU staging.
+* **GPU -> DRAM** (:mod:`~saria.dataplane.transfer.stores`, ``offload`` stream): stores and
+  promotions packed, checksummed per host-slot part and copied into host slots.
+* **DRAM/GPU -> SSD** (:mod:`~saria.dataplane.transfer.writes`): writes from DRAM slots or from
+  freshly packed GPU staging (both packing paths share the offload thread of
+  :mod:`~saria.dataplane.transfer.packing`).
+* **SSD -> DRAM** (:mod:`~saria.dataplane.transfer.prewarm`, ``prewarm`` thread): prewarms.
 
-What they share (counters, streams, page tables, the unpack) is in :mod:`~saria.dataplane.transfer.paths`.
+What they share: page tables and the unpack (:mod:`~saria.dataplane.transfer.tables`), results and
+counters (:mod:`~saria.dataplane.transfer.results`), streams (:mod:`~saria.dataplane.transfer.streams`).
 The data plane costs bytes, not objects: a reload's objects travel in batches (at most
 ``batch_bytes`` each, one page table), each batch landing in one staging (the objects' packed
 bytes back to back, which is exactly what :func:`~saria.kernels.pack_pages` makes for a 2-D
@@ -48,18 +52,22 @@ from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, R
     WriteOrder
 from saria.kernels import PageTable
 
+from saria.dataplane.dram.host_pool import HostPool
+from saria.dataplane.dram.staging import StagingPool
+from saria.dataplane.dram.store import DramObject, DramStore
+from saria.dataplane.ssd.keys import object_key
+from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.dram_loads import DramLoads
-from saria.dataplane.dram.store import DramObject, DramStore
-from saria.dataplane.dram.host_pool import HostPool
-from saria.dataplane.ssd.keys import object_key
-from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult, StagingPool
-from saria.dataplane.transfer.offload import Offload
-from saria.dataplane.transfer.paths import Blocks, Completion, Counters, EngineCounters, OrderRun, Streams, Tables
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
+from saria.dataplane.transfer.packing import Packer
+from saria.dataplane.transfer.prewarm import Prewarms
+from saria.dataplane.transfer.results import Completion, EngineCounters, OrderRun, TransferCounters
 from saria.dataplane.transfer.ssd_loads import SsdLoads
-from saria.dataplane.ssd.store import SSDStore
-
-_LoadItem = LoadItem  # the name before load_job.py
+from saria.dataplane.transfer.stores import Stores
+from saria.dataplane.transfer.streams import Streams
+from saria.dataplane.transfer.tables import Blocks, Tables
+from saria.dataplane.transfer.writes import Writes
 
 __all__ = ["Blocks", "Completion", "DramObject", "DramStore", "EngineCounters", "LoadItem", "LoadJob", "LoadResult",
            "OrderRun", "TransferEngine"]
@@ -101,13 +109,15 @@ class TransferEngine:
         self.kv_bytes = self._tables.kv_bytes
         self.state_bytes = self._tables.state_bytes
         self.dram = DramStore(host_pool)
-        self._counters = Counters()
+        self._counters = TransferCounters()
         self._streams = Streams(self.device)
         staging = StagingPool(self.device)
         self._ssd_loads = SsdLoads(ssd, coordinator, self._streams, self._counters, staging, batch_bytes)
-        self._dram_loads = DramLoads(self.dram, coordinator, self._streams, self._counters, staging, batch_bytes,
-                                     submit_ssd=self._ssd_loads.submit)
-        self._offload = Offload(self._tables, host_pool, self.dram, ssd, self._streams, self._counters)
+        self._dram_loads = DramLoads(self.dram, coordinator, self._streams, self._counters, staging, batch_bytes)
+        self._packer = Packer(self._tables, host_pool, self._streams)
+        self._stores = Stores(self._packer, host_pool, self.dram, self._counters)
+        self._writes = Writes(self._packer, self._tables, self.dram, ssd, self._counters)
+        self._prewarms = Prewarms(self._tables, host_pool, self.dram, ssd, self._counters)
         self._closed = False
 
     @property
@@ -172,7 +182,7 @@ class TransferEngine:
         dram_items = [i for i in items if i.tier is Tier.DRAM]
         ssd_items = [i for i in items if i.tier is Tier.SSD]
         if plan.serial and dram_items:
-            job.defer_ssd(ssd_items)  # submitted by the DRAM thread once the DRAM part is done
+            job.then(self._ssd_loads.submit, ssd_items)  # started by the DRAM thread once the DRAM part is issued
         else:
             self._ssd_loads.submit(job, ssd_items)
         if dram_items:
@@ -198,7 +208,7 @@ class TransferEngine:
             raise ValueError(f"store() takes a StoreOrder or PromoteOrder, got {type(order).__name__}")
         if isinstance(order, PromoteOrder) and order.source is not Tier.GPU:
             raise ValueError(f"store() copies from HBM; a PromoteOrder from {order.source} is a prewarm (execute())")
-        return self._offload.store(order, kv_blocks, state_blocks or {}, prepacked or {},
+        return self._stores.store(order, kv_blocks, state_blocks or {}, prepacked or {},
                                    released if released is not None else threading.Event())
 
     def capture_state(self, blocks: int | Blocks) -> torch.Tensor:
@@ -215,7 +225,7 @@ class TransferEngine:
             raise ValueError("capture_state needs a state_table: this engine has none (not a hybrid model)")
         if isinstance(blocks, int) and not isinstance(blocks, bool):
             blocks = [blocks]
-        return self._offload.capture(self._tables.ids(STATE, "(captured)", blocks))
+        return self._packer.capture(self._tables.ids(STATE, "(captured)", blocks))
 
     def write(self, order: WriteOrder, kv_blocks: Mapping[Hashable, Blocks] | None = None,
               state_blocks: Mapping[Hashable, Blocks] | None = None,
@@ -232,7 +242,7 @@ class TransferEngine:
             raise ValueError("write order but this engine has no SSD store")
         if not isinstance(order, WriteOrder):
             raise ValueError(f"write() takes a WriteOrder, got {type(order).__name__}")
-        return self._offload.write(order, kv_blocks or {}, state_blocks or {}, prepacked or {},
+        return self._writes.write(order, kv_blocks or {}, state_blocks or {}, prepacked or {},
                                    packed if packed is not None else threading.Event())
 
     def drop(self, order: DropOrder) -> None:
@@ -240,7 +250,7 @@ class TransferEngine:
         self._check_open()
         if not isinstance(order, DropOrder):
             raise ValueError(f"drop() takes a DropOrder, got {type(order).__name__}")
-        keys = [ObjectKey(c, KV) for c in order.kv] + [ObjectKey(c, STATE) for c in order.state]
+        keys = order.keys()
         if order.tier is Tier.DRAM:
             for key in keys:
                 if self.dram.drop(key) is not None:
@@ -268,29 +278,40 @@ class TransferEngine:
         prepacked tensor) raises ``ValueError`` before anything of it started; the orders before
         it did start (their runs are lost to the caller, but they complete and release as usual).
         """
+        blocks = (kv_blocks or {}, state_blocks or {}, prepacked or {})
         runs = []
-        kv_blocks = kv_blocks or {}
-        state_blocks = state_blocks or {}
-        prepacked = prepacked or {}
         for order in orders:
-            released = threading.Event()
-            if isinstance(order, DropOrder):
-                self.drop(order)
-                released.set()
-                runs.append(OrderRun(order, None, released))
-            elif isinstance(order, PromoteOrder) and order.source is Tier.SSD:
-                self._check_open()
-                runs.append(OrderRun(order, self._offload.prewarm(order), released))
-                released.set()  # reads no pages
-            elif isinstance(order, (StoreOrder, PromoteOrder)):
-                runs.append(OrderRun(order, self.store(order, kv_blocks, state_blocks, prepacked, released=released),
-                                     released))
-            elif isinstance(order, WriteOrder):
-                runs.append(OrderRun(order, self.write(order, kv_blocks, state_blocks, released, prepacked),
-                                     released))
-            else:
+            runs_by_source = self._RUNS.get(type(order))
+            if runs_by_source is None:
                 raise ValueError(f"unknown order type {type(order).__name__}")
+            run = runs_by_source.get(getattr(order, "source", None), runs_by_source[None])
+            runs.append(run(self, order, *blocks))
         return runs
+
+    def _run_drop(self, order: DropOrder, *_) -> OrderRun:
+        self.drop(order)
+        return OrderRun(order, None, _set(threading.Event()))
+
+    def _run_prewarm(self, order: PromoteOrder, *_) -> OrderRun:
+        self._check_open()
+        return OrderRun(order, self._prewarms.prewarm(order), _set(threading.Event()))  # reads no pages
+
+    def _run_store(self, order: StoreOrder | PromoteOrder, kv_blocks, state_blocks, prepacked) -> OrderRun:
+        released = threading.Event()
+        return OrderRun(order, self.store(order, kv_blocks, state_blocks, prepacked, released=released), released)
+
+    def _run_write(self, order: WriteOrder, kv_blocks, state_blocks, prepacked) -> OrderRun:
+        released = threading.Event()
+        return OrderRun(order, self.write(order, kv_blocks, state_blocks, released, prepacked), released)
+
+    # order type -> {its source: how execute() runs it}, ``None`` for every other source (whose
+    # run refuses what it cannot do): the one dispatch of orders
+    _RUNS = {
+        DropOrder: {None: _run_drop},
+        StoreOrder: {None: _run_store},
+        PromoteOrder: {Tier.SSD: _run_prewarm, None: _run_store},
+        WriteOrder: {None: _run_write},
+    }
 
     def counters(self) -> dict:
         """Engine, coordinator, host pool and SSD store counters in one snapshot."""
@@ -307,7 +328,8 @@ class TransferEngine:
             return
         self._closed = True
         self._dram_loads.close()  # may still submit a serial plan's SSD reads
-        self._offload.close()
+        self._packer.close()
+        self._prewarms.close()
         self._ssd_loads.close()  # after every submitter: reads in flight land first
 
     def __enter__(self) -> "TransferEngine":
@@ -315,3 +337,8 @@ class TransferEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event

@@ -1,21 +1,19 @@
 """One reload in flight: :class:`LoadJob` (what the caller waits on), :class:`LoadItem` (one object
-of the plan and where it goes) and :class:`LoadResult` (how it ended); :class:`StagingPool`, the
-reusable staging buffers reloads land in on a machine without CUDA.
+of the plan and where it goes) and :class:`LoadResult` (how it ended).
 
 The transfer engine creates the job with its items and reports on it from its copy threads
 through the job's public methods: :meth:`LoadJob.finish` when objects are in their pages (with the
 CUDA event that says when) or failed, :meth:`LoadJob.mark` for timeline points, and
-:meth:`LoadJob.defer_ssd` / :meth:`LoadJob.take_deferred` for the SSD part of a serial plan, held
-back until the DRAM part is done. The job never moves a byte itself.
+:meth:`LoadJob.then` / :meth:`LoadJob.start_deferred` for the SSD part of a serial plan, held
+back until the DRAM part is issued. The job never moves a byte itself.
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -85,7 +83,7 @@ class LoadJob:
         self.timeline = timeline
         self._start_event = start_event  # CUDA: device time base for timeline points
         self._marks: list[tuple[str, object, int]] = []
-        self._deferred: list[LoadItem] = []
+        self._deferred: list[tuple[Callable, list[LoadItem]]] = []
         self.dram_bytes = sum(i.nbytes for i in items if i.tier is Tier.DRAM)
         self.ssd_bytes = sum(i.nbytes for i in items if i.tier is Tier.SSD)
         if not items:
@@ -128,16 +126,18 @@ class LoadJob:
             with self._lock:
                 self._marks.append((path, event if event is not None else time.perf_counter() - self._start, nbytes))
 
-    def defer_ssd(self, items: Iterable[LoadItem]) -> None:
-        """Hold SSD items back until the DRAM part is done (a serial plan); see :meth:`take_deferred`."""
+    def then(self, start: Callable[[LoadJob, list[LoadItem]], None], items: Iterable[LoadItem]) -> None:
+        """A serial plan's second part: ``start(job, items)`` once the first part is issued
+        (:meth:`start_deferred`, called by the path that runs the first part)."""
         with self._lock:
-            self._deferred.extend(items)
+            self._deferred.append((start, list(items)))
 
-    def take_deferred(self) -> list[LoadItem]:
-        """The items held back by :meth:`defer_ssd` (each returned once)."""
+    def start_deferred(self) -> None:
+        """Start what :meth:`then` held back (each once; nothing if nothing was)."""
         with self._lock:
             deferred, self._deferred = self._deferred, []
-        return deferred
+        for start, items in deferred:
+            start(self, items)
 
     # --- for the caller --------------------------------------------------------------------------
 
@@ -181,52 +181,3 @@ class LoadJob:
             valid = 0 if item.key.kind == STATE else min(valid, item.index)
         return LoadResult(self.plan.plan_id, tuple(i.key for i in failed), valid, self.dram_bytes, self.ssd_bytes,
                           (self._end or time.perf_counter()) - self._start)
-
-
-class StagingPool:
-    """Staging buffers for reloads, reused from one batch to the next.
-
-    On CUDA, :meth:`take` is a plain ``torch.empty`` on the device: PyTorch's caching allocator
-    already reuses memory in stream order (take it inside the stream that will use it). On the CPU
-    a fresh ``torch.empty`` of tens of MiB is a new ``mmap`` whose every page faults on first touch
-    (measured on the 2-core VM: a 72 MiB staging filled at ~1.2 GB/s, about 20x slower than a copy
-    into warm memory), so buffers are kept: page-aligned (SSD reads land in them with O_DIRECT,
-    without a bounce buffer), at most ``keep`` of them, each reused for any request it can hold.
-    """
-
-    ALIGN = 2 << 20  # buffer sizes are rounded up to 2 MiB so nearby sizes share a buffer
-
-    def __init__(self, device: torch.device, keep: int = 4):
-        self.device = device
-        self.keep = keep
-        self._free: list[tuple[mmap.mmap, torch.Tensor]] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> tuple[object, torch.Tensor]:
-        """A uint8 tensor of exactly ``nbytes`` (contents undefined) and the handle to :meth:`give`
-        back once nothing reads or writes it any more."""
-        if self.device.type != "cpu":
-            return None, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        with self._lock:
-            fits = [b for b in self._free if b[1].numel() >= nbytes]
-            buf = min(fits, key=lambda b: b[1].numel()) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
-        if buf is None:
-            size = max(self.ALIGN, -(-nbytes // self.ALIGN) * self.ALIGN)
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            buf = (mm, torch.frombuffer(mm, dtype=torch.uint8))
-        return buf, buf[1][:nbytes]
-
-    def give(self, handle: object) -> None:
-        """Return a buffer from :meth:`take` (``None``, a CUDA staging, is left to the allocator)."""
-        if handle is None:
-            return
-        with self._lock:
-            self._free.append(handle)
-            if len(self._free) > self.keep:
-                self._free.remove(min(self._free, key=lambda b: b[1].numel()))  # dropped when unreferenced
-
-    def cached_bytes(self) -> int:
-        with self._lock:
-            return sum(b[1].numel() for b in self._free)

@@ -19,8 +19,11 @@ import torch
 
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.ssd.keys import object_key
-from saria.dataplane.transfer.load_job import LoadItem, LoadJob, StagingPool
-from saria.dataplane.transfer.paths import Counters, Streams, log, unpack_run
+from saria.dataplane.dram.staging import StagingPool
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob
+from saria.dataplane.transfer.results import TransferCounters
+from saria.dataplane.transfer.streams import Streams
+from saria.dataplane.transfer.tables import log, unpack_run
 from saria.dataplane.ssd.store import SSDStore
 
 
@@ -68,7 +71,7 @@ class SsdLoads:
     """The SSD -> GPU path: :meth:`submit` starts a reload's SSD reads; the unpack thread lands
     them. ``ssd`` may be ``None`` (an engine without an SSD store never submits)."""
 
-    def __init__(self, ssd: SSDStore | None, coordinator: Coordinator, streams: Streams, counters: Counters,
+    def __init__(self, ssd: SSDStore | None, coordinator: Coordinator, streams: Streams, counters: TransferCounters,
                  staging: StagingPool, batch_bytes: int):
         self.ssd = ssd
         self.coordinator = coordinator

@@ -1,99 +1,24 @@
-"""What the transfer engine's paths share: their results (:class:`Completion`, :class:`OrderRun`),
-their counters (:class:`Counters`), the engine's page tables with the block-id checks
-(:class:`Tables`), and the one unpack both reload paths end with (:func:`unpack_run`). Their CUDA
-streams and events (and the events' CPU twins) are in :mod:`~saria.dataplane.transfer.streams`.
-
-Each path (:mod:`~saria.dataplane.transfer.dram_loads`, :mod:`~saria.dataplane.transfer.ssd_loads`,
-:mod:`~saria.dataplane.transfer.offload`) is given these by :class:`~saria.dataplane.transfer.engine.TransferEngine`.
-"""
+"""The engine's page tables, with the one check of a caller's block ids (:class:`Tables`), and
+the unpack both reload paths end with (:func:`unpack_run`)."""
 
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
 import torch
 
-from saria.orders import KV, ObjectKey, Order
+from saria.orders import KV
 from saria.kernels import PageTable, drop_leading_pages, unpack_pages
 
 from saria.dataplane import nvtx
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
-from saria.dataplane.transfer.streams import STREAMS, Streams  # noqa: F401  (re-exported: the paths import them from here)
+from saria.dataplane.transfer.results import TransferCounters
+from saria.dataplane.transfer.streams import Streams
 
-log = logging.getLogger("saria.dataplane.transfer.engine")
+log = logging.getLogger("saria.dataplane.transfer")
 
 Blocks = Sequence[int] | torch.Tensor
-
-
-@dataclass(frozen=True)
-class Completion:
-    """How an order ended, for ``ControlPlane.complete(order_id, ok, now, failed=failed)``."""
-
-    order_id: int
-    ok: bool
-    failed: tuple[ObjectKey, ...] = ()
-
-
-@dataclass(frozen=True)
-class OrderRun:
-    """One order started by :meth:`TransferEngine.execute`.
-
-    ``completion``: resolves to the order's :class:`Completion` (``None`` for a drop, which is done
-    when ``execute`` returns). ``released``: set once the engine no longer reads the order's source
-    pages, so their blocks may be reused: at once for drops and DRAM-source writes; for stores,
-    promotions and GPU-source writes once the pack of every object has run on the device. It is
-    also set when the order fails part-way or the engine closes: a waiter never hangs."""
-
-    order: Order
-    completion: "Future[Completion] | None"
-    released: threading.Event
-
-
-@dataclass
-class EngineCounters:
-    loads: int = 0
-    load_objects: int = 0
-    load_failures: int = 0
-    dram_to_gpu_bytes: int = 0
-    dram_to_gpu_seconds: float = 0.0
-    ssd_to_gpu_bytes: int = 0
-    ssd_to_gpu_seconds: float = 0.0
-    gpu_to_dram_bytes: int = 0
-    gpu_to_dram_seconds: float = 0.0
-    ssd_write_bytes: int = 0
-    ssd_write_failures: int = 0
-    store_failures: int = 0
-    host_pool_full: int = 0
-    dram_drops: int = 0
-    ssd_drops: int = 0
-    missing_dram_objects: int = 0
-    ssd_to_dram_bytes: int = 0      # prewarms
-    ssd_to_dram_seconds: float = 0.0
-    prewarm_failures: int = 0
-
-    def snapshot(self) -> dict:
-        return asdict(self)
-
-
-class Counters:
-    """The engine's :class:`EngineCounters`, added to by every path's threads under one lock."""
-
-    def __init__(self):
-        self._values = EngineCounters()
-        self._lock = threading.Lock()
-
-    def add(self, **deltas) -> None:
-        with self._lock:
-            for name, value in deltas.items():
-                setattr(self._values, name, getattr(self._values, name) + value)
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return self._values.snapshot()
 
 
 class Tables:
@@ -146,7 +71,7 @@ def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
 
 
 def unpack_run(job: LoadJob, items: list[LoadItem], staging: torch.Tensor, path: str, streams: Streams,
-               counters: Counters) -> None:
+               counters: TransferCounters) -> None:
     """Unpack ``items`` (one page table; ``staging`` their packed bytes back to back) with one
     launch on ``path``'s stream, and finish them on ``job`` (with an event on that stream). Never
     raises (its callers are the paths' threads, which must neither die nor leave a job waiting):

@@ -1,0 +1,76 @@
+"""What the transfer engine hands back and counts: an order's :class:`Completion` and
+:class:`OrderRun`, and the engine's :class:`TransferCounters` (one lock, added to by every path)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+
+from saria.orders import ObjectKey, Order
+
+@dataclass(frozen=True)
+class Completion:
+    """How an order ended, for ``ControlPlane.complete(order_id, ok, now, failed=failed)``."""
+
+    order_id: int
+    ok: bool
+    failed: tuple[ObjectKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class OrderRun:
+    """One order started by :meth:`TransferEngine.execute`.
+
+    ``completion``: resolves to the order's :class:`Completion` (``None`` for a drop, which is done
+    when ``execute`` returns). ``released``: set once the engine no longer reads the order's source
+    pages, so their blocks may be reused: at once for drops and DRAM-source writes; for stores,
+    promotions and GPU-source writes once the pack of every object has run on the device. It is
+    also set when the order fails part-way or the engine closes: a waiter never hangs."""
+
+    order: Order
+    completion: "Future[Completion] | None"
+    released: threading.Event
+
+
+@dataclass
+class EngineCounters:
+    loads: int = 0
+    load_objects: int = 0
+    load_failures: int = 0
+    dram_to_gpu_bytes: int = 0
+    dram_to_gpu_seconds: float = 0.0
+    ssd_to_gpu_bytes: int = 0
+    ssd_to_gpu_seconds: float = 0.0
+    gpu_to_dram_bytes: int = 0
+    gpu_to_dram_seconds: float = 0.0
+    ssd_write_bytes: int = 0
+    ssd_write_failures: int = 0
+    store_failures: int = 0
+    host_pool_full: int = 0
+    dram_drops: int = 0
+    ssd_drops: int = 0
+    missing_dram_objects: int = 0
+    ssd_to_dram_bytes: int = 0      # prewarms
+    ssd_to_dram_seconds: float = 0.0
+    prewarm_failures: int = 0
+
+    def snapshot(self) -> dict:
+        return asdict(self)
+
+
+class TransferCounters:
+    """The engine's :class:`EngineCounters`, added to by every path's threads under one lock."""
+
+    def __init__(self):
+        self._values = EngineCounters()
+        self._lock = threading.Lock()
+
+    def add(self, **deltas) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self._values, name, getattr(self._values, name) + value)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return self._values.snapshot()

