@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Hashable
+from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
-__all__ = ["ControlPlaneError", "DropOrder", "ObjectKey", "Order", "PromoteOrder", "ReloadPlan", "StoreOrder",
-           "Tier", "WriteOrder", "split_keys"]
+__all__ = ["ControlPlaneError", "DataPlane", "DropOrder", "ObjectKey", "Order", "PromoteOrder", "ReloadPlan",
+           "StoreOrder", "Tier", "WriteOrder", "split_keys"]
 
 
 class ControlPlaneError(ValueError):
@@ -160,3 +160,37 @@ class DropOrder(Order):
     """Free these objects' slots in ``tier``. Needs no completion."""
 
     tier: Tier
+
+
+@runtime_checkable
+class DataPlane(Protocol):
+    """What an engine integration asks of the data plane, in the terms of this module (the data
+    plane's :class:`~saria.dataplane.transfer.engine.TransferEngine` is one). Block ids are the
+    engine's page ids (a sequence of ints or a 1-D integer tensor per object); ``prepacked`` maps
+    an :class:`ObjectKey` to bytes packed earlier by :meth:`capture_state`. Nothing here returns
+    before its arguments are checked: a call that raises has started nothing."""
+
+    def load(self, plan: ReloadPlan, kv_blocks: Sequence[Any], state_blocks: Any = None, *,
+             skip_pages: int = 0) -> Any:
+        """Start reloading ``plan`` into the pages ``kv_blocks[i]`` (chunk ``i``) and, for a hybrid
+        plan, ``state_blocks``: a job whose ``wait()`` gives the result (the failed objects, the
+        usable leading chunks), ``ready()`` says whether it would block."""
+
+    def execute(self, orders: Iterable[Order], kv_blocks: Mapping[Hashable, Any] | None = None,
+                state_blocks: Mapping[Hashable, Any] | None = None,
+                prepacked: Mapping[ObjectKey, Any] | None = None) -> list[Any]:
+        """Start a list of orders in list order: one run per order, with its ``completion`` (a
+        future of ``(order_id, ok, failed)``, ``None`` for a drop) and its ``released`` event (the
+        source pages may be reused)."""
+
+    def capture_state(self, blocks: Any) -> Any:
+        """Pack one GDN state object now (before the engine's next step overwrites it)."""
+
+    def drop(self, order: DropOrder) -> None:
+        """Free the order's objects in its tier."""
+
+    def dram_objects(self) -> int:
+        """How many objects are resident in DRAM."""
+
+    def counters(self) -> dict:
+        """The data plane's counters, one snapshot."""

@@ -193,3 +193,45 @@ def test_capture_state_without_a_state_table_is_refused(tmp_path):
         with pytest.raises(ValueError, match="state_table"):
             engine.capture_state(0)
         engine.close()
+
+
+# --- the contract: Order.keys(), split_keys, the DataPlane protocol, the dispatch table ------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from saria.orders import DataPlane, split_keys  # noqa: E402
+
+chunk_lists = st.lists(st.one_of(st.integers(), st.text(max_size=3)), max_size=6, unique=True)
+
+
+@given(chunk_lists, chunk_lists)
+def test_order_keys_and_split_keys_are_inverse(kv, state):
+    order = WriteOrder(1, tuple(kv), tuple(state), 0, Tier.DRAM, "eviction")
+    keys = order.keys()
+    assert keys == [ObjectKey(c, "kv") for c in kv] + [ObjectKey(c, "state") for c in state]
+    assert split_keys(keys) == (tuple(kv), tuple(state))
+
+
+def test_the_transfer_engine_is_a_data_plane(parts):
+    _, _, engine, _, _ = parts
+    assert isinstance(engine, DataPlane)
+    assert not isinstance(object(), DataPlane)
+
+
+def test_every_order_type_and_source_has_one_run(parts):
+    """An order type the table does not know is refused; a source its run cannot serve is refused by
+    that run, with its own message, before anything started."""
+    _, _, engine, _, pool = parts
+
+    class Unknown(StoreOrder):
+        pass
+
+    with pytest.raises(ValueError, match="unknown order type Unknown"):
+        engine.execute([Unknown(1, ("a",), (), 0)], {"a": blocks_of(0)})
+    with pytest.raises(ValueError, match="copies from HBM"):
+        engine.execute([PromoteOrder(2, ("a",), (), 0, Tier.DRAM)], {"a": blocks_of(0)})
+    with pytest.raises(ValueError, match="expected DRAM or GPU"):
+        engine.execute([WriteOrder(3, ("a",), (), 0, Tier.SSD, "eviction")], {"a": blocks_of(0)})
+    with pytest.raises(ValueError, match="expected DRAM or SSD"):
+        engine.execute([DropOrder(4, ("a",), (), 0, Tier.GPU)])
+    assert pool.free_slots == pool.num_slots

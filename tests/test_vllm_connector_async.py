@@ -20,7 +20,7 @@ from saria.kernels import pack_pages
 from saria.control import ObjectKey, StoreOrder, Tier, WriteOrder
 from saria.integrations.vllm.faults import Faults
 from saria.integrations.vllm.guard import SchedulerGuard
-from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, OrderBatch, SariaConnectorMetadata,
+from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, RequestOrders, SariaConnectorMetadata,
                                               SariaWorkerMetadata)
 from saria.integrations.vllm.scheduler import SariaScheduler
 
@@ -146,7 +146,7 @@ def gate(monkeypatch):
 def store(worker, req_id="r1", order_id=1, chunk="h0", blocks=(2, 3), write_from_gpu=False):
     order = (WriteOrder(order_id, (chunk,), (), SIZE, Tier.GPU, "write-through") if write_from_gpu
              else StoreOrder(order_id, (chunk,), (), SIZE))
-    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch(req_id, (order,), {chunk: blocks})]))
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders(req_id, (order,), {chunk: blocks})]))
 
 
 @pytest.mark.parametrize("write_from_gpu", [False, True])

@@ -13,7 +13,7 @@ import torch
 
 from saria.control import StoreOrder, Tier
 from saria.integrations.vllm.audit import KVAudit
-from saria.integrations.vllm.metadata import LoadSpec, OrderBatch, SariaConnectorMetadata
+from saria.integrations.vllm.metadata import LoadSpec, RequestOrders, SariaConnectorMetadata
 from saria.integrations.vllm.settings import ConnectorSettings
 from saria.integrations.vllm.worker import SariaWorker
 
@@ -84,7 +84,7 @@ def audited_worker(tmp_path) -> SariaWorker:
 
 def store_and_reload(worker, corrupt: bool):
     order = StoreOrder(1, ("h0",), (), CHUNK * KV_BYTES_PER_TOKEN)
-    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch("r1", (order,), {"h0": (2, 3)})]))
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders("r1", (order,), {"h0": (2, 3)})]))
     assert [c.ok for c in completions(worker, 1)] == [True]
     if corrupt:  # behind saria's back: one byte of the object in the host pool
         obj = worker.engine.dram_object("h0")

@@ -18,7 +18,7 @@ from saria.control import ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.integrations.vllm.faults import Faults
 from saria.integrations.vllm.guard import SchedulerGuard
 from saria.integrations.vllm.geometry import EngineGeometry
-from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch,
+from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders,
                                               SariaConnectorMetadata, SariaWorkerMetadata)
 from saria.integrations.vllm.scheduler import SariaScheduler
 from saria.integrations.vllm.settings import ConnectorSettings
@@ -317,10 +317,10 @@ def store_and_write(worker, chunk="h0", blocks=(2, 3)):
     """Store a chunk's pages in DRAM and, once stored (as the control plane orders it: an object
     is written from DRAM only once its store completed), write it to SSD, through the worker's hooks."""
     size = CHUNK * KV_BYTES_PER_TOKEN
-    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch("r0", (StoreOrder(1, (chunk,), (), size),),
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders("r0", (StoreOrder(1, (chunk,), (), size),),
                                                                    {chunk: blocks})]))
     assert [c.ok for c in completions(worker, 1)] == [True]
-    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch(None, (
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders(None, (
         WriteOrder(2, (chunk,), (), size, Tier.DRAM, "eviction"),))]))
     assert [c.ok for c in completions(worker, 1)] == [True]
 
@@ -351,7 +351,7 @@ def test_a_load_that_raises_fails_its_request_alone(tmp_path, monkeypatch):
 def test_an_order_that_raises_reports_a_failed_completion(tmp_path, monkeypatch):
     worker = dense_worker(tmp_path)
     monkeypatch.setattr(worker.engine, "store", lambda *a, **k: 1 / 0)
-    worker.wait_for_save(SariaConnectorMetadata(orders=[OrderBatch("r0", (StoreOrder(1, ("h0",), (), 1),),
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders("r0", (StoreOrder(1, ("h0",), (), 1),),
                                                                    {"h0": (2, 3)})]))
     assert worker.build_worker_meta().completions == [CompletionReport(1, False)]
     assert worker.faults.by_where == {"StoreOrder": 1} and not worker.off
@@ -383,7 +383,7 @@ def test_a_worker_whose_data_plane_cannot_open_is_off_and_answers_everything(tmp
     assert worker.off and worker.data is None
     assert any("turned off" in r.getMessage() for r in caplog.records)
     meta = SariaConnectorMetadata(loads=[LoadSpec("r", plan(1, ["h0"], Tier.DRAM), ((5, 6),))],
-                                  orders=[OrderBatch("q", (StoreOrder(4, ("h1",), (), 1),), {"h1": (2, 3)})])
+                                  orders=[RequestOrders("q", (StoreOrder(4, ("h1",), (), 1),), {"h1": (2, 3)})])
     worker.start_load_kv(meta)
     worker.wait_for_save(meta)
     assert worker.get_finished(set()) == (set(), {"r"}) and worker.take_failed_requests() == {"r"}

@@ -20,9 +20,9 @@ from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.format import FILE_NAME, MAX_IDENTITY_BYTES, encode_identity
 from saria.integrations.vllm.faults import Faults
 from saria.integrations.vllm.guard import SchedulerGuard
-from saria.integrations.vllm.layout import (ParallelLayout, model_identity, page_layout, rank_directories,
+from saria.integrations.vllm.layout import (ParallelLayout, model_identity, page_format, rank_directories,
                                             store_identity)
-from saria.integrations.vllm.metadata import (CompletionReport, LoadSpec, OrderBatch, SariaConnectorMetadata,
+from saria.integrations.vllm.metadata import (CompletionReport, LoadSpec, RequestOrders, SariaConnectorMetadata,
                                               SariaWorkerMetadata)
 from saria.integrations.vllm.scheduler import SariaScheduler
 from saria.integrations.vllm.worker import SariaWorker
@@ -161,7 +161,7 @@ def test_model_identity_digests_long_paths_so_the_identity_fits_a_superblock(mon
     name = model_identity(vllm_config(long))["model"]
     assert name == "blake2b:" + hashlib.blake2b(long.encode(), digest_size=16).hexdigest()
     assert model_identity(vllm_config(long + "y"))["model"] != name
-    shape = dict(SHAPE, pages=page_layout({"l0": [torch.zeros(4, 2, 32, 2, 64)]}))
+    shape = dict(SHAPE, pages=page_format({"l0": [torch.zeros(4, 2, 32, 2, 64)]}))
     for path in ("/m/" + "b" * 250, long):
         identity = store_identity(model_identity(vllm_config(path)), ParallelLayout(tp_size=8, tp_rank=7), **shape)
         assert len(identity.encode()) <= MAX_IDENTITY_BYTES
@@ -214,14 +214,14 @@ def test_page_layout_tells_dimension_orders_and_dtypes_apart():
     pages = torch.zeros(16, 2, BLOCK, 2, 64, dtype=torch.bfloat16)
     other_order = torch.zeros(16, 2, 2, BLOCK, 64, dtype=torch.bfloat16).transpose(2, 3)  # heads outside tokens
     assert other_order.shape == pages.shape and other_order.stride() != pages.stride()
-    digest = page_layout({"l0": [pages]})
-    assert len(digest) == 16 and page_layout({"l0": [pages.clone()]}) == digest
-    assert page_layout({"l0": [torch.ones_like(pages)]}) == digest  # values do not matter
-    assert page_layout({"l0": [other_order]}) != digest
-    assert page_layout({"l0": [pages.to(torch.float16)]}) != digest
-    assert page_layout({"l1": [pages]}) != digest
-    assert page_layout({"l0": [pages, pages]}) != digest
-    assert page_layout({"l0": [pages[:8]]}) == digest  # the number of blocks is not the layout
+    digest = page_format({"l0": [pages]})
+    assert len(digest) == 16 and page_format({"l0": [pages.clone()]}) == digest
+    assert page_format({"l0": [torch.ones_like(pages)]}) == digest  # values do not matter
+    assert page_format({"l0": [other_order]}) != digest
+    assert page_format({"l0": [pages.to(torch.float16)]}) != digest
+    assert page_format({"l1": [pages]}) != digest
+    assert page_format({"l0": [pages, pages]}) != digest
+    assert page_format({"l0": [pages[:8]]}) == digest  # the number of blocks is not the layout
 
 
 # --- capacity split ----------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def test_a_store_of_another_layout_is_wiped_at_open(tmp_path, layout, extra, wip
         assert worker.data.ssd.identity == store_identity(
             MODEL, layout, block_size=BLOCK, chunk_tokens=extra.get("chunk_tokens", CHUNK),
             kv_bytes_per_token=KV_BYTES_PER_TOKEN, state_bytes=0,
-            pages=page_layout({"l0": [pages(0)]}))
+            pages=page_format({"l0": [pages(0)]}))
     worker.shutdown()
     # The other rank's store was not touched.
     other = 1 - (layout.rank if wiped_rank is None else wiped_rank)
@@ -452,7 +452,7 @@ def test_lookups_wait_for_every_ranks_inventory_then_recovered_chunks_load_from_
     assert engine.guard.get_num_new_matched_tokens(other, 0) == (0, False)
     meta = engine.step(other)
     # The objects only one rank held go first, deleted on every rank; then the other orders.
-    assert meta.orders[0] == OrderBatch(None, (DropOrder(-1, (b"z9", b"y8"), (), 0, Tier.SSD),))
+    assert meta.orders[0] == RequestOrders(None, (DropOrder(-1, (b"z9", b"y8"), (), 0, Tier.SSD),))
     assert [batch.req_id for batch in meta.orders] == [None, "r2"]
     (load,) = meta.loads
     assert load.plan.chunk_hashes == (b"b1", b"b3") and load.plan.kv_sources == (Tier.SSD, Tier.SSD)
@@ -468,7 +468,7 @@ def test_half_shared_is_nothing_shared_with_one_rank_only():
     report(engine, inventory(kv(b"b1")))
     assert engine.guard.inner.control.counters().recovered == 0
     assert engine.guard.get_num_new_matched_tokens(engine.request("r", 3), 0) == (0, False)
-    assert engine.step().orders == [OrderBatch(None, (DropOrder(-1, (b"b1",), (), 0, Tier.SSD),))]
+    assert engine.step().orders == [RequestOrders(None, (DropOrder(-1, (b"b1",), (), 0, Tier.SSD),))]
     assert not engine.guard.has_pending_work()
 
     empty = recovering(Clock())

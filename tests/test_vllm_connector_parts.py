@@ -14,7 +14,8 @@ from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, Load
                                               SariaWorkerMetadata)
 from saria.integrations.vllm.scheduler import summary_line
 from saria.integrations.vllm.settings import ConnectorSettings
-from saria.integrations.vllm.worker import SariaWorker, page_views
+from saria.integrations.vllm.worker import SariaWorker
+from saria.integrations.vllm.worker_start import page_views
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
                                         SlidingWindowSpec)
 

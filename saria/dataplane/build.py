@@ -44,7 +44,7 @@ def sized_config(config: SariaConfig, kv_table: PageTable, block_tokens: int,
 
 
 @dataclass
-class DataPlane:
+class DataPlaneParts:
     """The data plane's parts for one engine; ``close()`` closes them all."""
 
     engine: TransferEngine
@@ -62,7 +62,7 @@ class DataPlane:
 def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: int,
                     state_table: PageTable | None = None, state_pages: int = 1,
                     ssd_paths: Sequence[str] | None = None, coordinator_mode: str = "coordinated",
-                    durable: bool = True, direct: bool | str = "auto", ssd_identity: str = "") -> DataPlane:
+                    durable: bool = True, direct: bool | str = "auto", ssd_identity: str = "") -> DataPlaneParts:
     """A data plane whose host pool and SSD store hold what ``config``'s control plane may place
     there. ``config`` must already carry the tables' object sizes (:func:`sized_config`).
 
@@ -101,4 +101,4 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
         if ssd is not None:
             ssd.close()
         raise
-    return DataPlane(engine, host_pool, ssd, coordinator)
+    return DataPlaneParts(engine, host_pool, ssd, coordinator)

@@ -125,7 +125,7 @@ def _hash_seed(cache_config: Any) -> str:
     return "vllm-none-hash"
 
 
-def page_layout(views: Mapping[str, list[Any]]) -> str:
+def page_format(views: Mapping[str, list[Any]]) -> str:
     """A digest of how the pages are laid out: per layer, each paged tensor's dtype, page shape and
     dimension order (what a packed object's bytes mean; two attention backends can give pages of
     the same size whose bytes mean different things)."""

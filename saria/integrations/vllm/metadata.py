@@ -31,7 +31,7 @@ class LoadSpec:
 
 
 @dataclass(frozen=True)
-class OrderBatch:
+class RequestOrders:
     """Orders the control plane returned for one request (or completions' follow-ups, ``req_id``
     None), with the pages of the chunks they read from HBM. A request's state objects come from
     the GDN states the worker captured for it (:class:`StateCapture`)."""
@@ -62,7 +62,7 @@ class SariaConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[StateCapture] = field(default_factory=list)
-    orders: list[OrderBatch] = field(default_factory=list)
+    orders: list[RequestOrders] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)

@@ -29,13 +29,13 @@ from saria.config import SariaConfig
 from saria.control import ControlPlane, Order, PromoteOrder
 from saria.control.prewarm import GapPredictor
 
-__all__ = ["PrewarmSessions", "Session"]
+__all__ = ["PrewarmSession", "PrewarmSessions"]
 
 MAX_SESSIONS = 65_536  # tips kept (least recently finished dropped first): a few hundred bytes each
 
 
 @dataclass(eq=False)
-class Session:
+class PrewarmSession:
     predictor: GapPredictor = field(default_factory=GapPredictor)
     hashes: tuple = ()       # the latest finished request's full prompt chunks
     generation: int = 0      # bumped at every finish: a due prewarm of an older one is stale
@@ -52,13 +52,13 @@ class PrewarmSessions:
         self.max_bytes = config.prewarm_max_bytes
         self.rate = config.prewarm_bytes_per_s
         self.max_sessions = max_sessions
-        self._tips: OrderedDict[Hashable, Session] = OrderedDict()
-        self._due: list[tuple[float, int, Hashable, Session, int]] = []
+        self._tips: OrderedDict[Hashable, PrewarmSession] = OrderedDict()
+        self._due: list[tuple[float, int, Hashable, PrewarmSession, int]] = []
         self._seq = itertools.count()
         self._next_free = -math.inf  # pacing: no prewarm starts before this
         self.issued = 0              # prewarm orders handed out
 
-    def arrived(self, hashes: Sequence[Hashable], now: float) -> Session:
+    def arrived(self, hashes: Sequence[Hashable], now: float) -> PrewarmSession:
         """A new request with these full prompt chunk hashes: the session it continues (the one
         whose tip is the deepest of its chunks), or a new one."""
         for h in reversed(hashes):
@@ -66,9 +66,9 @@ class PrewarmSessions:
             if session is not None:
                 session.predictor.arrived(now)
                 return session
-        return Session()
+        return PrewarmSession()
 
-    def finished(self, session: Session, hashes: Sequence[Hashable], now: float) -> None:
+    def finished(self, session: PrewarmSession, hashes: Sequence[Hashable], now: float) -> None:
         """The session's request (these full prompt chunk hashes) finished at ``now``: the session's
         tip moves to its last chunk, and its prewarm is scheduled when a gap can be predicted."""
         session.predictor.completed(now)

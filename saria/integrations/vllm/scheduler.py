@@ -44,10 +44,10 @@ from typing import Any, Callable
 from saria.control import ControlPlane, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
     WriteOrder
 
-from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata, SariaWorkerMetadata,
+from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata, SariaWorkerMetadata,
                        StateCapture, add_counts)
 from .geometry import EngineGeometry
-from .prewarm import PrewarmSessions, Session
+from .prewarm import PrewarmSession, PrewarmSessions
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
@@ -146,7 +146,7 @@ class SariaScheduler:
         self._inventory_reports = 0
         self.loaded = LoadCounters()
         self.prewarm = PrewarmSessions(self.control, self.config)
-        self._sessions: dict[str, Session] = {}  # request id -> its session (prewarming only)
+        self._sessions: dict[str, PrewarmSession] = {}  # request id -> its session (prewarming only)
 
     # --- hashing ---------------------------------------------------------------------------------
 
@@ -228,7 +228,7 @@ class SariaScheduler:
         self._track(scheduler_output)
         meta = SariaConnectorMetadata()
         if self._first:
-            meta.orders.append(OrderBatch(None, tuple(self._first)))
+            meta.orders.append(RequestOrders(None, tuple(self._first)))
             self._first = []
         for state in self._requests.values():
             if state.load is not None:
@@ -240,12 +240,12 @@ class SariaScheduler:
             if self._ready_to_commit(state):
                 meta.orders.append(self._commit(req_id, state))
         if self._follow_ups:
-            meta.orders.append(OrderBatch(None, tuple(self._follow_ups)))
+            meta.orders.append(RequestOrders(None, tuple(self._follow_ups)))
             self._follow_ups = []
         if self.prewarm.enabled:
             warm = self.prewarm.due(self.clock())
             if warm:
-                meta.orders.append(OrderBatch(None, tuple(warm)))
+                meta.orders.append(RequestOrders(None, tuple(warm)))
         for batch in meta.orders:
             self._in_flight.update(o.order_id for o in batch.orders if _completes(o))
         return meta
@@ -412,7 +412,7 @@ class SariaScheduler:
             return False
         return not state.load_sent or state.load_report is not None
 
-    def _commit(self, req_id: str, state: _Request) -> OrderBatch:
+    def _commit(self, req_id: str, state: _Request) -> RequestOrders:
         request = state.request
         hashes = self.chunk_hashes(request, request.num_prompt_tokens)
         states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
@@ -421,7 +421,7 @@ class SariaScheduler:
         state.reads_pages = any(_reads_pages(o) for o in orders)
         k = self.blocks_per_chunk
         blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
-        return OrderBatch(req_id, tuple(orders), blocks)
+        return RequestOrders(req_id, tuple(orders), blocks)
 
     def _drop_plan(self, req_id: str) -> None:
         state = self._requests.get(req_id)

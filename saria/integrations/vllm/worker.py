@@ -47,35 +47,21 @@ from typing import Hashable
 
 import torch
 
-from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
+from saria.orders import KV, STATE, DataPlane, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, split_keys
+from saria.dataplane.build import DataPlaneParts
 from saria.dataplane.transfer.engine import LoadJob, LoadResult
-from saria.dataplane.ssd.keys import parse_object_key
-from saria.dataplane.build import DataPlane, open_data_plane
 from saria.kernels import PageTable
 
 from .audit import KVAudit
 from .faults import Faults
 from .geometry import EngineGeometry
-from .layout import ParallelLayout, page_layout, rank_directories, store_identity
-from .metadata import (CompletionReport, LoadReport, LoadSpec, OrderBatch, SariaConnectorMetadata,
+from .layout import ParallelLayout
+from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata,
                        SariaWorkerMetadata)
 from .settings import ConnectorSettings
+from .worker_start import open_rank
 
 log = logging.getLogger("saria.vllm")
-
-
-def page_views(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
-    """A layer's KV cache as paged tensors whose dim 0 indexes vLLM blocks.
-
-    vLLM 0.32 layer views put the block id first (``[num_blocks, ...]``, whatever the order inside
-    a block); the older ``[2, num_blocks, ...]`` layout is two paged tensors (K and V).
-    """
-    if tensor.dim() >= 1 and tensor.shape[0] == num_blocks:
-        return [tensor]
-    if tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
-        return [tensor[0], tensor[1]]
-    raise ValueError(f"saria cannot find the block dimension of layer {name!r}: shape {tuple(tensor.shape)}, "
-                     f"{num_blocks} blocks (expected [num_blocks, ...] or [2, num_blocks, ...])")
 
 
 class SariaWorker:
@@ -94,7 +80,7 @@ class SariaWorker:
         self.faults = faults or Faults("worker")
         self.epoch = 0  # the control plane's, from the metadata
         self.off = False
-        self.data: DataPlane | None = None
+        self.data: DataPlaneParts | None = None
         self.state_table: PageTable | None = None
         self._loads: dict[str, tuple[LoadSpec, LoadJob]] = {}
         self._finished: set[str] = set()  # loads ended, for vLLM's next get_finished
@@ -114,17 +100,10 @@ class SariaWorker:
         self.audit: KVAudit | None = None  # audit_kv: reloaded pages checked against what vLLM computed
 
     @property
-    def engine(self):
+    def engine(self) -> DataPlane:
         if self.data is None:
             raise RuntimeError("saria: the data plane is not open")
         return self.data.engine
-
-    def _views(self, layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        """Each layer's paged tensors (:func:`page_views`)."""
-        missing = [name for name in layers if name not in kv_caches]
-        if missing:
-            raise ValueError(f"saria: vLLM registered no KV cache for layer(s) {missing}")
-        return {name: page_views(name, kv_caches[name], self.num_blocks) for name in layers}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         try:
@@ -134,49 +113,10 @@ class SariaWorker:
             self._turn_off("its data plane could not start")
 
     def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        g = self.geometry
-        views = self._views(g.attention_layers + g.state_layers, kv_caches)
-        kv_views = [v for name in g.attention_layers for v in views[name]]
-        table = PageTable(kv_views)
-        if table.bytes_per_page != g.kv_bytes_per_token * self.block_size:
-            raise ValueError(f"saria: attention pages hold {table.bytes_per_page} B, vLLM's spec says "
-                             f"{g.kv_bytes_per_token * self.block_size}")
-        if g.hybrid:
-            self.state_table = PageTable([v for name in g.state_layers for v in views[name]])
-            if self.state_table.bytes_per_page != g.state_bytes:
-                raise ValueError(f"saria: GDN pages hold {self.state_table.bytes_per_page} B of state, vLLM's spec "
-                                 f"says {g.state_bytes}")
-        config = self.settings.saria_config(block_size=self.block_size, kv_bytes_per_token=g.kv_bytes_per_token,
-                                            state_bytes=g.state_bytes, shards=self.layout.shards)
-        identity = store_identity(self.model, self.layout, block_size=self.block_size,
-                                  chunk_tokens=config.chunk.chunk_tokens, kv_bytes_per_token=g.kv_bytes_per_token,
-                                  state_bytes=g.state_bytes, pages=page_layout(views))
-        directories = rank_directories(self.settings.ssd_paths, self.layout) if config.ssd_bytes else []
-        self.data = open_data_plane(config, table, block_tokens=self.block_size, state_table=self.state_table,
-                                    ssd_paths=directories, ssd_identity=identity,
-                                    coordinator_mode=self.settings.coordinator, durable=self.settings.durable)
-        self._inventory = self._take_inventory()
+        rank = open_rank(self.settings, self.geometry, self.layout, self.model, self.num_blocks, kv_caches)
+        self.data, self.state_table, self._inventory = rank.parts, rank.state_table, rank.inventory
         if self.settings.audit_kv:
-            self.audit = KVAudit(kv_views)
-        log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page, host pool %s, SSD %s",
-                 self.layout.rank, self.layout.shards, len(g.attention_layers), len(g.state_layers),
-                 table.bytes_per_page, self.data.host_pool,
-                 f"{self.data.ssd.backend_name} on {len(self.data.ssd.paths)} drive(s), {len(self._inventory)} "
-                 "object(s) from a previous run" if self.data.ssd else "off")
-
-    def _take_inventory(self) -> dict[ObjectKey, int]:
-        """The objects in this rank's SSD store (``{key: 1}``, one rank's count); a key no saria
-        object has (not ours) is deleted."""
-        ssd = self.data.ssd
-        inventory: dict[ObjectKey, int] = {}
-        for key in ssd.keys() if ssd is not None else ():
-            try:
-                chunk, kind = parse_object_key(key)
-            except ValueError:
-                ssd.delete(key)
-                continue
-            inventory[ObjectKey(chunk, kind)] = 1
-        return inventory
+            self.audit = KVAudit(rank.kv_views)
 
     # --- loads -----------------------------------------------------------------------------------
 
@@ -321,7 +261,7 @@ class SariaWorker:
         except Exception as exc:
             self._give_up("wait_for_save", exc)
 
-    def _run_order(self, order: Order, batch: OrderBatch, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
+    def _run_order(self, order: Order, batch: RequestOrders, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
         """Start one order (:meth:`TransferEngine.execute`); while it reads the request's blocks,
         its ``released`` event is the request's (``_reading``)."""
         drop = isinstance(order, DropOrder)
@@ -330,7 +270,7 @@ class SariaWorker:
                 self._completions.append(CompletionReport(order.order_id, False))
             return
         if isinstance(order, (StoreOrder, PromoteOrder)):
-            self._dram_keys.update(_keys(order))  # before it can land
+            self._dram_keys.update(order.keys())  # before it can land
         if self.audit is not None and not drop:
             for chunk in order.kv:
                 if chunk in batch.kv_blocks:  # this order reads the chunk from vLLM's blocks
@@ -343,7 +283,7 @@ class SariaWorker:
             self._fault("drop" if drop else type(order).__name__, exc)
             return
         if drop and order.tier is Tier.DRAM:
-            self._dram_keys.difference_update(_keys(order))
+            self._dram_keys.difference_update(order.keys())
         if batch.req_id is not None and not run.released.is_set():
             self._reading.setdefault(batch.req_id, []).append(run.released)
         if run.completion is not None:
@@ -415,8 +355,7 @@ class SariaWorker:
     def _drop_everything(self) -> None:
         engine = self.engine
         keys, self._dram_keys = self._dram_keys, set()
-        kv = tuple(k.chunk for k in keys if k.kind == KV)
-        state = tuple(k.chunk for k in keys if k.kind == STATE)
+        kv, state = split_keys(keys)
         if kv or state:
             engine.drop(DropOrder(-1, kv, state, 0, Tier.DRAM))
         if self.data.ssd is not None:
@@ -500,7 +439,3 @@ class SariaWorker:
             data.close()
         except Exception as exc:
             log.warning("saria worker: shutdown: %s", exc)
-
-
-def _keys(order: Order) -> list[ObjectKey]:
-    return [ObjectKey(c, KV) for c in order.kv] + [ObjectKey(c, STATE) for c in order.state]

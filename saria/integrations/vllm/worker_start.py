@@ -1,0 +1,109 @@
+"""Starting a worker rank's data plane on vLLM's paged KV cache: vLLM's layer tensors as saria's
+page tables (one over every full-attention layer, one over the GDN state layers of a hybrid
+model), the configuration sized by the connector's options and the rank's share, the SSD store's
+identity and directories for this rank, and the objects a previous run left in that store.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from saria.dataplane.build import DataPlaneParts, open_data_plane
+from saria.dataplane.ssd.keys import parse_object_key
+from saria.kernels import PageTable
+from saria.orders import ObjectKey
+
+from .geometry import EngineGeometry
+from .layout import ParallelLayout, page_format, rank_directories, store_identity
+from .settings import ConnectorSettings
+
+log = logging.getLogger("saria.vllm")
+
+
+def page_views(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """A layer's KV cache as paged tensors whose dim 0 indexes vLLM blocks.
+
+    vLLM 0.32 layer views put the block id first (``[num_blocks, ...]``, whatever the order inside
+    a block); the older ``[2, num_blocks, ...]`` layout is two paged tensors (K and V).
+    """
+    if tensor.dim() >= 1 and tensor.shape[0] == num_blocks:
+        return [tensor]
+    if tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+        return [tensor[0], tensor[1]]
+    raise ValueError(f"saria cannot find the block dimension of layer {name!r}: shape {tuple(tensor.shape)}, "
+                     f"{num_blocks} blocks (expected [num_blocks, ...] or [2, num_blocks, ...])")
+
+
+@dataclass
+class RankDataPlane:
+    """A worker rank's open data plane: ``parts`` (close them), the pages it moves (``kv_views``:
+    every full-attention layer's paged tensors; ``state_table`` for a hybrid model) and
+    ``inventory``: the objects its SSD store holds from a previous run (``{key: 1}``)."""
+
+    parts: DataPlaneParts
+    kv_views: list[torch.Tensor]
+    state_table: PageTable | None
+    inventory: dict[ObjectKey, int]
+
+
+def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: ParallelLayout, model: dict[str, Any],
+              num_blocks: int, kv_caches: dict[str, torch.Tensor]) -> RankDataPlane:
+    """Open this rank's data plane over vLLM's registered ``kv_caches``; ``ValueError`` where they
+    are not what vLLM's spec said."""
+    g = geometry
+    block_size = g.block_size
+    views = _views(g.attention_layers + g.state_layers, kv_caches, num_blocks)
+    kv_views = [v for name in g.attention_layers for v in views[name]]
+    table = PageTable(kv_views)
+    if table.bytes_per_page != g.kv_bytes_per_token * block_size:
+        raise ValueError(f"saria: attention pages hold {table.bytes_per_page} B, vLLM's spec says "
+                         f"{g.kv_bytes_per_token * block_size}")
+    state_table = None
+    if g.hybrid:
+        state_table = PageTable([v for name in g.state_layers for v in views[name]])
+        if state_table.bytes_per_page != g.state_bytes:
+            raise ValueError(f"saria: GDN pages hold {state_table.bytes_per_page} B of state, vLLM's spec "
+                             f"says {g.state_bytes}")
+    config = settings.saria_config(block_size=block_size, kv_bytes_per_token=g.kv_bytes_per_token,
+                                   state_bytes=g.state_bytes, shards=layout.shards)
+    identity = store_identity(model, layout, block_size=block_size, chunk_tokens=config.chunk.chunk_tokens,
+                              kv_bytes_per_token=g.kv_bytes_per_token, state_bytes=g.state_bytes,
+                              pages=page_format(views))
+    directories = rank_directories(settings.ssd_paths, layout) if config.ssd_bytes else []
+    parts = open_data_plane(config, table, block_tokens=block_size, state_table=state_table,
+                            ssd_paths=directories, ssd_identity=identity, coordinator_mode=settings.coordinator,
+                            durable=settings.durable)
+    inventory = _take_inventory(parts)
+    log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page, host pool %s, SSD %s",
+             layout.rank, layout.shards, len(g.attention_layers), len(g.state_layers), table.bytes_per_page,
+             parts.host_pool, f"{parts.ssd.backend_name} on {len(parts.ssd.paths)} drive(s), {len(inventory)} "
+             "object(s) from a previous run" if parts.ssd else "off")
+    return RankDataPlane(parts, kv_views, state_table, inventory)
+
+
+def _views(layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor], num_blocks: int
+           ) -> dict[str, list[torch.Tensor]]:
+    """Each layer's paged tensors (:func:`page_views`)."""
+    missing = [name for name in layers if name not in kv_caches]
+    if missing:
+        raise ValueError(f"saria: vLLM registered no KV cache for layer(s) {missing}")
+    return {name: page_views(name, kv_caches[name], num_blocks) for name in layers}
+
+
+def _take_inventory(parts: DataPlaneParts) -> dict[ObjectKey, int]:
+    """The objects in this rank's SSD store (``{key: 1}``, one rank's count); a key no saria
+    object has (not ours) is deleted."""
+    ssd = parts.ssd
+    inventory: dict[ObjectKey, int] = {}
+    for key in ssd.keys() if ssd is not None else ():
+        try:
+            chunk, kind = parse_object_key(key)
+        except ValueError:
+            ssd.delete(key)
+            continue
+        inventory[ObjectKey(chunk, kind)] = 1
+    return inventory
