@@ -63,7 +63,7 @@ from saria.control import ReloadPlan, StoreOrder, Tier, WriteOrder  # noqa: E402
 from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, object_key  # noqa: E402
 from saria.dataplane.transfer.coordinator import pace_bytes_per_s  # noqa: E402
 from saria.kernels import INTERPRETED, PageTable  # noqa: E402
-from saria.paged_caches import dense_layer_caches  # noqa: E402
+from saria.harness.paged_caches import dense_layer_caches  # noqa: E402
 from saria.models import get_model  # noqa: E402
 
 BLOCK = 16

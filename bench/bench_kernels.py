@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from saria.kernels import PageTable, checksum, checksum_reference, pack_pages, unpack_pages  # noqa: E402
 from saria.kernels import pages as pages_mod  # noqa: E402
 from saria.kernels.page_table import check_block_ids  # noqa: E402
-from saria.paged_caches import dense_layer_caches, hybrid_layer_caches, zeros_like_caches  # noqa: E402
+from saria.harness.paged_caches import dense_layer_caches, hybrid_layer_caches, zeros_like_caches  # noqa: E402
 from saria.models import get_model  # noqa: E402
 
 checksum_mod = importlib.import_module("saria.kernels.checksum")  # saria.kernels.checksum is the function

@@ -58,7 +58,7 @@ from saria.dataplane import Coordinator, HostPool, TransferEngine  # noqa: E402
 from saria.dataplane.transfer.coordinator import pace_bytes_per_s  # noqa: E402
 from saria.dataplane.transfer.pcie import PCIeMonitor, calibrate  # noqa: E402
 from saria.kernels import INTERPRETED, PageTable  # noqa: E402
-from saria.paged_caches import dense_layer_caches  # noqa: E402
+from saria.harness.paged_caches import dense_layer_caches  # noqa: E402
 from saria.models import get_model  # noqa: E402
 from saria.orders import ReloadPlan, StoreOrder, Tier  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from saria.kernels import PageTable, checksum, pack_pages, unpack_pages  # noqa: E402
-from saria.paged_caches import dense_layer_caches, hybrid_layer_caches  # noqa: E402
+from saria.harness.paged_caches import dense_layer_caches, hybrid_layer_caches  # noqa: E402
 from saria.models import get_model  # noqa: E402
 
 COPY, CHECKSUM = "_copy_pages_kernel", "_checksum_kernel"

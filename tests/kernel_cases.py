@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from saria.kernels import PageTable
-from saria.paged_caches import zeros_like_caches as fresh_like  # noqa: F401 (re-exported for the tests)
+from saria.harness.paged_caches import zeros_like_caches as fresh_like  # noqa: F401 (re-exported for the tests)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = {

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_control_and_config_never_import_torch():
     code = ("import sys; import saria.config, saria.control; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') "
-            "or m.startswith(('saria.kernels', 'saria.paged_caches'))); print(bad); sys.exit(1 if bad else 0)")
+            "or m.startswith(('saria.kernels', 'saria.harness.paged_caches'))); print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                             env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert result.returncode == 0, result.stdout + result.stderr

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernel_cases import fresh_like, gdn_pages, vllm_layers
-from saria.cache import TieredCache
+from saria.integrations.cache import TieredCache
 from saria.config import Capacity, ChunkSpec, SariaConfig
 from saria.control import DropOrder, ObjectKey, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, object_key

@@ -71,7 +71,7 @@ def run(chunks: int | None, chunk_tokens: int, block_size: int = 16) -> dict:
     import torch
 
     from saria.kernels import PageTable, checksum, pack_pages, resolve_backend, unpack_pages
-    from saria.paged_caches import dense_layer_caches, zeros_like_caches
+    from saria.harness.paged_caches import dense_layer_caches, zeros_like_caches
     from saria.models import get_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
