@@ -8,8 +8,8 @@ Tables: Qwen3-8B (36 FA layers, 8 KV heads, head dim 128, bf16, 16-token pages, 
 are padded to the FA page). GB/s counts staging bytes once (bytes packed), the D2D bound likewise.
 
 On a GPU: CUDA timings with ``triton.testing.do_bench`` (median), after a correctness check of
-every configuration timed (pack equals the torch reference, an unpack into zeroed caches restores
-exactly the packed pages, the checksum equals ``checksum_reference``; a mismatch makes the exit
+every configuration timed (pack equals the torch path's, an unpack into zeroed caches restores
+exactly the packed pages, the checksum equals the torch path's; a mismatch makes the exit
 status 1). Rows per table and chunk count:
 
 * ``saria triton``: the public ops with their automatic launch configuration (``launch_config``,
@@ -49,13 +49,12 @@ if not torch.cuda.is_available():  # the interpreter smoke run needs this before
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from saria.kernels import PageTable, checksum, checksum_reference, pack_pages, unpack_pages  # noqa: E402
-from saria.kernels import pages as pages_mod  # noqa: E402
-from saria.kernels.page_table import check_block_ids  # noqa: E402
+from saria.kernels import PageTable, check_block_ids, checksum, pack_pages, unpack_pages  # noqa: E402
+from saria.kernels.pages import triton as pages_mod  # noqa: E402
 from saria.harness.paged_caches import dense_layer_caches, hybrid_layer_caches, zeros_like_caches  # noqa: E402
 from saria.models import get_model  # noqa: E402
 
-checksum_mod = importlib.import_module("saria.kernels.checksum")  # saria.kernels.checksum is the function
+checksum_mod = importlib.import_module("saria.kernels.checksum.triton")
 
 FIELDS = ["device", "table", "op", "impl", "chunks", "bytes", "ms", "gbps", "frac_of_d2d", "x_torch_baseline", "note"]
 AUTO = "saria triton"
@@ -146,12 +145,12 @@ class Checker:
 
     def copies(self, name, caches, ids, want, launch) -> None:
         """``launch(pack, staging, caches)`` packs ``ids`` of ``caches`` into staging (pack=True) or
-        unpacks staging into them: the pack must equal ``want`` (the torch reference, poisoned
+        unpacks staging into them: the pack must equal ``want`` (the torch path, poisoned
         buffer first), and the unpack into zeroed caches must restore exactly the packed pages."""
         staging = torch.full_like(want, 0xA5)
         launch(True, staging, caches)
         self.expect(torch.equal(staging.reshape(-1), want.reshape(-1)),
-                    f"{name}: pack differs from the torch reference")
+                    f"{name}: pack differs from the torch path")
         fresh = zeros_like_caches(caches)
         launch(False, want, fresh)
         repacked = pack_pages(fresh, ids, backend="torch").reshape(-1)
@@ -201,15 +200,15 @@ def run_table(device, name, caches, ids, bench, backend, note, rows, checker, sw
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     cuda = device.type == "cuda"
-    checked_ids = check_block_ids(ids, table, unique=True)[0] if cuda else None
+    checked_ids = check_block_ids(table, ids, unique=True).on(device) if cuda else None
     auto = pages_mod.launch_config(table, flat.numel())
 
     if cuda:  # correctness of what is timed below, before any timing
         want = pack_pages(table, ids, backend="torch").reshape(-1)
         checker.copies(f"{name} x{chunks} auto", caches, ids, want, lambda pack, st, cs: (
             pack_pages(cs, ids, out=st) if pack else unpack_pages(st, cs, ids)))
-        checker.expect(checksum(staging) == checksum_reference(staging), f"{name} x{chunks}: checksum differs "
-                       "from checksum_reference")
+        checker.expect(checksum(staging) == checksum(staging, backend="torch"), f"{name} x{chunks}: checksum "
+                       "differs from the torch path's")
 
     # Baselines have duplicate-free ids by construction; the kernels validate ids on every call.
     ms_d2d = bench(lambda: dst.copy_(src))
@@ -226,7 +225,7 @@ def run_table(device, name, caches, ids, bench, backend, note, rows, checker, sw
                      if op in ms_base else "", "note": row_note})
 
     def launch(pack, **override):
-        return pages_mod._launch(table, checked_ids, staging, per_chunk, pack, **override)
+        return pages_mod.launch(table, checked_ids, staging, per_chunk, pack, **override)
 
     row("copy", "torch d2d copy (bound)", ms_d2d, "same bytes, contiguous")
     for op in ("pack", "unpack"):
@@ -247,7 +246,7 @@ def run_table(device, name, caches, ids, bench, backend, note, rows, checker, sw
         row("checksum", CHECKSUM_LATENCY, call_latency_ms(lambda: checksum(staging)),
             "wall clock from the call to the int, L2 flushed, median of 50")
         out = torch.zeros(1, dtype=torch.int64, device=device)
-        row("checksum", CHECKSUM_KERNEL, bench(lambda: checksum_mod._launch_checksum(staging, out)),
+        row("checksum", CHECKSUM_KERNEL, bench(lambda: checksum_mod.launch_checksum(staging, out)),
             "one launch, no sync")
     host = staging if device.type == "cpu" else staging.cpu()
     row("checksum", "saria checksum host (blocked)", timer(torch.device("cpu"), 0.2)(lambda: checksum(host)),
@@ -263,7 +262,7 @@ def sweep_table(table, caches, ids, staging, launch, auto, bench, row, checker, 
     configs += [dict(words=auto.words, num_warps=auto.num_warps, tiles=1),
                 dict(words=auto.words, num_warps=auto.num_warps, tiles=max(1, -(-auto.tiles // 2))),
                 dict(words=auto.words, num_warps=auto.num_warps, tiles=auto.tiles, order="tile")]
-    want = staging.reshape(-1).clone()  # checked above against the torch reference
+    want = staging.reshape(-1).clone()  # checked above against the torch path
     seen = set()
     for cfg in configs:
         key = tuple(sorted(cfg.items()))
@@ -276,8 +275,8 @@ def sweep_table(table, caches, ids, staging, launch, auto, bench, row, checker, 
 
         def run(pack, st, cs, cfg=cfg):
             t = table if cs is caches else fresh_table.setdefault(id(cs), PageTable(cs))
-            ids_dev = check_block_ids(ids, t, unique=True)[0]
-            pages_mod._launch(t, ids_dev, st, ids.shape[1], pack, **cfg)
+            ids_dev = check_block_ids(t, ids, unique=True).on(t.device)
+            pages_mod.launch(t, ids_dev, st, ids.shape[1], pack, **cfg)
 
         checker.copies(f"{label} {text}", caches, ids, want, run)
         for op, pack in (("pack", True), ("unpack", False)):
@@ -286,15 +285,15 @@ def sweep_table(table, caches, ids, staging, launch, auto, bench, row, checker, 
     out = torch.zeros(1, dtype=torch.int64, device=staging.device)
     n_words = staging.numel() // 4
     sms = torch.cuda.get_device_properties(staging.device).multi_processor_count
-    truth = checksum_reference(staging)
+    truth = checksum(staging, backend="torch")
     for block, warps in SWEEP_CHECKSUM:
         blocks = -(-n_words // block)
         for per_sm in SWEEP_PROGRAMS_PER_SM:
             programs = blocks if per_sm == 0 else min(blocks, per_sm * sms)
             override = dict(block=block, programs=programs, num_warps=warps)
-            checker.expect(checksum_mod._checksum_triton(staging, **override) == truth,
-                           f"{label} checksum {override} differs from checksum_reference")
-            ms = bench(lambda: checksum_mod._launch_checksum(staging, out, **override), quick=True)
+            checker.expect(checksum_mod.checksum_triton(staging, **override) == truth,
+                           f"{label} checksum {override} differs from the torch path's")
+            ms = bench(lambda: checksum_mod.launch_checksum(staging, out, **override), quick=True)
             per = "one block each" if per_sm == 0 else f"{per_sm}/SM"
             row("checksum", f"saria checksum triton block={block} warps={warps} programs={programs}", ms,
                 f"sweep, kernel only, programs {per}")
@@ -391,7 +390,7 @@ def main(argv=None) -> int:
         print(f"correctness: {len(checker.failures)} check(s) FAILED: " + "; ".join(checker.failures))
         return 1
     if device.type == "cuda":
-        print("correctness: every configuration timed matched the torch reference")
+        print("correctness: every configuration timed matched the torch path")
     return 0
 
 

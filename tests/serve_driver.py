@@ -45,7 +45,7 @@ def server_env(cache: Path) -> dict[str, str]:
                VLLM_LOG_STATS_INTERVAL="2",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                OMP_NUM_THREADS="1")  # numerics pinned: one thread in both servers (docs/numerics.md)
-    env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernels; the server uses the torch references
+    env.pop("TRITON_INTERPRET", None)  # set by conftest for the kernels; the server uses the fast torch paths
     return env
 
 

@@ -16,8 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import importlib
-checksum = importlib.import_module('saria.kernels.checksum')  # the package's `checksum` is the function
-pages = importlib.import_module('saria.kernels.pages')
+checksum = importlib.import_module('saria.kernels.checksum.triton')
+pages = importlib.import_module('saria.kernels.pages.triton')
 
 def ptx(fn, signature, constexprs, aligned=()):
     # At run time Triton specializes pointer and integer arguments that are multiples of 16 the

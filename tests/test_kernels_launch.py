@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, assert_round_trip, fresh_like, gdn_pages, mla, random_bytes, vllm_layers
-from saria.kernels import PageTable, Segment, checksum_reference, pack_pages, resolve_backend
-from saria.kernels import pages as pages_module
-from saria.kernels.page_table import check_block_ids
-from saria.kernels.pages import MAX_GRID_YZ, LaunchConfig, launch_config
+from saria.kernels import PageTable, Segment, check_block_ids, checksum_naive, pack_pages_naive, resolve_backend
+from saria.kernels.pages import triton as pages_module
+from saria.kernels.pages.triton import MAX_GRID_YZ, LaunchConfig, launch_config
 
-checksum_module = importlib.import_module("saria.kernels.checksum")
+checksum_module = importlib.import_module("saria.kernels.checksum.triton")
 
 TRITON = resolve_backend("auto", DEVICE)
 needs_triton = pytest.mark.skipif(TRITON != "triton",
@@ -77,10 +76,10 @@ def test_padding_is_not_part_of_a_page():
 def test_bad_overrides_refused(override, match):
     caches = mla(4, 2, 8, torch.float32)
     table = PageTable(caches)
-    ids, _, per_chunk = check_block_ids(torch.tensor([1, 2]), table, unique=False)
+    blocks = check_block_ids(table, torch.tensor([1, 2]))
     staging = torch.empty(table.staging_bytes(2), dtype=torch.uint8, device=DEVICE)
     with pytest.raises(ValueError, match=match):
-        pages_module._launch(table, ids, staging, per_chunk, True, **override)
+        pages_module.launch(table, blocks.on(DEVICE), staging, blocks.per_chunk, True, **override)
 
 
 # --- coverage with split pages -------------------------------------------------------------------
@@ -95,12 +94,13 @@ def _mixed_table():
 
 def _round_trip_with(caches, block_ids, **override):
     table = PageTable(caches)
-    ids, chunks, per_chunk = check_block_ids(block_ids, table, unique=True)
-    staging = torch.full((table.staging_bytes(chunks * per_chunk),), 0xA5, dtype=torch.uint8, device=DEVICE)
-    cfg = pages_module._launch(table, ids, staging, per_chunk, True, **override)
-    assert torch.equal(staging, pack_pages(caches, block_ids, backend="torch").reshape(-1)), cfg
+    blocks = check_block_ids(table, block_ids, unique=True)
+    ids = blocks.on(DEVICE)
+    staging = torch.full((table.staging_bytes(blocks.numel()),), 0xA5, dtype=torch.uint8, device=DEVICE)
+    cfg = pages_module.launch(table, ids, staging, blocks.per_chunk, True, **override)
+    assert torch.equal(staging, pack_pages_naive(caches, block_ids).reshape(-1)), cfg
     fresh = fresh_like(caches)
-    pages_module._launch(PageTable(fresh), ids, staging, per_chunk, False, **override)
+    pages_module.launch(PageTable(fresh), ids, staging, blocks.per_chunk, False, **override)
     assert_round_trip(fresh, caches, block_ids)
     return cfg
 
@@ -134,11 +134,11 @@ def test_unaligned_staging_and_pages_split():
     big = random_bytes((5 * 96 + 2,), torch.uint8, 3)
     cache = big[2:].view(5, 96)  # pages 2 bytes off 16: the byte path
     table = PageTable([cache])
-    ids, _, per_chunk = check_block_ids(torch.tensor([3, 1]), table, unique=True)
+    blocks = check_block_ids(table, torch.tensor([3, 1]), unique=True)
     buffer = torch.zeros(2 * 96 + 1, dtype=torch.uint8, device=DEVICE)
     out = buffer[1:]
-    pages_module._launch(table, ids, out, per_chunk, True, words=4, tiles=2, byte_step=4)
-    assert torch.equal(out, pack_pages([cache.clone()], torch.tensor([3, 1]), backend="torch"))
+    pages_module.launch(table, blocks.on(DEVICE), out, blocks.per_chunk, True, words=4, tiles=2, byte_step=4)
+    assert torch.equal(out, pack_pages_naive([cache], torch.tensor([3, 1])))
 
 
 # --- checksum ------------------------------------------------------------------------------------
@@ -164,12 +164,12 @@ def test_checksum_multi_block_loop_equals_the_reference(block, programs, n):
     than blocks."""
     data = random_bytes((n + 3,), torch.uint8, n)
     for view in (data[:n], data[3:]):  # data[3:]: an unaligned view, of n bytes
-        assert checksum_module._checksum_triton(view, block=block, programs=programs) == checksum_reference(view)
+        assert checksum_module.checksum_triton(view, block=block, programs=programs) == checksum_naive(view)
 
 
 @needs_triton
 def test_checksum_of_views_and_dtypes_through_the_kernel():
     base = random_bytes((4 * 300 + 6,), torch.uint8, 5)
     for view in (base, base[1:], base[2:-1], base[:3], base[:0], base.view(torch.int16)[1:]):
-        assert checksum_module._checksum_triton(view.reshape(-1).view(torch.uint8), block=16,
-                                                programs=3) == checksum_reference(view)
+        assert checksum_module.checksum_triton(view.reshape(-1).view(torch.uint8), block=16,
+                                               programs=3) == checksum_naive(view)

@@ -1,6 +1,6 @@
 """Adversarial misuse of the kernel API: every call either raises the documented error before
 anything is copied (the process alive, every byte of the caches and of the memory around them
-unchanged) or gives exactly what the pure-torch reference gives. Real tensors throughout."""
+unchanged) or gives exactly what the naive reference gives. Real tensors throughout."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kernel_cases import DEVICE, gdn_pages, random_bytes, vllm_layers
-from saria.kernels import (PageTable, StaleTableError, checksum, drop_leading_pages, pack_pages, pack_state,
-                           resolve_backend, unpack_pages, unpack_state)
-from saria.kernels.page_table import MAX_TENSORS, check_block_ids
+from saria.kernels import (PageTable, StaleTableError, check_block_ids, checksum, drop_leading_pages, pack_pages,
+                           pack_pages_naive, pack_state, resolve_backend, unpack_pages, unpack_state)
+from saria.kernels.checks import MAX_TENSORS
 
 TRITON = resolve_backend("auto", DEVICE)
 BACKENDS = sorted({TRITON, "torch"})
@@ -51,13 +51,6 @@ def _nested(*tensors: torch.Tensor) -> torch.Tensor:
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte for byte (random float bits include NaNs, which torch.equal never calls equal)."""
     return torch.equal(_page_bytes(a), _page_bytes(b))
-
-
-def _reference_pack(caches, ids: torch.Tensor) -> torch.Tensor:
-    """Pure torch: the documented staging layout (per chunk: tensor after tensor, pages in id order)."""
-    rows = ids.reshape(1, -1) if ids.dim() == 1 else ids
-    chunks = [torch.cat([_page_bytes(c)[row.long().cpu()].reshape(-1) for c in caches]) for row in rows]
-    return torch.cat(chunks) if ids.dim() == 1 else torch.stack(chunks)
 
 
 # --- 1. a table whose tensors were re-pointed is refused by every API, before any byte moves ---------
@@ -161,7 +154,7 @@ def test_fresh_table_on_the_repointed_tensor_works(repoint, how, backend):
         stale.verify()
     table = PageTable(stale.tensors)  # what the error suggests
     last = table.num_pages - 1
-    assert torch.equal(pack_pages(table, _ids(last, 0), backend=backend), _reference_pack([cache], _ids(last, 0)))
+    assert torch.equal(pack_pages(table, _ids(last, 0), backend=backend), pack_pages_naive([cache], _ids(last, 0)))
     with pytest.raises(IndexError, match=f"block id {table.num_pages} is out of range"):
         pack_pages(table, _ids(table.num_pages), backend=backend)
     # Unpack writes exactly page 0 of the tensor as it is now, and nothing else anywhere.
@@ -218,7 +211,7 @@ def test_unchanged_table_and_harmless_changes_pass():
     caches[0].requires_grad_(False)  # no change to memory or geometry
     caches[1].set_(caches[1].untyped_storage(), caches[1].storage_offset(), caches[1].shape, caches[1].stride())
     table.verify()
-    assert torch.equal(pack_pages(table, _ids(3, 1)), _reference_pack(caches, _ids(3, 1)))
+    assert torch.equal(pack_pages(table, _ids(3, 1)), pack_pages_naive(caches, _ids(3, 1)))
 
 
 def test_table_is_immutable():
@@ -231,7 +224,7 @@ def test_table_is_immutable():
         del table.segments
     addresses = table.device_table()
     addresses[:, 0] = 0  # a copy: the kernels read their own
-    assert torch.equal(pack_pages(table, _ids(2)), _reference_pack(caches, _ids(2)))
+    assert torch.equal(pack_pages(table, _ids(2)), pack_pages_naive(caches, _ids(2)))
 
 
 # --- 2. block ids: every dtype and shape either works or names the value given --------------------
@@ -307,7 +300,7 @@ def test_odd_but_valid_block_ids_match_the_reference(make, backend):
     caches = [random_bytes((NB, PAGE), torch.uint8, 11), random_bytes((NB, 24), torch.float16, 12)]
     ids = make()
     staging = pack_pages(caches, ids, backend=backend)
-    assert torch.equal(staging, _reference_pack(caches, ids))
+    assert torch.equal(staging, pack_pages_naive(caches, ids))
     fresh = [torch.zeros_like(c) for c in caches]
     if torch.unique(ids).numel() == ids.numel():
         unpack_pages(staging, fresh, ids, backend=backend)
@@ -324,10 +317,12 @@ def test_checked_ids_are_a_private_copy():
     """The kernels see the values that were checked, whatever happens to the caller's tensor later."""
     table = PageTable([random_bytes((NB, PAGE), torch.uint8, 13)])
     ids = _ids(1, 2, 3)
-    checked, chunks, per_chunk = check_block_ids(ids, table, unique=True)
+    checked = check_block_ids(table, ids, unique=True)
     ids[0] = 10**9
-    assert checked.tolist() == [1, 2, 3] and checked.is_contiguous() and checked.dtype == torch.int64
-    assert (chunks, per_chunk) == (1, 3)
+    on = checked.on(DEVICE)
+    assert checked.tolist() == [1, 2, 3] and on.tolist() == [1, 2, 3]
+    assert on.is_contiguous() and on.dtype == torch.int64
+    assert (checked.chunks, checked.per_chunk, checked.end, checked.unique) == (1, 3, 4, True)
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0)])
@@ -372,12 +367,12 @@ def test_staging_next_to_the_caches_or_in_page_padding_is_fine(backend):
     ids = _ids(3, 0)
     after = buf.view(-1)[NB * PAGE:NB * PAGE + 2 * PAGE]
     pack_pages([cache], ids, out=after, backend=backend)
-    assert torch.equal(after, _reference_pack([cache], ids))
+    assert torch.equal(after, pack_pages_naive([cache], ids))
     padded = gdn_pages(NB, 96, 40, seed=3)[0]  # pages of 40 bytes, 96 apart
     raw = torch.empty(0, dtype=torch.uint8, device=DEVICE).set_(padded.untyped_storage())
     gap = raw[2 * 96 + 40:2 * 96 + 80]  # 40 bytes of page 2's padding
     out = pack_pages([padded], _ids(5), out=gap, backend=backend)
-    assert torch.equal(out, _reference_pack([padded], _ids(5)))
+    assert torch.equal(out, pack_pages_naive([padded], _ids(5)))
 
 
 def test_two_d_staging_must_match_the_ids():
@@ -492,7 +487,7 @@ def test_unusual_but_plain_caches_round_trip(make, backend):
     source = make().to(DEVICE)
     ids = _ids(6, 1)
     staging = pack_pages([source], ids, backend=backend)
-    assert torch.equal(staging, _reference_pack([source.detach()], ids))
+    assert torch.equal(staging, pack_pages_naive([source.detach()], ids))
     fresh = torch.zeros_like(source.detach()).requires_grad_(source.requires_grad)
     unpack_pages(staging, [fresh], ids, backend=backend)
     assert torch.equal(_page_bytes(fresh.detach())[ids], _page_bytes(source.detach())[ids])
@@ -547,7 +542,7 @@ def test_state_tensors_repointed_between_calls_use_their_new_memory():
     pack_state(temporal, conv, _ids(1))
     replacement = random_bytes((4, 2, 4, 4), torch.float32, 50)
     temporal[1].set_(replacement)
-    expected = _reference_pack([conv[0], temporal[0], conv[1], temporal[1]], _ids(3))
+    expected = pack_pages_naive([conv[0], temporal[0], conv[1], temporal[1]], _ids(3))
     assert torch.equal(pack_state(temporal, conv, _ids(3)), expected)
 
 
@@ -686,7 +681,7 @@ def test_random_misuse_raises_documented_errors_or_matches_reference(op, api, ba
     assert not stale, "a stale table was used"
     assert all(0 <= v < NB for v in values) or api == "drop"
     if api == "pack":
-        assert torch.equal(result, _reference_pack([cache, other], ids))
+        assert torch.equal(result, pack_pages_naive([cache, other], ids))
     elif api == "unpack" and values:
         assert len(set(values)) == len(values)
         rows = torch.tensor(values, dtype=torch.int64)

@@ -7,8 +7,9 @@ import torch
 
 from kernel_cases import (DEVICE, DTYPES, assert_round_trip, flashinfer, fresh_like, gdn_pages, legacy_halves, mla,
                           random_bytes, vllm_layers)
-from saria.kernels import PageTable, pack_pages, pack_pages_reference, resolve_backend, unpack_pages
-from saria.kernels.pages import BYTES_PER_ITER, TILE_WORDS
+from saria.kernels import (BlockIds, PageTable, check_block_ids, pack_pages, pack_pages_naive, resolve_backend,
+                           unpack_pages)
+from saria.kernels.pages.triton import BYTES_PER_ITER, TILE_WORDS
 
 TRITON = resolve_backend("auto", DEVICE)  # "triton" under the interpreter or on CUDA
 BACKENDS = sorted({TRITON, "torch"})
@@ -42,10 +43,12 @@ def test_round_trip_every_layout_and_dtype(build, dtype, backend):
 
 
 @pytest.mark.parametrize("build", LAYOUTS)
-def test_backends_produce_identical_staging(build):
+def test_backends_produce_the_naive_reference_staging(build):
     caches = build(torch.bfloat16)
     ids = _ids(3, 1, 4, 0, 2)
-    assert torch.equal(pack_pages(caches, ids, backend=TRITON), pack_pages(caches, ids, backend="torch"))
+    want = pack_pages_naive(caches, ids)
+    for backend in BACKENDS:
+        assert torch.equal(pack_pages(caches, ids, backend=backend), want), backend
 
 
 def test_staging_layout_is_tensor_then_page_in_id_order():
@@ -106,7 +109,7 @@ def test_unaligned_addresses_take_the_narrow_path_correctly(backend):
     buffer = torch.zeros(3 * 128 + 1, dtype=torch.uint8, device=DEVICE)
     out = buffer[1:]
     pack_pages([cache], ids, out=out, backend=backend)
-    assert torch.equal(out, pack_pages([cache.clone()], ids, backend="torch"))
+    assert torch.equal(out, pack_pages_naive([cache], ids))
     fresh_big = torch.zeros_like(big)
     unpack_pages(out, [fresh_big[1:].view(7, 64)], ids, backend=backend)
     assert torch.equal(fresh_big[1:].view(7, 64)[ids].view(torch.uint8), cache[ids].view(torch.uint8))
@@ -118,7 +121,7 @@ def test_pages_larger_than_one_loop_iteration(page_bytes):
     caches = [random_bytes((4, page_bytes), torch.uint8, 11), random_bytes((4, page_bytes), torch.uint8, 12)]
     ids = _ids(3, 0)
     staging = pack_pages(caches, ids, backend=TRITON)
-    assert torch.equal(staging, pack_pages(caches, ids, backend="torch"))
+    assert torch.equal(staging, pack_pages_naive(caches, ids))
     fresh = fresh_like(caches)
     unpack_pages(staging, fresh, ids, backend=TRITON)
     assert_round_trip(fresh, caches, ids)
@@ -129,7 +132,7 @@ def test_out_is_filled_and_returned():
     ids = _ids(2, 3)
     out = torch.empty(2 * 64, dtype=torch.uint8, device=DEVICE)
     assert pack_pages(caches, ids, out=out) is out
-    assert torch.equal(out, pack_pages(caches, ids, backend="torch"))
+    assert torch.equal(out, pack_pages_naive(caches, ids))
 
 
 def test_empty_ids_move_nothing():
@@ -156,9 +159,7 @@ def test_prebuilt_table_reused():
     caches[0][0].fill_(1.5)
     second = pack_pages(table, ids)  # the table refers to the live tensors, not a copy
     assert not torch.equal(first, second)
-    ref = torch.empty_like(second)
-    pack_pages_reference(table, ids.to(DEVICE), ref, 1, 2)
-    assert torch.equal(second, ref)
+    assert torch.equal(second, pack_pages_naive(caches, ids))
 
 
 # --- bad input: a clear error before any kernel runs, and the process alive ---------------------
@@ -307,17 +308,17 @@ def test_drop_leading_pages_unpacks_only_the_rest():
 
 
 @pytest.mark.parametrize("build", LAYOUTS)
-def test_cpu_reference_split_over_threads_is_the_same_bytes(build, monkeypatch):
+def test_cpu_path_split_over_threads_is_the_same_bytes(build, monkeypatch):
     """A large CPU pack/unpack shares its tensors among threads: the same staging and pages as one
     thread, for a batch of chunks (2-D ids, each tensor's region strided) and for one chunk."""
-    import saria.kernels.pages as pages_module
+    import saria.kernels.pages.cpu as cpu_path
 
     if DEVICE.type != "cpu":
-        pytest.skip("the thread split is the CPU reference's")
+        pytest.skip("the thread split is the CPU path's")
     caches = build(torch.bfloat16)
     for ids in (_ids(4, 0, 2), torch.tensor([[4, 0], [2, 1]])):
         serial = pack_pages(caches, ids, backend="torch")
-        monkeypatch.setattr(pages_module, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(cpu_path, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
         staged = pack_pages(caches, ids, backend="torch")
         assert torch.equal(staged, serial)
@@ -329,16 +330,16 @@ def test_cpu_reference_split_over_threads_is_the_same_bytes(build, monkeypatch):
 
 
 def test_runs_of_consecutive_ids_take_slice_copies_with_the_same_bytes():
-    """CPU reference: ids in runs of consecutive pages are copied slice by slice; the bytes are
+    """CPU path: ids in runs of consecutive pages are copied slice by slice; the bytes are
     those of the indexed copies, for runs that break inside a chunk and across chunks."""
-    import saria.kernels.pages as pages_module
+    import saria.kernels.pages.cpu as cpu_path
 
     if DEVICE.type != "cpu":
-        pytest.skip("the run path is the CPU reference's")
+        pytest.skip("the run path is the CPU path's")
     caches = vllm_layers(24, 4, 2, 8, torch.bfloat16)
     ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [9, 10, 11, 12, 20, 21, 22, 23], [16, 17, 18, 19, 8, 13, 14, 15]])
-    assert pages_module._runs(ids.reshape(-1), 3, 8) is not None
-    assert pages_module._runs(torch.tensor([5, 3, 1, 7]), 1, 4) is None  # short runs: indexed copies
+    assert cpu_path._runs(ids.reshape(-1), 3, 8) is not None
+    assert cpu_path._runs(torch.tensor([5, 3, 1, 7]), 1, 4) is None  # short runs: indexed copies
     staged = pack_pages(caches, ids, backend="torch")
     want = torch.cat([c[ids[k]].reshape(-1).view(torch.uint8) for k in range(3) for c in caches])
     assert torch.equal(staged.reshape(-1), want)
@@ -346,3 +347,82 @@ def test_runs_of_consecutive_ids_take_slice_copies_with_the_same_bytes():
     unpack_pages(staged, fresh, ids, backend="torch")
     for got, ref in zip(fresh, caches):
         assert torch.equal(got[ids.reshape(-1)].view(torch.int16), ref[ids.reshape(-1)].view(torch.int16))
+
+
+# --- block ids checked once: BlockIds ----------------------------------------------------------
+
+def test_checked_block_ids_give_the_same_bytes_as_a_tensor():
+    caches = vllm_layers(9, 2, 1, 8, torch.bfloat16, layers=2)
+    table = PageTable(caches)
+    a, b = check_block_ids(table, _ids(6, 2, 8)), check_block_ids(table, _ids(1, 0, 5))
+    for backend in BACKENDS:
+        assert torch.equal(pack_pages(table, a, backend=backend), pack_pages_naive(caches, _ids(6, 2, 8)))
+        assert torch.equal(pack_pages(table, a[1:], backend=backend), pack_pages_naive(caches, _ids(2, 8)))
+        batch = BlockIds.stack([a, b])
+        staging = pack_pages(table, batch, backend=backend)
+        assert staging.shape == (2, table.staging_bytes(3))
+        assert torch.equal(staging, pack_pages_naive(caches, torch.tensor([[6, 2, 8], [1, 0, 5]])))
+        assert torch.equal(pack_pages(table, batch[1], backend=backend), staging[1])
+        fresh = fresh_like(caches)
+        unpack_pages(staging, fresh, batch, backend=backend)
+        assert_round_trip(fresh, caches, torch.tensor([[6, 2, 8], [1, 0, 5]]))
+
+
+def test_checked_block_ids_are_not_checked_again(monkeypatch):
+    """An op given BlockIds compares their bound with the table and, for an unpack, looks for
+    duplicates once; it does not re-run the per-id checks (the data plane checks when an order
+    arrives)."""
+    from saria.kernels import checks
+
+    caches = vllm_layers(6, 2, 1, 8, torch.bfloat16)
+    table = PageTable(caches)
+    blocks = check_block_ids(table, _ids(4, 1))
+    assert check_block_ids(table, blocks) is blocks
+    unique = check_block_ids(table, blocks, unique=True)
+    assert unique.unique and check_block_ids(table, unique, unique=True) is unique
+
+    dense = checks.check_dense
+
+    def once(t, what):
+        assert what != "block_ids", "block ids checked twice"
+        return dense(t, what)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("block ids checked for duplicates twice")
+
+    monkeypatch.setattr(checks, "check_dense", once)
+    monkeypatch.setattr(checks, "_check_unique", refuse)
+    staging = pack_pages(table, blocks)
+    unpack_pages(staging, fresh_like(caches), unique)
+
+
+def test_checked_block_ids_still_refused_where_they_do_not_fit():
+    big = vllm_layers(9, 2, 1, 8, torch.bfloat16)
+    small = vllm_layers(4, 2, 1, 8, torch.bfloat16)
+    before = [c.clone() for c in small]
+    blocks = check_block_ids(PageTable(big), _ids(1, 6))
+    with pytest.raises(IndexError, match=r"block id 6 is out of range: caches\[0\] has 4 pages"):
+        pack_pages(small, blocks)
+    with pytest.raises(IndexError, match="block id 6 is out of range"):
+        unpack_pages(pack_pages(big, blocks), small, blocks)
+    one = check_block_ids(PageTable(big), _ids(2, 3))
+    twice = BlockIds.stack([one, check_block_ids(PageTable(big), _ids(3, 0))])
+    staging = pack_pages(big, twice)  # packing a page twice is fine
+    with pytest.raises(ValueError, match="block id 3 appears more than once"):
+        unpack_pages(staging, big, twice)
+    assert all(torch.equal(b.view(torch.uint8), c.view(torch.uint8)) for b, c in zip(before, small))
+
+
+@pytest.mark.parametrize("misuse, error, match", [
+    pytest.param(lambda b: BlockIds(torch.tensor([1])), TypeError, "made by check_block_ids", id="constructed"),
+    pytest.param(lambda b: b[[0, 0]], TypeError, "int or a slice", id="fancy-index"),
+    pytest.param(lambda b: b[0], TypeError, "single id", id="one-id"),
+    pytest.param(lambda b: BlockIds.stack([]), ValueError, "non-empty", id="stack-nothing"),
+    pytest.param(lambda b: BlockIds.stack([b, b[1:]]), ValueError, "different lengths", id="stack-ragged"),
+    pytest.param(lambda b: BlockIds.stack([_ids(1, 2)]), ValueError, "1-D BlockIds", id="stack-tensors"),
+    pytest.param(lambda b: setattr(b, "end", 10**9), AttributeError, "immutable", id="widened"),
+])
+def test_block_ids_misuse(misuse, error, match):
+    blocks = check_block_ids(PageTable(_caches()), _ids(1, 2))
+    with pytest.raises(error, match=match):
+        misuse(blocks)

@@ -19,7 +19,7 @@ import torch
 from saria.dataplane import (ObjectNotFound, SSDStore, StoreClosed, StoreConfigError, StoreFull,
                              probe_direct_io)
 from saria.dataplane.ssd.backends import O_DIRECT
-from saria.kernels import checksum_reference
+from saria.kernels import checksum_naive
 from ssd_cases import PB, Fault, FaultyOps, capacity, drive_file, drives, is_payload, payload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def test_round_trip(tmp_path, n_drives, length):
         n_parts = -(-length // PB)
         assert info.length == length and len(info.parts) == n_parts
         assert [p.length for p in info.parts] == [PB] * (n_parts - 1) + [length - (n_parts - 1) * PB]
-        assert [p.checksum for p in info.parts] == [checksum_reference(t) for t in data.split(PB)]
+        assert [p.checksum for p in info.parts] == [checksum_naive(t) for t in data.split(PB)]
         assert store.free_parts == store.total_parts - n_parts
         out = torch.full((length + 100,), 0xAB, dtype=torch.uint8)
         assert store.read(b"chunk:kv", out).result(timeout=30) == info
@@ -84,7 +84,7 @@ def test_full_drive_spills_parts_to_other_drives(tmp_path):
 
 def test_list_of_parts_in_and_out_with_given_checksums(tmp_path):
     parts = [payload(PB, 10), payload(PB, 11), payload(999, 12)]
-    sums = [checksum_reference(p) for p in parts]
+    sums = [checksum_naive(p) for p in parts]
     with open_store(tmp_path, 2) as store:
         info = store.write(b"slots", parts, checksums=sums).result()
         assert [p.checksum for p in info.parts] == sums
@@ -98,7 +98,7 @@ def test_list_of_parts_in_and_out_with_given_checksums(tmp_path):
 def test_wrong_given_checksum_is_caught_on_read(tmp_path):
     data = payload(PB, 3)
     with open_store(tmp_path) as store:
-        store.write(b"k", data, checksums=[checksum_reference(data) ^ 1]).result()
+        store.write(b"k", data, checksums=[checksum_naive(data) ^ 1]).result()
         with pytest.raises(Exception) as exc:
             store.read(b"k", torch.zeros(PB, dtype=torch.uint8)).result()
         assert type(exc.value).__name__ == "ObjectCorrupt"

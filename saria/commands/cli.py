@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Pack chunks of a Qwen3-8B-shaped paged KV cache (36 layers, 8 KV heads, head dim "
                                    "128, bf16, 16-token pages) into staging, checksum them, unpack into a fresh cache "
                                    "and verify every byte, with the Triton kernels (compiled on CUDA, interpreted on "
-                                   "CPU) and the torch reference.")
+                                   "CPU) and the fast torch path.")
     p.add_argument("--chunks", type=int_range(1, 4096), default=None,
                    help="chunks to pack in one call (default 2 on CUDA, 1 on CPU where the interpreter is slow)")
     p.add_argument("--chunk-tokens", type=int_range(16, 1 << 20), default=512,

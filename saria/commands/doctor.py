@@ -157,7 +157,7 @@ def render(report: dict[str, Any]) -> str:
                      for d in t["devices"]) or "none"
     kernel = k["backend"] + (" (Triton interpreter)" if k["interpreted"] else "")
     if k["backend"] == "torch" and k["device"] == "cpu":
-        kernel += " (pure-torch reference; set TRITON_INTERPRET=1 to run the Triton kernels on CPU)"
+        kernel += " (fast torch path; set TRITON_INTERPRET=1 to run the Triton kernels on CPU)"
     nvml = f"driver {nv['driver']}, {nv['devices']} device(s)" if nv["available"] else nv["reason"]
     if not kv["installed"]:
         kvikio = kv["reason"]

@@ -2,7 +2,7 @@
 
 Packs a batch of 512-token chunks of a Qwen3-8B-shaped paged KV cache into staging, checksums each
 chunk, unpacks into a fresh zeroed cache and checks every byte, with the Triton kernels and with
-the torch reference, and checks that both produced the same staging bytes.
+the fast torch path, and checks that both produced the same staging bytes.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: flo
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(ranks))
         if ranks > 1:  # collective_rpc(rank_snapshot) pickles a function
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        env.pop("TRITON_INTERPRET", None)  # the worker runs the torch reference kernels on CPU
+        env.pop("TRITON_INTERPRET", None)  # the worker runs the fast torch kernels on CPU
         env["VLLM_CACHE_ROOT"] = str(Path(tmp) / "vllm-cache")  # vLLM's compile cache: nothing left behind
         log_path = Path(tmp) / "log"
         with open(log_path, "w") as log:

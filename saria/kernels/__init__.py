@@ -1,18 +1,28 @@
 """Triton kernels that move paged KV blocks and GDN checkpoints between an engine's cache and
 contiguous staging buffers, and checksum staging. Kernels know nothing about tiers.
 
-Each op has a ``@triton.jit`` kernel, a launcher that validates its input before anything runs, and
-a pure-torch reference (``backend="torch"``).
+One subpackage per op, each with the same parts side by side: ``api.py`` (the public op: checks
+its arguments, picks the backend), ``triton.py`` (the ``@triton.jit`` kernel and its launcher),
+``cpu.py`` (the fast path in torch / numpy ops: ``backend="torch"``, and what CPU tensors run
+without Triton's interpreter) and ``naive.py`` (the naive reference, plain loops: the tests'
+oracle). ``pages`` is pack / unpack, ``state`` GDN checkpoints (through the pages' kernel),
+``checksum`` the staging checksum. Shared: ``checks`` (every argument check), ``block_ids`` (ids
+that passed the check, so they are checked once), ``page_table`` (the table of paged tensors),
+``backend`` (Triton or torch). docs/kernels.md has the map.
 """
 
 from .backend import BACKENDS, INTERPRETED, default_backend, resolve_backend
-from .checksum import checksum, checksum_reference
-from .page_table import PageTable, Segment, StaleTableError, extent_bytes
-from .pages import drop_leading_pages, pack_pages, pack_pages_reference, unpack_pages, unpack_pages_reference
-from .state import pack_state, state_table, unpack_state
+from .block_ids import BlockIds
+from .checks import check_block_ids, extent_bytes
+from .checksum import checksum, checksum_naive, checksum_torch
+from .page_table import PageTable, Segment, StaleTableError
+from .pages import (drop_leading_pages, pack_pages, pack_pages_naive, pack_pages_torch, unpack_pages,
+                    unpack_pages_naive, unpack_pages_torch)
+from .state import pack_state, pack_state_naive, state_table, unpack_state, unpack_state_naive
 
 __all__ = [
-    "BACKENDS", "INTERPRETED", "PageTable", "Segment", "StaleTableError", "checksum", "checksum_reference",
-    "default_backend", "drop_leading_pages", "extent_bytes", "pack_pages", "pack_pages_reference", "pack_state",
-    "resolve_backend", "state_table", "unpack_pages", "unpack_pages_reference", "unpack_state",
+    "BACKENDS", "BlockIds", "INTERPRETED", "PageTable", "Segment", "StaleTableError", "check_block_ids", "checksum",
+    "checksum_naive", "checksum_torch", "default_backend", "drop_leading_pages", "extent_bytes", "pack_pages",
+    "pack_pages_naive", "pack_pages_torch", "pack_state", "pack_state_naive", "resolve_backend", "state_table",
+    "unpack_pages", "unpack_pages_naive", "unpack_pages_torch", "unpack_state", "unpack_state_naive",
 ]

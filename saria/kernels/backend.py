@@ -1,4 +1,4 @@
-"""Which implementation of a kernel op runs: the Triton kernel or the pure-torch reference.
+"""Which implementation of a kernel op runs: the Triton kernel or the torch path.
 
 Triton decides once, when a ``@triton.jit`` function is defined, whether it is compiled for the GPU
 or run by its interpreter (``TRITON_INTERPRET=1``). An interpreted kernel dereferences raw host
@@ -35,7 +35,7 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
     """Pick the implementation for tensors on ``device``.
 
     ``auto`` is Triton on CUDA (compiled) or on CPU under ``TRITON_INTERPRET=1`` (interpreted),
-    and the torch reference otherwise. Asking for ``triton`` where it cannot run is an error,
+    and the torch path otherwise. Asking for ``triton`` where it cannot run is an error,
     not a silent fallback.
     """
     if backend not in BACKENDS:

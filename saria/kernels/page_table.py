@@ -1,4 +1,4 @@
-"""The table of paged tensors that every pack/unpack call works on, and its validation.
+"""The table of paged tensors that every pack/unpack call works on.
 
 A paged tensor is any tensor whose dim 0 indexes pages and whose page ``t[b]`` is contiguous in
 memory; pages may be any (non-overlapping) stride apart. The kernels see a page as bytes, so the
@@ -11,11 +11,12 @@ temporal state) does not matter. Examples of valid tables:
 * a GDN layer's page viewed as int8 with a padded stride:
   ``raw.as_strided((NB, used_bytes), (page_stride, 1))``.
 
-The geometry is validated once, when the table is built; the data plane builds one per engine and
-reuses it. A hot-path call re-checks only that every tensor still is what the table was built from
-(:meth:`PageTable.verify`, well under a microsecond per tensor) and validates its block ids and
-staging. Bad input raises ``ValueError`` (``IndexError`` for block ids out of range), a stale table
-:class:`StaleTableError` (a ``ValueError``), always before anything is copied.
+The geometry is validated once, when the table is built (the checks are in
+:mod:`saria.kernels.checks`); the data plane builds one per engine and reuses it. A hot-path call
+re-checks only that every tensor still is what the table was built from (:meth:`PageTable.verify`,
+well under a microsecond per tensor) and validates its block ids and staging. Bad input raises
+``ValueError``, a stale table :class:`StaleTableError` (a ``ValueError``), always before anything is
+copied.
 """
 
 from __future__ import annotations
@@ -26,15 +27,7 @@ from typing import Sequence
 
 import torch
 
-# Triton launches programs per (page id, tensor, tile): tensors on grid axis 1, whose CUDA limit is
-# 65,535; page ids on axis 0 (limit 2**31 - 1); tiles of a page on axis 2 (see pages.launch_config).
-MAX_TENSORS = 65_535
-MAX_PAGE_IDS = 2**31 - 1
-# check_block_ids checks up to this many ids as a Python list, more with torch ops.
-SMALL_ID_COUNT = 1024
-
-ID_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
-                       torch.uint8, torch.uint16, torch.uint32, torch.uint64})
+from .checks import check_caches, check_one_device, check_paged_tensor
 
 
 class StaleTableError(ValueError):
@@ -76,32 +69,11 @@ class PageTable:
     def __init__(self, caches: Sequence[torch.Tensor], *, names: Sequence[str] | None = None):
         """``caches``: the paged tensors. ``names``: what errors call each of them (default
         ``caches[i]``; :func:`~saria.kernels.state_table` passes ``conv[l]`` / ``temporal[l]``)."""
-        if isinstance(caches, torch.Tensor):
-            raise ValueError(
-                "caches must be a sequence of paged tensors, not a single tensor; "
-                "pass [cache] for one tensor (or cache.unbind(0) for a legacy [2, NB, ...] K/V cache)")
-        if isinstance(caches, PageTable):
-            raise ValueError("caches is already a PageTable: use it as is (PageTable.of), or PageTable(table.tensors) "
-                             "for a new table over its tensors as they are now")
-        try:
-            caches = tuple(caches)
-        except TypeError:
-            raise ValueError(f"caches must be a sequence of paged tensors, got {type(caches).__name__}") from None
-        if not caches:
-            raise ValueError("caches is empty: a page table needs at least one paged tensor")
-        if len(caches) > MAX_TENSORS:
-            raise ValueError(f"{len(caches)} tensors in one table; one launch covers at most {MAX_TENSORS}")
-        names = tuple(f"caches[{i}]" for i in range(len(caches))) if names is None else tuple(names)
-        if len(names) != len(caches):
-            raise ValueError(f"{len(names)} names for {len(caches)} tensors")
-        devices = set()
-        segments = []
+        caches, names = check_caches(caches, names)
         for name, cache in zip(names, caches):
-            segments.append(_segment(name, cache))
-            devices.add(cache.device)
-        if len(devices) > 1:
-            raise ValueError(f"caches are on several devices {sorted(map(str, devices))}: "
-                             "all tensors of a table must be on one device")
+            check_paged_tensor(cache, name)
+        check_one_device(caches)
+        segments = [_segment(cache) for cache in caches]
         set_ = object.__setattr__  # the table is immutable once built (__setattr__ below)
         set_(self, "tensors", caches)
         set_(self, "names", names)
@@ -243,72 +215,11 @@ def _page_meets(s: Segment, lo: int, hi: int) -> bool:
     return k < s.num_pages and s.base + k * s.page_stride < hi
 
 
-def extent_bytes(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to the end of its last (0 when empty): its size when
-    contiguous, the conservative span of a strided view otherwise (torch strides are never
-    negative)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def check_memory(t: torch.Tensor, what: str) -> None:
-    """Refuse a tensor whose memory the kernels cannot address as the bytes of its values: sparse,
-    nested, quantized, lazily conjugated or negated, not on CPU or CUDA, a ``__torch_dispatch__``
-    subclass (fake and wrapper tensors), without memory, or extending past its storage (freed or
-    shrunk with ``untyped_storage().resize_``)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{what} is a {type(t).__name__}, not a torch.Tensor")
-    if t.layout != torch.strided or t.is_nested:
-        kind = "nested" if t.is_nested else str(t.layout)
-        raise ValueError(f"{what} has layout {kind}; only dense (strided) tensors are addressable as bytes")
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{what} is on {t.device}; saria supports CUDA and CPU tensors")
-    if t.is_quantized:
-        raise ValueError(f"{what} is quantized ({t.dtype}); saria copies plain tensors only")
-    if t.is_conj() or t.is_neg():
-        raise ValueError(f"{what} is a lazily {'conjugated' if t.is_conj() else 'negated'} view: its memory does "
-                         "not hold its values; pass t.resolve_conj().resolve_neg()")
-    if type(t) is not torch.Tensor and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-        raise ValueError(f"{what} is a {type(t).__name__}, a tensor subclass that intercepts every op (a fake or "
-                         "wrapper tensor): saria needs the memory of a plain tensor")
-    if t.numel() == 0:
-        return
-    try:
-        ptr, storage_bytes = t.data_ptr(), t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError) as exc:
-        raise ValueError(f"{what} has no addressable memory ({exc})") from None
-    if ptr == 0:
-        raise ValueError(f"{what} has no memory (data_ptr is 0: a fake tensor, or its storage was freed)")
-    need = t.storage_offset() * t.element_size() + extent_bytes(t)
-    if need > storage_bytes:
-        raise ValueError(f"{what} reaches {need} bytes into a storage of {storage_bytes} bytes: its memory was "
-                         "freed or shrunk (untyped_storage().resize_)")
-
-
-def _segment(what: str, cache: torch.Tensor) -> Segment:
-    check_memory(cache, what)
-    if cache.dim() == 0:
-        raise ValueError(f"{what} is a scalar; dim 0 of a paged tensor must index pages")
-    num_pages = cache.shape[0]
-    if num_pages == 0:
-        raise ValueError(f"{what} has no pages (shape {tuple(cache.shape)})")
-    if cache.numel() == 0:
-        raise ValueError(f"{what} has empty pages (shape {tuple(cache.shape)})")
-    if not cache[0].is_contiguous():
-        raise ValueError(
-            f"{what}: a page (cache[b], shape {tuple(cache.shape[1:])}, strides "
-            f"{tuple(cache.stride()[1:])}) is not contiguous in memory; pass a view whose dim 0 indexes "
-            "pages (e.g. the two halves of a [2, NB, ...] cache as two tensors)")
+def _segment(cache: torch.Tensor) -> Segment:
+    """The geometry of a paged tensor that :func:`~saria.kernels.checks.check_paged_tensor` accepted."""
     esize = cache.element_size()
-    page_bytes = cache[0].numel() * esize
-    page_stride = cache.stride(0) * esize
-    if num_pages > 1 and page_stride < page_bytes:
-        raise ValueError(
-            f"{what}: pages overlap (page stride {page_stride} B < page size {page_bytes} B); "
-            "dim 0 must index pages")
-    return Segment(base=cache.data_ptr(), page_stride=page_stride, page_bytes=page_bytes,
-                   num_pages=num_pages)
+    return Segment(base=cache.data_ptr(), page_stride=cache.stride(0) * esize, page_bytes=cache[0].numel() * esize,
+                   num_pages=cache.shape[0])
 
 
 def _find_overlap(segments: Sequence[Segment]) -> tuple[int, int] | None:
@@ -341,97 +252,3 @@ def _interleaved_disjoint(s: Segment, t: Segment) -> bool:
         a, b, s, t = b, a, t, s
     # Windows [a, a + s.bytes) and [b, b + t.bytes) on a circle of length `stride`.
     return a + s.page_bytes <= b and b + t.page_bytes <= a + stride
-
-
-def check_block_ids(block_ids: torch.Tensor, table: PageTable, *, unique: bool) -> tuple[torch.Tensor, int, int]:
-    """Validate page ids against ``table``; return them as a contiguous int64 tensor on the table's
-    device, plus (chunks, pages per chunk).
-
-    ``block_ids`` is a tensor of any integer dtype (int8 to int64, uint8 to uint64), 1-D (the pages
-    of one chunk, or any list of pages) or 2-D ``[chunks, pages_per_chunk]`` (a batch of chunks:
-    each chunk's staging bytes contiguous), on the CPU or on the caches' device, any strides. The
-    returned ids are a copy made before checking, so the kernels see exactly the checked values
-    whatever happens to ``block_ids`` afterwards. CPU ids are checked without touching the GPU; ids
-    on the GPU are copied to the host to be checked, which synchronizes with the current stream
-    (pass CPU ids on hot paths). Errors name the offending value and the dtype it came in.
-    """
-    if not isinstance(block_ids, torch.Tensor):
-        raise ValueError(f"block_ids must be a torch.Tensor of integers, got {type(block_ids).__name__} "
-                         "(wrap a list or array with torch.tensor(..., dtype=torch.int64))")
-    if block_ids.layout != torch.strided or block_ids.is_nested:
-        kind = "nested" if block_ids.is_nested else str(block_ids.layout)
-        raise ValueError(f"block_ids must be a dense tensor, got layout {kind}")
-    if block_ids.dtype not in ID_DTYPES:
-        raise ValueError(f"block_ids must have an integer dtype, got {block_ids.dtype}")
-    if block_ids.dim() not in (1, 2):
-        raise ValueError(
-            f"block_ids must be 1-D (pages) or 2-D [chunks, pages_per_chunk], got shape {tuple(block_ids.shape)}")
-    if block_ids.device.type != "cpu" and block_ids.device != table.device:
-        raise ValueError(f"block_ids are on {block_ids.device} but the caches on {table.device}; "
-                         "pass them on the CPU or on the caches' device")
-    chunks, per_chunk = (1, block_ids.shape[0]) if block_ids.dim() == 1 else tuple(block_ids.shape)
-    if chunks * per_chunk > MAX_PAGE_IDS:
-        raise ValueError(f"{chunks * per_chunk} page ids in one call; one launch covers at most {MAX_PAGE_IDS}")
-    # The checked copy: contiguous int64 on the host, owned here (uint64 ids >= 2**63 wrap to
-    # negative values, told apart below by the dtype).
-    host = torch.empty(chunks * per_chunk, dtype=torch.int64)
-    host.copy_(block_ids.reshape(-1))
-    given = "" if block_ids.dtype == torch.int64 else f" ({block_ids.dtype})"
-    if host.numel():
-        # A few ids (a chunk or a batch of them) are checked as a Python list: three torch ops on a
-        # tiny tensor cost more host time than the copy they guard (measured on the H200 host).
-        values = host.tolist() if host.numel() <= SMALL_ID_COUNT else None
-        lo, hi = (min(values), max(values)) if values is not None else (int(host.min()), int(host.max()))
-        if lo < 0 and block_ids.dtype == torch.uint64:
-            hi = int(host[host < 0].max()) + (1 << 64)
-        elif lo < 0:
-            raise IndexError(f"block id {lo}{given} is negative")
-        if hi >= table.num_pages:
-            worst = min(range(len(table)), key=lambda t: table.segments[t].num_pages)
-            pages = table.segments[worst].num_pages
-            raise IndexError(f"block id {hi}{given} is out of range: {table.names[worst]} has {pages} pages "
-                             f"(ids 0 to {pages - 1})")
-        if unique and (len(set(values)) if values is not None else torch.unique(host).numel()) != host.numel():
-            values, counts = torch.unique(host, return_counts=True)
-            raise ValueError(f"block id {int(values[counts > 1][0])} appears more than once; unpacking it "
-                             "twice would race on the same page")
-    if table.device.type == "cpu":
-        return host, chunks, per_chunk
-    # Through pinned memory: a copy from pageable memory makes CUDA synchronize the stream first, so
-    # the host would wait for everything queued before (a reload's whole batch of H2D copies) before
-    # it could launch the unpack and queue the next batch. torch's pinned allocator keeps the block
-    # until the copy has run.
-    return host.pin_memory().to(table.device, non_blocking=True), chunks, per_chunk
-
-
-def check_staging(staging: torch.Tensor, table: PageTable, chunks: int, per_chunk: int, what: str) -> None:
-    """Validate a staging tensor for ``chunks x per_chunk`` page ids of ``table``: contiguous uint8
-    on the caches' device, exactly the bytes needed, 1-D or ``[chunks, bytes per chunk]``, backed by
-    live memory, and sharing no byte with any page of the table (a staging buffer inside a cache
-    would be overwritten by the copy it feeds, or would overwrite the cache)."""
-    if not isinstance(staging, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor, got {type(staging).__name__}")
-    if staging.layout != torch.strided or staging.is_nested:
-        kind = "nested" if staging.is_nested else str(staging.layout)
-        raise ValueError(f"{what} must be a dense tensor, got layout {kind}")
-    if staging.dtype != torch.uint8:
-        raise ValueError(f"{what} must be a uint8 tensor, got {staging.dtype}")
-    if staging.device != table.device:
-        raise ValueError(f"{what} is on {staging.device} but the caches on {table.device}")
-    if not staging.is_contiguous():
-        raise ValueError(f"{what} must be contiguous")
-    need = table.staging_bytes(chunks * per_chunk)
-    if staging.numel() != need:
-        raise ValueError(f"{what} holds {staging.numel()} bytes but {chunks * per_chunk} pages of this table "
-                         f"need {need} ({table.bytes_per_page} bytes per page id)")
-    rows = (chunks, table.staging_bytes(per_chunk))
-    if staging.dim() != 1 and tuple(staging.shape) != rows:
-        raise ValueError(f"{what} has shape {tuple(staging.shape)}: pass it 1-D, or {rows} "
-                         "([chunks, bytes per chunk]) for these block_ids")
-    if need:
-        check_memory(staging, what)
-        lo = staging.data_ptr()
-        t = table.page_sharing(lo, lo + need)
-        if t is not None:
-            raise ValueError(f"{what} shares memory with the pages of {table.names[t]}: the copy would read and write "
-                             "the same bytes; use a separate buffer")

@@ -15,9 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-import torch
-
-from saria.kernels import PageTable
+from saria.kernels import BlockIds, PageTable
 from saria.orders import STATE, ObjectKey, ReloadPlan, Tier
 
 
@@ -45,14 +43,14 @@ class LoadItem:
     """One object of a reload: where it comes from and which pages it goes to.
 
     ``index``: the chunk's position in the plan (a state object: its chunk's position);
-    ``blocks``: its block ids (CPU int64, all of the object's pages); ``skip``: leading pages the
+    ``blocks``: its block ids (checked, all of the object's pages); ``skip``: leading pages the
     engine already holds and that must not be written (only the plan's first chunk has any)."""
 
     index: int
     key: ObjectKey
     tier: Tier
     table: PageTable
-    blocks: torch.Tensor
+    blocks: BlockIds
     nbytes: int
     skip: int = 0
 

@@ -17,7 +17,7 @@ from typing import Callable, Hashable, Mapping
 import torch
 
 from saria.orders import KV, STATE, ObjectKey, Order
-from saria.kernels import checksum, pack_pages
+from saria.kernels import BlockIds, checksum, pack_pages
 
 from saria.dataplane import nvtx
 from saria.dataplane.dram.host_pool import HostPool
@@ -25,7 +25,7 @@ from saria.dataplane.transfer.streams import Streams
 from saria.dataplane.transfer.tables import Blocks, Tables, log
 
 # (key, block ids, prepacked staging) per object of an order: see Packer.resolve
-Objects = list[tuple[ObjectKey, "torch.Tensor | None", "torch.Tensor | None"]]
+Objects = list[tuple[ObjectKey, "BlockIds | None", "torch.Tensor | None"]]
 
 
 class Packer:
@@ -55,7 +55,7 @@ class Packer:
             released.set()
             raise
 
-    def capture(self, ids: torch.Tensor) -> torch.Tensor:
+    def capture(self, ids: BlockIds) -> torch.Tensor:
         """Pack one state object's pages now, on the caller's thread and current stream."""
         with nvtx.nvtx_range(nvtx.PACK):
             return pack_pages(self.tables.state_table, ids)
@@ -95,7 +95,7 @@ class Packer:
             table, _, _ = self.tables.table(kind)
             try:
                 with nvtx.nvtx_range(nvtx.PACK):
-                    rows = pack_pages(table, torch.stack([ids for _, ids in batch]))
+                    rows = pack_pages(table, BlockIds.stack([ids for _, ids in batch]))
                 for (n, _), row in zip(batch, rows):
                     out[n] = (objects[n][0], row, None)
             except Exception:  # one bad object: pack them one by one to name it

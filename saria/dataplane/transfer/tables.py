@@ -9,7 +9,7 @@ from typing import Hashable, Sequence
 import torch
 
 from saria.orders import KV
-from saria.kernels import PageTable, drop_leading_pages, unpack_pages
+from saria.kernels import BlockIds, PageTable, check_block_ids, drop_leading_pages, unpack_pages
 
 from saria.dataplane import nvtx
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
@@ -42,9 +42,10 @@ class Tables:
             raise ValueError("a state object was asked for but this engine has no state_table (not a hybrid model)")
         return self.state_table, self.state_pages, self.state_bytes
 
-    def ids(self, kind: str, chunk: Hashable, blocks: Blocks | None) -> torch.Tensor:
-        """An object's block ids as a CPU int64 tensor; ``ValueError`` if they are missing, not
-        integers, the wrong number, or outside the table."""
+    def ids(self, kind: str, chunk: Hashable, blocks: Blocks | None) -> BlockIds:
+        """An object's block ids, checked once here for every kernel that will use them
+        (:class:`~saria.kernels.BlockIds`); ``ValueError`` if they are missing, not integers, the
+        wrong number, or outside the table."""
         table, pages, _ = self.table(kind)
         if blocks is None:
             raise ValueError(f"no block ids given for the {kind} object of chunk {chunk!r}")
@@ -56,11 +57,11 @@ class Tables:
             raise ValueError(f"the {kind} object of chunk {chunk!r} needs {pages} block ids, got {tuple(ids.shape)}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise ValueError(f"the block ids of the {kind} object of chunk {chunk!r} must be integers, got {ids.dtype}")
-        ids = ids.to(device="cpu", dtype=torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_pages):
+        try:
+            return check_block_ids(table, ids.cpu())
+        except IndexError:
             raise ValueError(f"the {kind} object of chunk {chunk!r} names block ids {ids.tolist()} outside "
-                             f"[0, {table.num_pages})")
-        return ids
+                             f"[0, {table.num_pages})") from None
 
 
 def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
@@ -84,7 +85,7 @@ def unpack_run(job: LoadJob, items: list[LoadItem], staging: torch.Tensor, path:
             if len(items) == 1:
                 _unpack(items[0], staging)
             else:
-                unpack_pages(staging, items[0].table, torch.stack([i.blocks for i in items]))
+                unpack_pages(staging, items[0].table, BlockIds.stack([i.blocks for i in items]))
             event = streams.record(path)
     except Exception as exc:
         if len(items) == 1:

@@ -1,0 +1,99 @@
+"""``BlockIds``: block ids that :func:`~saria.kernels.checks.check_block_ids` accepted.
+
+The proof that ids were checked, so that they are checked once: an op given ``BlockIds`` instead of
+a tensor compares their bound with its table and does not look at every id again.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class BlockIds:
+    """Block ids that :func:`~saria.kernels.checks.check_block_ids` accepted: a private contiguous
+    int64 copy on the CPU (shape ``[pages]`` or ``[chunks, pages_per_chunk]``), ``end`` (1 + the
+    largest id; 0 if none), and whether they were checked to name no page twice (``unique``).
+    Immutable.
+
+    Pass one to :func:`~saria.kernels.pack_pages` / :func:`~saria.kernels.unpack_pages` (or the
+    state ops) in place of a tensor: the op then checks only that ``end`` fits its table (and, for an
+    unpack of ids not yet checked for duplicates, that none repeats), not every id again. Slices
+    (``ids[skip:]``, ``ids[c]``) and :meth:`stack` keep what was checked. Made only by
+    ``check_block_ids``, so it always holds checked values."""
+
+    __slots__ = ("_host", "end", "unique")
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("BlockIds are made by check_block_ids(table, block_ids)")
+
+    @classmethod
+    def _new(cls, host: torch.Tensor, end: int, unique: bool) -> "BlockIds":
+        self = object.__new__(cls)
+        for name, value in (("_host", host), ("end", end), ("unique", unique)):
+            object.__setattr__(self, name, value)
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"BlockIds are immutable (tried to set {name!r})")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._host.shape
+
+    @property
+    def chunks(self) -> int:
+        return 1 if self._host.dim() == 1 else self._host.shape[0]
+
+    @property
+    def per_chunk(self) -> int:
+        return self._host.shape[-1]
+
+    def dim(self) -> int:
+        return self._host.dim()
+
+    def numel(self) -> int:
+        return self._host.numel()
+
+    def tolist(self) -> list:
+        return self._host.tolist()
+
+    def __len__(self) -> int:
+        return self._host.shape[0]
+
+    def __repr__(self) -> str:
+        return f"BlockIds({self._host.tolist()}, unique={self.unique})"
+
+    def __getitem__(self, key: int | slice) -> "BlockIds":
+        """A slice (pages of 1-D ids, chunks of 2-D ids) or one chunk of 2-D ids: a subset of
+        checked ids, so still checked (``end`` stays an upper bound)."""
+        if isinstance(key, bool) or not isinstance(key, (int, slice)):
+            raise TypeError(f"BlockIds take an int or a slice, got {type(key).__name__}")
+        part = self._host[key]
+        if part.dim() == 0:
+            raise TypeError("indexing 1-D BlockIds with an int gives a single id: slice them instead")
+        return BlockIds._new(part, self.end, self.unique)
+
+    @staticmethod
+    def stack(parts: Sequence["BlockIds"]) -> "BlockIds":
+        """1-D checked ids of equal length as one ``[len(parts), pages]`` batch (each part one
+        chunk). No id is checked again; duplicates across parts are checked by an unpack."""
+        parts = list(parts)
+        if not parts or not all(isinstance(p, BlockIds) and p.dim() == 1 for p in parts):
+            raise ValueError("BlockIds.stack takes a non-empty sequence of 1-D BlockIds")
+        if len({p.numel() for p in parts}) > 1:
+            raise ValueError(f"BlockIds.stack: parts of different lengths {sorted({p.numel() for p in parts})}")
+        return BlockIds._new(torch.stack([p._host for p in parts]), max(p.end for p in parts),
+                             len(parts) == 1 and parts[0].unique)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The ids as the kernels read them: contiguous int64, 1-D, on ``device``. On the CPU this is
+        the checked tensor itself (do not modify it). To a GPU they go through pinned memory: a copy
+        from pageable memory makes CUDA synchronize the stream first, so the host would wait for
+        everything queued before (a reload's whole batch of H2D copies) before it could launch the
+        unpack and queue the next batch. torch's pinned allocator keeps the block until the copy ran."""
+        flat = self._host.reshape(-1).contiguous()
+        if device.type == "cpu":
+            return flat
+        return flat.pin_memory().to(device, non_blocking=True)
