@@ -1,7 +1,10 @@
 """saria: a KV-cache tiering data plane for LLM agent serving (GPU HBM <-> pinned DRAM <-> NVMe SSD).
 
-Layers: ``saria.control`` decides, ``saria.dataplane`` moves bytes, ``saria.kernels`` packs pages.
-See DESIGN.md (in the shared folder beside the repository) for the architecture.
+Floors, top down (nothing imports upward): ``saria.commands`` (the ``saria`` command) and
+``saria.harness`` (the demo and test harness); ``saria.integrations`` (the vLLM connector,
+``TieredCache``) and ``saria.replay``; ``saria.control`` decides and ``saria.dataplane`` moves
+bytes; ``saria.kernels`` packs pages. ``saria.orders`` (the contract between the floors),
+``saria.config`` and ``saria.models`` are neutral. docs/architecture.md has the architecture.
 """
 
 __version__ = "0.1.0"

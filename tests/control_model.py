@@ -1,5 +1,5 @@
 """A reference model of the control plane: what ``saria.control.ControlPlane`` must do, written as
-plainly as possible from DESIGN.md and the paper, for differential tests (``test_control_differential``).
+plainly as possible from docs/architecture.md and the paper, for differential tests (``test_control_differential``).
 
 Nothing here is fast and nothing is incremental that can be recomputed: tier use is summed from the
 copies on every look, an LRU is a recency stamp per copy sorted on every look, children are
@@ -7,7 +7,7 @@ counted from parent links, and the metadata window is a flag per node checked ag
 The model keeps no state the real control plane is tested for, so where the two agree, both
 follow the rules below; where they differ, the real one is wrong or the rule is.
 
-Semantics (DESIGN.md "Control plane", paper Eqs. 1-3):
+Semantics (docs/architecture.md "Control plane", paper Eqs. 1-3):
 
 * A node per chunk hash, with its parent's node; a request's hashes walk one path from the root.
   A known chunk must sit under the previous chunk of the request; no known chunk may follow an
