@@ -22,7 +22,7 @@ from saria.orders import (DRAM, GPU, KV, SSD, STATE, ControlPlaneError, DropOrde
                                   PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder)
 from saria.control.planner import find_prefix
 from saria.control.promotion import promotion_target
-from saria.control.residency import WRITE_REASONS, OrderBatch, Residency
+from saria.control.residency import WRITE_REASONS, PendingChanges, Residency
 from saria.control.tree import ABSENT, DRAINING, READY, STATUS_NAMES, CacheObject, ContextTree, Node
 
 __all__ = ["ChunkInfo", "ControlPlane", "CopyInfo", "Usage"]
@@ -127,7 +127,7 @@ class ControlPlane:
         self._in_flight: dict[int, _InFlight] = {}
         # Recovered objects dropped where no batch was at hand (plan() returns no orders): emitted,
         # first, by the next call that returns orders.
-        self._pending_drops = OrderBatch()
+        self._pending_drops = PendingChanges()
         self._governor = None
         if config.write_budget.auto:  # theta_E and theta_R become fractional, moved by the governor
             self._governor = EnduranceGovernor.from_config(config.write_budget, config.write_budget_bytes_per_s,
@@ -178,7 +178,7 @@ class ControlPlane:
             record = self._live_plan(plan)
             bad, _ = self._read_failures(record, check_names(failed))
             self._now = self._tree.clock = now
-            batch = OrderBatch()
+            batch = PendingChanges()
             self._finish_reads(record, bad, batch, used=False)
             return self._finish(batch, now)
 
@@ -213,7 +213,7 @@ class ControlPlane:
                 nodes = (record.nodes[:planned] if planned else []) + self._resolve(hashes, planned, prev)
             # ---- valid: from here on, state changes
             self._now = self._tree.clock = now
-            batch = OrderBatch()
+            batch = PendingChanges()
             usable = planned if first_bad >= planned else (0 if self._hybrid else first_bad)
             # Touch first: a node the request uses is then awake, so no drop below reclaims it.
             self._account(hashes, nodes, record, usable, now)
@@ -243,7 +243,7 @@ class ControlPlane:
             failing = named if ok else set(record.objects)
             self._now = self._tree.clock = now
             del self._in_flight[order_id]
-            batch = OrderBatch()
+            batch = PendingChanges()
             order = record.order
             if isinstance(order, WriteOrder):
                 self._tiers.ssd_written(record.objects, failing, batch)
@@ -286,7 +286,7 @@ class ControlPlane:
             nodes = self._resolve(hashes)
             # ---- valid: from here on, state changes
             self._now = self._tree.clock = now
-            batch = OrderBatch()
+            batch = PendingChanges()
             room = min(cap, self._tiers.dram.free)
             if room > 0 and self._store_new:
                 groups = self._prewarm_groups(nodes, room)
@@ -320,7 +320,7 @@ class ControlPlane:
                     raise ControlPlaneError(f"ObjectKey.kind must be 'kv' or 'state', got {key.kind!r}")
             keys = list(dict.fromkeys(keys))  # a repeat is the same object: one decision, one drop at most
             self._now = self._tree.clock = now
-            batch = OrderBatch()
+            batch = PendingChanges()
             tiers, counters = self._tiers, self._counters
             sizes = {KV: self._kv_bytes, STATE: self.config.chunk.state_bytes}
             waiting = set(self._pending_drops.recovered_drops)  # dropped by plan(): go out first below
@@ -374,7 +374,7 @@ class ControlPlane:
             return audit(self._tree, self._tiers, self._plans.values(), self._in_flight.values(), self._counters)
 
     # ============================================================================ request steps
-    def _finish_reads(self, record: _PlanRecord, bad: set[CacheObject], batch: OrderBatch, used: bool) -> None:
+    def _finish_reads(self, record: _PlanRecord, bad: set[CacheObject], batch: PendingChanges, used: bool) -> None:
         """Mark failed SSD reads bad, count completed reads (of a ``used`` plan), unpin everything
         the plan pinned."""
         del self._plans[record.plan.plan_id]
@@ -445,7 +445,7 @@ class ControlPlane:
                 state.evidence.last_reuse = now
 
     def _store_and_write(self, nodes: list[Node], record: _PlanRecord | None, usable: int,
-                         batch: OrderBatch, states: frozenset[int] | None = None) -> None:
+                         batch: PendingChanges, states: frozenset[int] | None = None) -> None:
         """New KV (every object prefill computed) enters DRAM; write-through and reuse-path writes.
 
         In HBM after prefill: every kv object of the request, the state objects of computed chunks
@@ -488,7 +488,7 @@ class ControlPlane:
                         i >= usable and (states is None or i in states)):
                     tiers.write(obj, GPU, "reuse", batch)
 
-    def _promote(self, record: _PlanRecord, usable: int, now: float, batch: OrderBatch) -> None:
+    def _promote(self, record: _PlanRecord, usable: int, now: float, batch: PendingChanges) -> None:
         """Lazy partial promotion (paper §4.4): copy the first P SSD-hit chunks of the used prefix
         from HBM into DRAM, P = min(P_target, what free DRAM plus idle LRU candidates can take)."""
         sources = record.plan.kv_sources
@@ -534,7 +534,7 @@ class ControlPlane:
             groups.append([state])  # the checkpoint alone: its chunk's kv object is in DRAM already
         return groups
 
-    def _prewrite(self, batch: OrderBatch) -> None:
+    def _prewrite(self, batch: PendingChanges) -> None:
         """Write LRU-end DRAM copies that would be admitted at their next eviction (E_b + 1)."""
         tiers = self._tiers
         for obj in self._admission.at_next_eviction(tiers.unpersisted_lru_end(self._prewrite_depth)):
@@ -542,7 +542,7 @@ class ControlPlane:
                 tiers.write(obj, DRAM, "prewrite", batch)
 
     # =============================================================================== bookkeeping
-    def _finish(self, batch: OrderBatch | None, now: float) -> list[Order]:
+    def _finish(self, batch: PendingChanges | None, now: float) -> list[Order]:
         """End of a mutating call: expire metadata, let the governor (if any) set theta_E and theta_R for the
         next calls, build the orders (none for ``batch`` None: a call that returns no orders),
         free reclaimed nodes."""
@@ -554,12 +554,12 @@ class ControlPlane:
         self._tree.bury()
         return orders
 
-    def _emit(self, batch: OrderBatch) -> list[Order]:
+    def _emit(self, batch: PendingChanges) -> list[Order]:
         """Turn a batch into orders, registering those that need a completion. Drops come first
         (later orders may reuse their slots); then writes for evictions (their DRAM slots are held
         until they end), stores, the other writes by reason, promotions."""
         orders: list[Order] = []
-        pending, self._pending_drops = self._pending_drops, OrderBatch()
+        pending, self._pending_drops = self._pending_drops, PendingChanges()
         recovered = pending.recovered_drops + batch.recovered_drops
         if recovered:
             kv = tuple([key.chunk for key in recovered if key.kind == KV])
