@@ -36,6 +36,9 @@ Request lifecycle::
 * ``complete(order_id, ok, now, failed=()) -> list[Order]``: a store, promotion or write ended;
   ``failed`` names the objects that failed when the rest succeeded. Returns the drops it causes.
 * ``release(plan, now, failed=()) -> list[Order]``: unpin a plan that will not be committed.
+* ``plan_from(plan, first) -> ReloadPlan``: the part of a live plan from chunk ``first`` on, with
+  the totals of those chunks, for a caller that holds the chunks before it (the vLLM connector
+  loads only what vLLM did not compute). The same ``plan_id``: release or commit the plan itself.
 * ``prewarm(chunk_hashes, now, max_bytes=None) -> list[Order]``: ahead of a context's predicted
   next request (``saria.control.prewarm.GapPredictor``: last completion + EWMA of the session's past
   idle gaps), bring the chunks of its reusable prefix that a plan would read from SSD back into

@@ -102,6 +102,24 @@ class ControlPlane:
             self._finish(None, now)  # plan() returns no orders: drops it decided wait in the emitter
             return plan
 
+    def plan_from(self, plan: ReloadPlan | int, first: int) -> ReloadPlan:
+        """The part of live plan ``plan`` from chunk ``first`` on, for a caller that holds the
+        chunks before it already (an engine that computed them): the same ``plan_id``, the chunks
+        ``first:`` with their sources and the plan's checkpoint, and the totals (``tokens``,
+        ``dram_bytes``, ``ssd_bytes``) of what it names. Not a plan of its own: release or commit
+        ``plan``. ``first`` 0 gives the plan itself. Changes nothing."""
+        with self._lock:
+            record = self._plans.live(plan)
+            whole = record.plan
+            if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < max(1, whole.num_chunks):
+                raise ControlPlaneError(f"first must be a chunk index of plan {whole.plan_id} "
+                                        f"(0 to {max(0, whole.num_chunks - 1)}), got {first!r}")
+            if first == 0:
+                return whole
+            return reload_plan(whole.plan_id, whole.chunk_hashes[first:], whole.kv_sources[first:], record.state,
+                               whole.state_source, kv_bytes=self._kv_bytes, chunk_tokens=self._chunk_tokens,
+                               serial=whole.serial)
+
     def release(self, plan: ReloadPlan | int, now: float, failed: Iterable[Hashable | ObjectKey] = ()) -> list[Order]:
         """Give up a plan without committing a request (aborted, or planned again). ``failed``
         names SSD reads of the plan that failed (a chunk hash: its SSD-read objects; an
