@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 from saria.config import POLICY_PRESETS, Capacity, SariaConfig  # noqa: E402
 from saria.control import ControlPlane, DropOrder  # noqa: E402
+from saria.replay.synth import fresh_ids  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 
@@ -66,16 +67,10 @@ def load_trace(path: Path) -> Trace:
 def generate_trace(requests: int = 12_000, sessions: int = 600, seed: int = 0) -> Trace:
     """Multi-turn sessions: each turn extends its session's context (which starts with one of a few
     shared system prompts) by a few chunks, sessions interleaved over an hour. Chunk ids are
-    prefix-chained by construction (a fresh id for every new chunk)."""
+    prefix-chained by construction (a fresh id for every new chunk, as ``saria replay``'s synthetic
+    traces draw them)."""
     rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + n))
-        next_id += n
-        return ids
-
+    fresh = fresh_ids()
     prompts = [fresh(rng.randint(2, 8)) for _ in range(8)]
     contexts = [list(rng.choice(prompts)) for _ in range(sessions)]
     trace: Trace = []

@@ -28,8 +28,8 @@ from typing import Any, Mapping
 
 from saria.models import ModelSpec, get_model
 
-__all__ = ["ADMISSION_RULES", "Bandwidths", "Capacity", "ChunkSpec", "LOOKUP_MODES", "POLICY_PRESETS", "Policy",
-           "SariaConfig", "WriteBudget", "admission_rules"]
+__all__ = ["ADMISSION_RULES", "Bandwidths", "COORDINATION_SATURATION", "Capacity", "ChunkSpec", "LOOKUP_MODES",
+           "POLICY_PRESETS", "Policy", "SariaConfig", "WriteBudget", "admission_rules"]
 
 # Qwen3-8B (saria.models): 36 full-attention layers x K and V x 8 KV heads x head dim 128 x bf16.
 QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 2 * 8 * 128 * 2
@@ -157,6 +157,14 @@ class ChunkSpec:
         """A chunk at depth ``d`` (0-based) carries a state object when ``(d + 1) % checkpoint_chunks == 0``
         (hybrid models only)."""
         return self.checkpoint_tokens // self.chunk_tokens
+
+
+# Coordinated reloads (paper §4.5, Eq. 4) pace DRAM->GPU copies only while the SSDs leave GPU
+# ingress room: at B_disk >= COORDINATION_SATURATION x B_GPU the SSD reads alone (nearly) saturate
+# ingress, pacing gains nothing and its overhead costs (the paper's two-SSD case got 15.8% slower
+# with coordination, §5.3), so coordination is off and DRAM and SSD simply overlap. Read by the data
+# plane's coordinator (its default) and by the replay's timing model, which must agree.
+COORDINATION_SATURATION = 0.95
 
 
 @dataclass(frozen=True)

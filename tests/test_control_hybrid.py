@@ -49,6 +49,31 @@ def test_plan_is_cut_back_to_the_deepest_boundary_with_a_state_checkpoint():
     cp.release(plan, 4.0)
 
 
+def test_the_part_of_a_plan_from_a_chunk_on_has_that_parts_totals():
+    """``plan_from``: what a caller that holds a plan's first chunks still loads (the vLLM connector
+    when vLLM computed them), with the tokens and bytes of that part, not of the whole plan."""
+    cp = ControlPlane(config("full-duplicate", dram_chunks=5, ssd_chunks=256, chunk=HYBRID))
+    request(cp, chain("h", 8), 0.0)  # written through to SSD; DRAM kept chunks 0-4
+    plan = cp.plan(chain("h", 9), 1.0)
+    assert plan.kv_sources == (Tier.DRAM,) * 5 + (Tier.SSD,) * 3 and plan.state_chunk == "h:7"
+    tail = cp.plan_from(plan, 4)
+    assert tail.plan_id == plan.plan_id and tail.chunk_hashes == tuple(chain("h", 8, 4))
+    assert tail.kv_sources == (Tier.DRAM,) + (Tier.SSD,) * 3 and tail.serial == plan.serial
+    assert (tail.state_chunk, tail.state_source) == ("h:7", Tier.SSD)
+    assert tail.tokens == 4 * HYBRID.chunk_tokens
+    assert (tail.dram_bytes, tail.ssd_bytes) == (HYBRID.kv_bytes, 3 * HYBRID.kv_bytes + HYBRID.state_bytes)
+    assert cp.plan_from(plan, 0) is plan
+    for first in (8, -1, True, "4"):
+        with pytest.raises(ControlPlaneError, match="first must be a chunk index"):
+            cp.plan_from(plan, first)
+    with pytest.raises(ControlPlaneError, match="does not match"):
+        cp.release(tail, 1.0)  # not a plan of its own
+    cp.release(plan, 1.0)
+    with pytest.raises(ControlPlaneError, match="already released"):
+        cp.plan_from(plan, 4)
+    assert cp.audit() == [] and cp.usage().live_plans == 0
+
+
 def test_no_checkpoint_no_plan_even_with_every_kv_object_resident():
     cp = hybrid_plane()
     request(cp, chain("h", 3), 0.0)

@@ -124,6 +124,19 @@ def test_hits_count_only_the_tokens_a_load_delivered(engine):
     assert totals["loads"] == 2 and engine.guard.epoch == 1  # monotonic over the rebuild
 
 
+def test_a_load_of_the_chunks_vllm_lacks_carries_their_totals_not_the_plans(engine):
+    """vLLM holds the plan's first chunk and a block of the second: the load names the plan's
+    chunks from the second on, and its tokens and bytes are theirs, not the whole plan's."""
+    engine.cache("r1", 3)
+    r2 = engine.request("r2", 3)  # chunk i's hash is the block hash b"b{2i+1}"
+    assert engine.guard.get_num_new_matched_tokens(r2, CHUNK + BLOCK) == (2 * CHUNK - BLOCK, True)
+    engine.guard.update_state_after_alloc(r2, blocks_of(engine.blocks(7)), 2 * CHUNK - BLOCK)
+    (load,) = engine.step().loads
+    assert load.skip_pages == 1 and len(load.kv_blocks) == 2
+    assert load.plan.chunk_hashes == (b"b3", b"b5") and load.plan.kv_sources == (Tier.DRAM, Tier.DRAM)
+    assert (load.plan.tokens, load.plan.dram_bytes, load.plan.ssd_bytes) == (2 * CHUNK, 2 * SIZE, 0)
+
+
 # --- the worker half ----------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -36,6 +36,9 @@ Request lifecycle::
 * ``complete(order_id, ok, now, failed=()) -> list[Order]``: a store, promotion or write ended;
   ``failed`` names the objects that failed when the rest succeeded. Returns the drops it causes.
 * ``release(plan, now, failed=()) -> list[Order]``: unpin a plan that will not be committed.
+* ``plan_from(plan, first) -> ReloadPlan``: the part of a live plan from chunk ``first`` on, with
+  the totals of those chunks, for a caller that holds the chunks before it (the vLLM connector
+  loads only what vLLM did not compute). The same ``plan_id``: release or commit the plan itself.
 * ``prewarm(chunk_hashes, now, max_bytes=None) -> list[Order]``: ahead of a context's predicted
   next request (``saria.control.prewarm.GapPredictor``: last completion + EWMA of the session's past
   idle gaps), bring the chunks of its reusable prefix that a plan would read from SSD back into
@@ -75,10 +78,15 @@ naming objects the plan or order does not have, non-finite ``now``) raises
 
 Modules, one job each: ``tree`` (context tree, evidence, metadata window), ``admission`` (Eq. 1
 and the rules of ``Policy.admission``), ``sessions`` (sessions found in the chunk hashes, and the
-learned return rates of evicted chunks),
-``residency`` (tier capacity, LRU, eviction, pins, copy states), ``planner`` (reload prefix and
-sources), ``promotion`` (Eqs. 2-3), ``prewarm`` (the next-turn predictor), ``governor`` (theta_E against a write budget), ``counters``,
-``plane`` (the :class:`ControlPlane` that runs a request through them). Plans and orders live in
+learned return rates of evicted chunks), ``residency`` (tier capacity, LRU, eviction, pins, copy
+states; what a call decided, as ``PendingChanges``), ``planner`` (reload prefix and sources, a
+plan's totals), ``plans`` (live plans, their failed reads, ending them), ``placement`` (store,
+writes, promotion and prewrite after prefill), ``promotion`` (Eqs. 2-3 and the chunks promoted),
+``prewarm`` (the next-turn predictor and the chunks a prewarm reads), ``recovery`` (a previous
+run's SSD objects), ``emission`` (ids, decisions into orders, orders in flight), ``governor``
+(theta_E against a write budget), ``counters`` (and a request's hit accounting), ``checks``
+(argument checks), ``snapshots`` (``ChunkInfo``, ``Usage``), ``audit``, and ``plane`` (the
+:class:`ControlPlane` that runs a request through them). Plans and orders live in
 :mod:`saria.orders`, the contract the data plane imports too; they are re-exported here.
 """
 

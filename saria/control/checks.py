@@ -14,13 +14,13 @@ import reprlib
 from collections import abc
 from typing import TYPE_CHECKING, Hashable, Iterable
 
-from saria.orders import ControlPlaneError, ObjectKey
+from saria.orders import KV, STATE, ControlPlaneError, ObjectKey
 
 if TYPE_CHECKING:
     from saria.control.tree import CacheObject
 
-__all__ = ["check_hashes", "check_id", "check_key", "check_names", "check_now", "check_ok", "check_states",
-           "objects_named", "short"]
+__all__ = ["check_hashes", "check_id", "check_key", "check_max_bytes", "check_names", "check_now", "check_ok",
+           "check_recovered", "check_states", "objects_named", "short"]
 
 
 def check_now(now: object, latest: float) -> float:
@@ -124,3 +124,26 @@ def _brief(value: object) -> str:
 def short(hashes: tuple, limit: int = 6) -> str:
     """Hashes for an error message, the first ``limit`` of them."""
     return repr(list(hashes)) if len(hashes) <= limit else f"[{', '.join(map(repr, hashes[:limit]))}, ...]"
+
+
+def check_recovered(keys: object) -> list[ObjectKey]:
+    """``recover_ssd``'s keys, checked (raises :class:`ControlPlaneError`), repeats removed."""
+    if isinstance(keys, (str, bytes, ObjectKey)) or not isinstance(keys, abc.Iterable):
+        raise ControlPlaneError(f"keys must be a list of ObjectKeys, got {type(keys).__name__}")
+    keys = list(keys)
+    for key in keys:
+        if not isinstance(key, ObjectKey):
+            raise ControlPlaneError(f"recover_ssd takes ObjectKeys, got {type(key).__name__} {short([key])}")
+        check_key(key.chunk)
+        if key.kind not in (KV, STATE):  # ObjectKey checks its kind, unless it was got around
+            raise ControlPlaneError(f"ObjectKey.kind must be 'kv' or 'state', got {key.kind!r}")
+    return list(dict.fromkeys(keys))  # a repeat is the same object: one decision, one drop at most
+
+
+def check_max_bytes(max_bytes: object, default: int) -> int:
+    """``prewarm``'s byte cap: an int >= 0, or None for ``default``."""
+    if max_bytes is None:
+        return default
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ControlPlaneError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+    return max_bytes

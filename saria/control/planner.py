@@ -8,13 +8,15 @@ SSD has them, and stop at the first chunk SSD lacks: a DRAM-only chunk after the
 prefix.
 Hybrid models resume from a GDN checkpoint, so the prefix is then cut back to the deepest chunk
 that ends a checkpoint interval and whose state object is readable (DRAM preferred, else SSD).
+:func:`reload_plan` turns a prefix (or the part of one a caller still has to load) into a
+:class:`ReloadPlan` with its totals.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
-from saria.orders import DRAM, SSD, Tier
+from saria.orders import DRAM, SSD, ReloadPlan, Tier
 from saria.control.tree import DRAINING, READY, CacheObject, Node
 
 
@@ -67,3 +69,21 @@ def find_prefix(nodes: Sequence[Node | None], *, tier_prefix: bool, hybrid: bool
         return Prefix(len(sources), sources, None, None)
     del sources[state_length:]
     return Prefix(state_length, sources, state, state_source)
+
+
+def reload_plan(plan_id: int, chunk_hashes: tuple[Hashable, ...], kv_sources: tuple[Tier, ...],
+                state: CacheObject | None, state_source: Tier | None, *, kv_bytes: int, chunk_tokens: int,
+                serial: bool) -> ReloadPlan:
+    """The plan that reads chunks ``chunk_hashes``' kv objects (``kv_bytes`` each) from
+    ``kv_sources`` and ``state`` (a checkpoint at the last of them, or None) from ``state_source``,
+    with its totals: the tokens of those chunks and the bytes read from each tier."""
+    dram_chunks = kv_sources.count(DRAM)
+    dram_bytes = dram_chunks * kv_bytes
+    ssd_bytes = (len(kv_sources) - dram_chunks) * kv_bytes
+    if state is not None:
+        if state_source is DRAM:
+            dram_bytes += state.nbytes
+        else:
+            ssd_bytes += state.nbytes
+    return ReloadPlan(plan_id, chunk_hashes, kv_sources, None if state is None else state.node.key, state_source,
+                      len(chunk_hashes) * chunk_tokens, dram_bytes, ssd_bytes, serial)

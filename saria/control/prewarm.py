@@ -1,8 +1,8 @@
-"""When a session's next turn will come: the prediction a prewarm is timed by (pure Python).
+"""Prewarming: when a session's next turn will come, and what to bring back into DRAM before it.
 
-A session alternates requests and idle gaps (the time from one request's completion to the next
-one's arrival: a tool call, a human reading). :class:`GapPredictor` keeps one session's observed
-gaps and predicts the next arrival as ``last completion + EWMA of the gaps seen so far``
+When: a session alternates requests and idle gaps (the time from one request's completion to the
+next one's arrival: a tool call, a human reading). :class:`GapPredictor` keeps one session's
+observed gaps and predicts the next arrival as ``last completion + EWMA of the gaps seen so far``
 (``alpha`` weighs the newest gap; the first gap seeds the average). With no gap observed yet it
 predicts nothing: a session's first idle gap is never prewarmed. Only past gaps are used: the
 caller observes a gap when the request that ends it arrives.
@@ -10,13 +10,21 @@ caller observes a gap when the request that ends it arrives.
 The caller schedules :meth:`saria.control.ControlPlane.prewarm` of the session's latest request's
 chunk hashes at ``prewarm_at(lead_s)`` = predicted arrival - ``Policy.prewarm_lead_s``, never before
 the last completion, and forgets it if the next request arrives first.
+
+What: :func:`prewarm_groups`, the chunks of the reusable prefix that a plan would read from SSD,
+from the first, while they fit in the room given (``ControlPlane.prewarm`` gives free DRAM only).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
-__all__ = ["GapPredictor"]
+from saria.control.planner import find_prefix
+from saria.control.tree import ABSENT, CacheObject, Node
+from saria.orders import SSD
+
+__all__ = ["GapPredictor", "prewarm_groups"]
 
 
 class GapPredictor:
@@ -69,3 +77,27 @@ class GapPredictor:
         if predicted is None:
             return None
         return max(self.last_completion, predicted - lead_s)
+
+
+def prewarm_groups(nodes: Sequence[Node | None], room: int, *, tier_prefix: bool,
+                   hybrid: bool) -> list[list[CacheObject]]:
+    """The chunks (each its objects to prewarm) of the reusable prefix of ``nodes`` that a plan
+    would read from SSD, from the first, while they fit in ``room`` bytes. A hybrid prefix ends at
+    its deepest readable checkpoint, whose state object comes along when it too is SSD-only."""
+    prefix = find_prefix(nodes, tier_prefix=tier_prefix, hybrid=hybrid)
+    groups: list[list[CacheObject]] = []
+    need = 0
+    state = prefix.state if prefix.state_source is SSD and prefix.state.dram == ABSENT else None
+    last = prefix.length - 1
+    for i, (node, source) in enumerate(zip(nodes[:prefix.length], prefix.kv_sources)):
+        if source is not SSD or node.dram != ABSENT:  # a node is its kv object
+            continue
+        group = [node, state] if state is not None and i == last else [node]
+        size = sum([obj.nbytes for obj in group])
+        if need + size > room:
+            return groups
+        groups.append(group)
+        need += size
+    if state is not None and (not groups or groups[-1][-1] is not state) and need + state.nbytes <= room:
+        groups.append([state])  # the checkpoint alone: its chunk's kv object is in DRAM already
+    return groups

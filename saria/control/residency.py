@@ -3,7 +3,8 @@
 Each tier counts the bytes of its copies that are not ``ABSENT`` (filling, ready, draining or bad
 copies all hold a slot) against its capacity, and keeps its evictable copies (``READY``, unpinned)
 in LRU order. All copy state changes go through :class:`Residency`, which records the slots to
-drop and the copies to write in an :class:`OrderBatch`; the control plane turns a batch into orders.
+drop and the copies to store, promote and write in a :class:`PendingChanges`; the control plane
+turns those into orders (``emission``).
 
 Rules:
 * DRAM eviction increments E_b (of the kv object's chunk; a state object's own evidence only with
@@ -48,8 +49,9 @@ class TierState:
         return self.capacity - self.used
 
 
-class OrderBatch:
-    """What one control-plane call decided: slots to drop, copies to store, promote and write."""
+class PendingChanges:
+    """What one control-plane call decided and has not yet turned into orders: slots to drop,
+    copies to store, promote, prewarm and write."""
 
     __slots__ = ("dram_drops", "ssd_drops", "recovered_drops", "stores", "promotions", "prewarms", "writes")
 
@@ -87,7 +89,7 @@ class Residency:
         self._counters = counters
 
     # ---------------------------------------------------------------------------------------- DRAM
-    def reserve_dram(self, objs: list[CacheObject], batch: OrderBatch) -> list[CacheObject]:
+    def reserve_dram(self, objs: list[CacheObject], changes: PendingChanges) -> list[CacheObject]:
         """Give each of ``objs`` a DRAM slot (``FILLING``), in order, evicting from the LRU end as
         needed. Returns those that got one: an object gets none if it is larger than the tier or
         the LRU runs dry first (everything else pinned, filling or draining). Evictions stay done."""
@@ -102,14 +104,14 @@ class Residency:
             if need > capacity:
                 continue
             while capacity - dram.used < need and lru:
-                evict(pop(False)[0], batch)
+                evict(pop(False)[0], changes)
             if capacity - dram.used >= need:
                 dram.used += need
                 obj.dram = FILLING
                 reserved.append(obj)
         return reserved
 
-    def evict_dram(self, obj: CacheObject, batch: OrderBatch) -> None:
+    def evict_dram(self, obj: CacheObject, changes: PendingChanges) -> None:
         """Evict a ``READY`` copy the caller has taken out of the DRAM LRU: E_b goes up; an
         admitted copy not on SSD is written and its slot held (``DRAINING``) until the write ends,
         as is one whose write is already in flight; anything else is dropped at once."""
@@ -125,7 +127,7 @@ class Residency:
             self._counters.prewarm_wasted += 1
         ssd = obj.ssd
         if ssd == ABSENT:
-            if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", batch):
+            if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", changes):
                 obj.dram = DRAINING
                 return
         elif ssd == FILLING:  # a write is reading this copy: hold the slot until it ends
@@ -134,7 +136,7 @@ class Residency:
         # drop_dram, inlined: this is the common end of an eviction
         self.dram.used -= obj.nbytes
         obj.dram = ABSENT
-        batch.dram_drops.append(obj)
+        changes.dram_drops.append(obj)
         if ssd == ABSENT:
             node = obj.node
             if node.state is None or node.holds_nothing():  # no state: obj is the kv object, now gone
@@ -171,7 +173,7 @@ class Residency:
                     earlier[id(evidence)] = added + obj.eviction_step
         return out
 
-    def promote(self, groups: list[list[CacheObject]], need: int, idle_before: float, batch: OrderBatch) -> None:
+    def promote(self, groups: list[list[CacheObject]], need: int, idle_before: float, changes: PendingChanges) -> None:
         """Reserve DRAM slots (``FILLING``) for lazy partial promotion: as many of ``groups`` (each a
         chunk's objects, ``need`` bytes in all), from the first, as free DRAM plus the copies
         :meth:`idle_candidates` offers can take; those candidates are evicted as far as needed."""
@@ -188,25 +190,25 @@ class Residency:
             if dram.free >= need:
                 break
             del dram.lru[victim]
-            self.evict_dram(victim, batch)
+            self.evict_dram(victim, changes)
             counters.promotion_evictions += 1
         for objs in groups:
             for obj in objs:
                 dram.used += obj.nbytes
                 obj.dram = FILLING
-                batch.promotions.append(obj)
+                changes.promotions.append(obj)
                 counters.promotion_bytes += obj.nbytes
         counters.promotions += len(groups)
 
-    def drop_dram(self, obj: CacheObject, batch: OrderBatch) -> None:
+    def drop_dram(self, obj: CacheObject, changes: PendingChanges) -> None:
         self.prewarmed.discard(obj)
         self.dram.used -= obj.nbytes
         obj.dram = ABSENT
-        batch.dram_drops.append(obj)
+        changes.dram_drops.append(obj)
         if obj.ssd == ABSENT and obj.node.holds_nothing():
             self._tree.went_idle(obj.node)
 
-    def dram_filled(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
+    def dram_filled(self, objs: list[CacheObject], failing: set[CacheObject], changes: PendingChanges) -> None:
         """A store or promotion into these objects' DRAM slots ended; ``failing`` ones failed."""
         lru = self.dram.lru
         if not failing:  # the common case
@@ -216,50 +218,50 @@ class Residency:
             return
         for obj in objs:
             if obj in failing:
-                self.drop_dram(obj, batch)
+                self.drop_dram(obj, changes)
             else:
                 obj.dram = READY
                 lru[obj] = None
 
     # ----------------------------------------------------------------------------------------- SSD
-    def write(self, obj: CacheObject, source: Tier, reason: str, batch: OrderBatch) -> bool:
+    def write(self, obj: CacheObject, source: Tier, reason: str, changes: PendingChanges) -> bool:
         """Reserve an SSD slot for ``obj`` (evicting SSD copies as needed) and order the write.
         The caller has decided admission. False (counted as skipped) if SSD has no room."""
-        if not self.reserve_ssd(obj.nbytes, batch):
+        if not self.reserve_ssd(obj.nbytes, changes):
             self._counters.writes_skipped += 1
             return False
         obj.ssd = FILLING
-        batch.write(reason, source, obj)
+        changes.write(reason, source, obj)
         counter = _ADMISSION_COUNTER[reason]
         setattr(self._counters, counter, getattr(self._counters, counter) + 1)
         return True
 
-    def reserve_ssd(self, need: int, batch: OrderBatch) -> bool:
+    def reserve_ssd(self, need: int, changes: PendingChanges) -> bool:
         ssd = self.ssd
         if need > ssd.capacity:
             return False
         lru, recovered = ssd.lru, self.recovered
         while ssd.capacity - ssd.used < need and recovered:
-            self.drop_recovered(next(iter(recovered)), batch)
+            self.drop_recovered(next(iter(recovered)), changes)
         while ssd.capacity - ssd.used < need:
             if not lru:
                 return False
             self._counters.ssd_evictions += 1
             victim = lru.popitem(last=False)[0]
             self._admission.ssd_retention_s = self._tree.clock - victim.node.last_reuse
-            self.drop_ssd(victim, batch)
+            self.drop_ssd(victim, changes)
         ssd.used += need
         return True
 
-    def drop_ssd(self, obj: CacheObject, batch: OrderBatch) -> None:
+    def drop_ssd(self, obj: CacheObject, changes: PendingChanges) -> None:
         self.ssd.used -= obj.nbytes
         obj.ssd = ABSENT
         obj.ssd_unread = False
-        batch.ssd_drops.append(obj)
+        changes.ssd_drops.append(obj)
         if obj.dram == ABSENT and obj.node.holds_nothing():
             self._tree.went_idle(obj.node)
 
-    def prewarm(self, groups: list[list[CacheObject]], batch: OrderBatch) -> None:
+    def prewarm(self, groups: list[list[CacheObject]], changes: PendingChanges) -> None:
         """Reserve DRAM slots (``FILLING``) for a prewarm of ``groups`` (each a chunk's objects, whose
         SSD copies are ready; the caller has checked they fit in free DRAM, nothing is evicted) and
         pin their SSD copies until the order completes. Marks the chunks' kv objects prewarmed."""
@@ -270,17 +272,17 @@ class Residency:
                 dram.used += obj.nbytes
                 obj.dram = FILLING
                 self.pin(obj, SSD)
-                batch.prewarms.append(obj)
+                changes.prewarms.append(obj)
                 counters.prewarm_bytes += obj.nbytes
                 if obj is obj.node:  # a node is its kv object
                     self.prewarmed.add(obj)
         counters.prewarm_chunks += len(groups)
         counters.prewarm_orders += 1
 
-    def drop_recovered(self, key: ObjectKey, batch: OrderBatch) -> None:
+    def drop_recovered(self, key: ObjectKey, changes: PendingChanges) -> None:
         """Drop a recovered SSD object no request has reached (its bytes are freed)."""
         self.ssd.used -= self.recovered.pop(key)
-        batch.recovered_drops.append(key)
+        changes.recovered_drops.append(key)
         self._counters.recovered_dropped += 1
 
     def adopt_recovered(self, obj: CacheObject) -> bool:
@@ -295,7 +297,7 @@ class Residency:
         self._counters.recovered_adopted += 1
         return True
 
-    def ssd_written(self, objs: list[CacheObject], failing: set[CacheObject], batch: OrderBatch) -> None:
+    def ssd_written(self, objs: list[CacheObject], failing: set[CacheObject], changes: PendingChanges) -> None:
         """Writes into these objects' SSD slots ended; ``failing`` ones failed (the chunk stays
         non-persisted). A DRAM copy held for a write is reclaimed unless a plan pins it."""
         counters = self._counters
@@ -303,7 +305,7 @@ class Residency:
         for obj in objs:
             if failing and obj in failing:
                 counters.writes_failed += 1
-                self.drop_ssd(obj, batch)
+                self.drop_ssd(obj, changes)
             else:
                 obj.ssd = READY
                 obj.ssd_unread = True
@@ -311,7 +313,7 @@ class Residency:
                 counters.ssd_writes += 1
                 counters.ssd_bytes_written += obj.nbytes
             if obj.dram == DRAINING and obj.dram_pins == 0:
-                self.drop_dram(obj, batch)
+                self.drop_dram(obj, changes)
 
     def unpersisted_lru_end(self, depth: int) -> list[CacheObject]:
         """Of the ``depth`` least recently used DRAM copies, those with no SSD copy or write."""
@@ -342,7 +344,7 @@ class Residency:
                     del ssd_lru[obj]
                 obj.ssd_pins += 1
 
-    def unpin_all(self, objs: list[CacheObject], tiers: list[Tier], batch: OrderBatch) -> None:
+    def unpin_all(self, objs: list[CacheObject], tiers: list[Tier], changes: PendingChanges) -> None:
         """:meth:`unpin` ``objs[i]`` from ``tiers[i]``, for every i."""
         dram_lru, dram, unpin = self.dram.lru, DRAM, self.unpin
         for obj, tier in zip(objs, tiers):
@@ -350,23 +352,23 @@ class Residency:
                 obj.dram_pins = 0
                 dram_lru[obj] = None
             else:
-                unpin(obj, tier, batch)
+                unpin(obj, tier, changes)
 
-    def unpin(self, obj: CacheObject, tier: Tier, batch: OrderBatch) -> None:
+    def unpin(self, obj: CacheObject, tier: Tier, changes: PendingChanges) -> None:
         if tier is DRAM:
             obj.dram_pins -= 1
             if obj.dram_pins == 0:
                 if obj.dram == READY:
                     self.dram.lru[obj] = None
                 elif obj.dram == DRAINING and obj.ssd != FILLING:
-                    self.drop_dram(obj, batch)
+                    self.drop_dram(obj, changes)
         else:
             obj.ssd_pins -= 1
             if obj.ssd_pins == 0:
                 if obj.ssd == READY:
                     self.ssd.lru[obj] = None
                 elif obj.ssd == BAD:
-                    self.drop_ssd(obj, batch)
+                    self.drop_ssd(obj, changes)
 
     def mark_bad(self, obj: CacheObject) -> None:
         """A read of ``obj``'s (pinned) SSD copy failed: it is never read again and its slot is

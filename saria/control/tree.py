@@ -84,6 +84,12 @@ class CacheObject:
         self.ssd_pins = 0
         self.ssd_unread = False  # written to SSD and not read from there since (useful-write count)
 
+    @property
+    def chunk(self) -> Hashable:
+        """Its chunk's hash: with ``kind``, the object as an :class:`~saria.orders.ObjectKey` names it
+        (so ``saria.orders.split_keys`` takes objects too)."""
+        return self.node.key
+
     def __repr__(self) -> str:
         return (f"<{self.kind} of {self.node.key!r}: dram {STATUS_NAMES[self.dram]} ssd {STATUS_NAMES[self.ssd]} "
                 f"pins {self.dram_pins}/{self.ssd_pins}>")

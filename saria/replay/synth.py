@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, fields
+from typing import Callable
 
 from saria.replay.traces import MAX_GAP_S, MAX_SPAN_S, MAX_TOKENS, Request, Trace, TraceError
 
-__all__ = ["SessionStats", "synthesize", "parse_synth_spec"]
+__all__ = ["SessionStats", "fresh_ids", "synthesize", "parse_synth_spec"]
 
 
 # Each field's range: (low, high); fields in _POSITIVE must exceed low, the others may equal it.
@@ -124,10 +125,9 @@ def _turns(rng: random.Random, mean: float) -> int:
     return 1 + int(math.log(u) / math.log(1.0 - p))
 
 
-def synthesize(stats: SessionStats = SessionStats()) -> Trace:
-    """Generate the trace (see the module docstring)."""
-    rng = random.Random(stats.seed)
-    block = stats.block_tokens
+def fresh_ids() -> Callable[[int], list[int]]:
+    """A source of block ids never handed out before: each call ``fresh(n)`` returns the next ``n``
+    consecutive integers (from 0), so contexts built from them are prefix-chained by construction."""
     next_id = 0
 
     def fresh(n: int) -> list[int]:
@@ -136,6 +136,14 @@ def synthesize(stats: SessionStats = SessionStats()) -> Trace:
         next_id += n
         return ids
 
+    return fresh
+
+
+def synthesize(stats: SessionStats = SessionStats()) -> Trace:
+    """Generate the trace (see the module docstring)."""
+    rng = random.Random(stats.seed)
+    block = stats.block_tokens
+    fresh = fresh_ids()
     shared_blocks = stats.shared_prefix_tokens // block
     prefixes = [fresh(shared_blocks) for _ in range(stats.prefix_variants)] if shared_blocks else [[]]
     requests: list[Request] = []

@@ -12,8 +12,9 @@ checkpoints included). With ``r_D = min(B_DRAM, B_GPU)`` and ``r_S = min(B_disk,
   Figure 16's SSD stall during the DRAM burst), then ``r_S`` once DRAM is done.
 * ``coordinated`` (paper Eq. 4): while SSD reads run, DRAM is paced at
   ``B_pace = min(B_DRAM, B_GPU - B_disk)`` and SSD reads at ``r_S``; DRAM runs at ``r_D`` after
-  the SSD part ends. When the SSDs alone nearly saturate ingress (``B_disk >= 0.95 B_GPU``, as
-  ``saria.dataplane.coordinator.Coordinator``) coordination is off and this is ``overlap``.
+  the SSD part ends. When the SSDs alone nearly saturate ingress (``B_disk >=
+  COORDINATION_SATURATION x B_GPU``, 0.95, from ``saria.config`` as the data plane's coordinator)
+  coordination is off and this is ``overlap``.
 * ``ideal``: perfect sharing, ``max(D / B_DRAM, S / B_disk, (D + S) / B_GPU)`` (paper §3.2,
   Figure 4's "ideal overlap"), a lower bound for the others.
 
@@ -24,13 +25,12 @@ bandwidth) take ``bytes / rate`` on their own FIFO lanes.
 
 from __future__ import annotations
 
-from saria.config import Bandwidths
+from saria.config import COORDINATION_SATURATION, Bandwidths
 
-__all__ = ["GB", "LOADING_MODES", "SATURATION", "transfer_seconds"]
+__all__ = ["GB", "LOADING_MODES", "transfer_seconds"]
 
 GB = 1e9
 LOADING_MODES = ("coordinated", "overlap", "serial", "ideal")
-SATURATION = 0.95  # as saria.dataplane.coordinator.Coordinator: coordination off when SSDs fill ingress
 
 
 def transfer_seconds(dram_bytes: int, ssd_bytes: int, bw: Bandwidths, mode: str) -> float:
@@ -47,7 +47,7 @@ def transfer_seconds(dram_bytes: int, ssd_bytes: int, bw: Bandwidths, mode: str)
         return d / r_d + s / r_s
     if mode == "ideal":
         return max(d / dram, s / disk, (d + s) / gpu)
-    if mode == "coordinated" and disk < SATURATION * gpu:
+    if mode == "coordinated" and disk < COORDINATION_SATURATION * gpu:
         pace = min(dram, gpu - disk)
         t_s = s / r_s
         left = d - pace * t_s

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Iterator, Protocol
 
-from saria.config import Bandwidths
+from saria.config import COORDINATION_SATURATION, Bandwidths
 
 GB = 1e9
 
@@ -72,7 +72,7 @@ class Coordinator:
 
     MODES = ("coordinated", "overlap", "serial")
 
-    def __init__(self, bandwidths: Bandwidths, *, mode: str = "coordinated", saturation: float = 0.95,
+    def __init__(self, bandwidths: Bandwidths, *, mode: str = "coordinated", saturation: float = COORDINATION_SATURATION,
                  clock: Clock | None = None):
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")

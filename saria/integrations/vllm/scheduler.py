@@ -195,7 +195,7 @@ class SariaScheduler:
         groups = blocks.get_block_ids()
         ids = list(groups[self.geometry.attention_group])
         k = self.blocks_per_chunk
-        sub = dataclasses.replace(plan, chunk_hashes=plan.chunk_hashes[first:], kv_sources=plan.kv_sources[first:])
+        sub = self.control.plan_from(plan, first)  # the chunks vLLM does not hold, with their totals
         state_blocks = None
         if plan.state_chunk is not None:
             # vLLM resumes a GDN layer from the state in the block of the last block boundary reached.
