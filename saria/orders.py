@@ -101,6 +101,13 @@ class ReloadPlan:
         """S0 of paper Eq. 3: chunks whose kv object is read from SSD."""
         return len(self.kv_sources) - self.dram_chunks
 
+    def keys_from(self, tier: Tier) -> list[ObjectKey]:
+        """The plan's objects read from ``tier``: its kv objects, then its state object."""
+        keys = [ObjectKey(chunk, KV) for chunk, source in zip(self.chunk_hashes, self.kv_sources) if source is tier]
+        if self.state_chunk is not None and self.state_source is tier:
+            keys.append(ObjectKey(self.state_chunk, STATE))
+        return keys
+
     def segments(self) -> list[tuple[Tier, int, int]]:
         """Maximal runs ``(tier, start, stop)`` of kv sources, in request order."""
         runs: list[tuple[Tier, int, int]] = []

@@ -374,9 +374,9 @@ def test_a_new_epoch_drops_every_object_of_the_old_control_plane(tmp_path):
 
 
 def test_a_worker_whose_data_plane_cannot_open_is_off_and_answers_everything(tmp_path, monkeypatch, caplog):
-    import saria.integrations.vllm.worker as worker_module
+    import saria.integrations.vllm.worker_start as worker_start
 
-    monkeypatch.setattr(worker_module, "open_data_plane", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(worker_start, "open_data_plane", lambda *a, **k: 1 / 0)
     worker = SariaWorker(settings(tmp_path), GEOMETRY, num_blocks=16)
     with caplog.at_level(logging.ERROR, logger="saria.vllm"):
         worker.register_kv_caches({"l0": torch.zeros(16, 2, BLOCK, 2, 64, dtype=torch.bfloat16)})

@@ -540,11 +540,11 @@ def test_an_inventory_of_a_replaced_control_plane_is_ignored(monkeypatch):
     inner = engine.guard.inner  # a fresh one, recovering (this test's build always recovers)
     both = inventory(RANK0).aggregate(inventory(RANK1))
     report(engine, both)  # epoch 0: ignored
-    assert inner.recovering and inner._inventory_reports == 0 and inner.control.counters().recovered == 0
+    assert inner.takeover.active and inner.takeover.reports == 0 and inner.control.counters().recovered == 0
     assert engine.guard.get_num_new_matched_tokens(engine.request("r", 3), 0) == (None, False)
     both.epoch = 1
     report(engine, both)
-    assert not inner.recovering and inner.control.counters().recovered == 2
+    assert not inner.takeover.active and inner.control.counters().recovered == 2
     # vLLM's aggregation keeps only the newer epoch's inventory.
     stale = inventory(RANK0, epoch=0).aggregate(SariaWorkerMetadata(epoch=1))
     assert stale.epoch == 1 and stale.inventory is None and stale.inventory_reports == 0

@@ -12,7 +12,7 @@ from saria.control import ObjectKey, ReloadPlan, Tier
 from saria.integrations.vllm.geometry import engine_geometry
 from saria.integrations.vllm.metadata import (CompletionReport, LoadReport, LoadSpec, SariaConnectorMetadata,
                                               SariaWorkerMetadata)
-from saria.integrations.vllm.scheduler import summary_line
+from saria.integrations.vllm.requests import summary_line
 from saria.integrations.vllm.settings import ConnectorSettings
 from saria.integrations.vllm.worker import SariaWorker
 from saria.integrations.vllm.worker_start import page_views

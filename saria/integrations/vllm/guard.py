@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 from .faults import Faults
 from .metadata import SariaConnectorMetadata, SariaWorkerMetadata, add_counts
-from .scheduler import SariaScheduler, summary_line
+from .requests import summary_line
+from .scheduler import SariaScheduler
 
 log = logging.getLogger("saria.vllm")
 

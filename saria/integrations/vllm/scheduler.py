@@ -22,7 +22,7 @@ Per request:
    each ``build_connector_meta`` adds the prewarm orders due (``PromoteOrder`` from SSD to DRAM),
    run by the workers like every order and completed through ``update_connector_output``.
 
-At start (``recover``), the SSD objects a previous run of this server left are taken over: each
+At start (``recover``, :mod:`.recovery`), the SSD objects a previous run of this server left are taken over: each
 worker rank reports its store's inventory with its first report, and once every rank has, the
 objects every rank holds a shard of go to the control plane (``ControlPlane.recover_ssd``); the
 others are deleted on every rank (a chunk is served only whole). Until then (at most
@@ -38,82 +38,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from saria.control import ControlPlane, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
-    WriteOrder
+from saria.control import ControlPlane, Order, ReloadPlan, Tier
 
-from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata, SariaWorkerMetadata,
-                       StateCapture, add_counts)
 from .geometry import EngineGeometry
+from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata,
+                       SariaWorkerMetadata, StateCapture)
 from .prewarm import PrewarmSession, PrewarmSessions
+from .recovery import InventoryTakeover
+from .requests import TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
 
 RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories at start
-
-
-TOTALS_FROM_CONTROL = ("requests", "ssd_writes", "ssd_bytes_written", "admissions_eviction", "admissions_reuse",
-                       "admissions_prewrite", "promotions")
-
-
-@dataclass
-class LoadCounters:
-    """What the connector's loads actually delivered into vLLM's blocks (a plan's chunks that vLLM
-    already held, or that failed and were recomputed, are not hits)."""
-
-    loads: int = 0
-    loads_failed: int = 0
-    hit_tokens_dram: int = 0
-    hit_tokens_ssd: int = 0
-
-    def count(self, chunks: tuple[tuple[str, int], ...], report: LoadReport, *, hybrid: bool) -> None:
-        """One load ended (every rank's report merged): ``chunks`` is its ``(tier, tokens)`` per
-        chunk. A failed load delivered its chunks before ``valid_chunks`` (vLLM recomputes from
-        there on); a hybrid model's failed load delivered nothing (vLLM recomputes the request)."""
-        self.loads += 1
-        delivered = len(chunks)
-        if report.failed:
-            self.loads_failed += 1
-            delivered = 0 if hybrid else min(report.valid_chunks, len(chunks))
-        for tier, tokens in chunks[:delivered]:
-            if tier == Tier.DRAM.value:
-                self.hit_tokens_dram += tokens
-            else:
-                self.hit_tokens_ssd += tokens
-
-
-@dataclass
-class _Request:
-    request: Any  # vLLM's Request (block_hashes, num_prompt_tokens)
-    plan: ReloadPlan | None = None  # pinned, until committed or released
-    load: LoadSpec | None = None  # to send with the next metadata
-    load_sent: bool = False
-    load_report: LoadReport | None = None
-    computed: int = 0  # tokens computed once the last scheduled step ends
-    block_ids: list[int] = field(default_factory=list)  # full-attention group
-    state_block_ids: list[int] = field(default_factory=list)  # GDN group (hybrid models)
-    captured: set[int] = field(default_factory=set)  # chunk indices whose GDN state the worker holds
-    committed: bool = False
-    load_tokens: tuple[tuple[str, int], ...] = ()  # (tier, tokens) per chunk of the load, as sent
-    reads_pages: bool = False  # its commit sent orders that read its blocks after the step (stores, GPU writes)
-
-    @property
-    def failed(self) -> tuple[ObjectKey, ...]:
-        """The plan's SSD reads that failed, for the control plane (which hears of SSD reads only)."""
-        return self.failed_from(Tier.SSD)
-
-    def failed_from(self, tier: Tier) -> tuple[ObjectKey, ...]:
-        """The objects of the plan read from ``tier`` whose reload failed."""
-        if self.load_report is None or self.plan is None:
-            return ()
-        plan = self.plan
-        keys = {ObjectKey(h, "kv") for h, source in zip(plan.chunk_hashes, plan.kv_sources) if source is tier}
-        if plan.state_chunk is not None and plan.state_source is tier:
-            keys.add(ObjectKey(plan.state_chunk, "state"))
-        return tuple(key for key in self.load_report.failed if key in keys)
 
 
 class SariaScheduler:
@@ -133,17 +72,13 @@ class SariaScheduler:
         self.checkpoint_tokens = settings.checkpoint_tokens_for(self.config.chunk.chunk_tokens)
         self.workers = workers
         self.clock = clock
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._follow_ups: list[Order] = []  # drops caused by completions and releases
         self._partial_loads: dict[str, LoadReport] = {}
         self._partial_orders: dict[int, CompletionReport] = {}
         self._in_flight: set[int] = set()
         self._first: list[Order] = []  # drops to run before any other order (recovery's)
-        self.recovering = recover  # lookups wait for the ranks' inventories
-        self._recover_wait_s = recover_wait_s
-        self._waiting_since: float | None = None
-        self._inventory: dict[ObjectKey, int] = {}
-        self._inventory_reports = 0
+        self.takeover = InventoryTakeover(self.control, workers, recover_wait_s, clock, active=recover)
         self.loaded = LoadCounters()
         self.prewarm = PrewarmSessions(self.control, self.config)
         self._sessions: dict[str, PrewarmSession] = {}  # request id -> its session (prewarming only)
@@ -162,10 +97,10 @@ class SariaScheduler:
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.recovering and self._still_waiting():
+        if self.takeover.waiting():
             return None, False  # vLLM asks again next step
         self._drop_plan(request.request_id)  # a re-query (e.g. after preemption) plans afresh
-        state = self._requests[request.request_id] = _Request(request)
+        state = self._requests[request.request_id] = RequestState(request)
         if self.prewarm.enabled and request.request_id not in self._sessions:  # its arrival
             self._sessions[request.request_id] = self.prewarm.arrived(
                 self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
@@ -225,7 +160,7 @@ class SariaScheduler:
         return tuple((tier, tokens) for tier, tokens in spans if tokens > 0)
 
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
-        self._track(scheduler_output)
+        follow_blocks(self._requests, scheduler_output, self.geometry.attention_group, self.geometry.state_group)
         meta = SariaConnectorMetadata()
         if self._first:
             meta.orders.append(RequestOrders(None, tuple(self._first)))
@@ -247,7 +182,7 @@ class SariaScheduler:
             if warm:
                 meta.orders.append(RequestOrders(None, tuple(warm)))
         for batch in meta.orders:
-            self._in_flight.update(o.order_id for o in batch.orders if _completes(o))
+            self._in_flight.update(o.order_id for o in batch.orders if completes(o))
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -255,7 +190,7 @@ class SariaScheduler:
         if not isinstance(report, SariaWorkerMetadata):
             return
         if report.inventory is not None:
-            self._take_inventory(report.inventory, report.inventory_reports)
+            self._first += self.takeover.add(report.inventory, report.inventory_reports)
         lost = {}
         for load in report.loads:
             load = self._merge(self._partial_loads, load.req_id, load)
@@ -304,80 +239,10 @@ class SariaScheduler:
         """Orders not yet sent or not yet completed, or inventories awaited (for at most
         ``recover_wait_s``: an idle engine steps to fetch them, and stops stepping if they never
         come), or a prewarm due now: the engine should keep stepping."""
-        return bool(self._follow_ups or self._first or self._in_flight or (self.recovering and self._still_waiting())
+        return bool(self._follow_ups or self._first or self._in_flight or self.takeover.waiting()
                     or (self.prewarm.enabled and self.prewarm.pending(self.clock())))
 
-    # --- recovery --------------------------------------------------------------------------------
-
-    def _still_waiting(self) -> bool:
-        now = self.clock()
-        if self._waiting_since is None:
-            self._waiting_since = now
-        if now - self._waiting_since < self._recover_wait_s:
-            return True
-        self.recovering = False
-        log.warning("saria: SSD inventories came from %d of %d worker rank(s) within %g s; serving without the "
-                    "previous run's SSD objects until the rest arrive", self._inventory_reports, self.workers,
-                    self._recover_wait_s)
-        return False
-
-    def _on_ssd(self, key: ObjectKey) -> bool:
-        info = self.control.chunk_info(key.chunk)
-        copy = None if info is None else (info.kv if key.kind == "kv" else info.state)
-        return copy is not None and copy.ssd != "absent"
-
-    def _take_inventory(self, inventory: dict[ObjectKey, int], reports: int) -> None:
-        """Add ranks' inventories; once every rank's is in, take over the objects every rank holds
-        and delete the rest everywhere."""
-        self._inventory = add_counts(self._inventory, inventory)
-        self._inventory_reports += reports
-        if self._inventory_reports < self.workers:
-            return
-        inventory, self._inventory = self._inventory, {}
-        whole = [key for key, count in inventory.items() if count >= self.workers]
-        # Held by some ranks only: deleted, unless this run wrote (or is writing) it already (an
-        # inventory that came after the wait): then the drives hold this run's copy.
-        part = [key for key, count in inventory.items() if count < self.workers and not self._on_ssd(key)]
-        self._first += self.control.recover_ssd(whole, self.clock())
-        if part:
-            self._first.append(DropOrder(-1, tuple(k.chunk for k in part if k.kind == "kv"),
-                                         tuple(k.chunk for k in part if k.kind != "kv"), 0, Tier.SSD))
-        self.recovering = False
-        if inventory:
-            log.info("saria: took over %d SSD object(s) of a previous run (%d held by all %d rank(s); %d held by some "
-                     "ranks only: deleted)", self.control.counters().recovered, len(whole), self.workers, len(part))
-
     # --- internals -------------------------------------------------------------------------------
-
-    def _track(self, out: Any) -> None:
-        """Follow each request's blocks and computed tokens through the scheduler's output."""
-        scheduled = out.num_scheduled_tokens
-        fa, gdn = self.geometry.attention_group, self.geometry.state_group
-        for new in out.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
-            if state is not None:
-                state.block_ids = list(new.block_ids[fa]) if new.block_ids else []
-                state.state_block_ids = list(new.block_ids[gdn]) if new.block_ids and gdn is not None else []
-                state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[fa]) if new_ids else []
-                state.state_block_ids = list(new_ids[gdn]) if new_ids and gdn is not None else []
-            elif new_ids:
-                state.block_ids += new_ids[fa]
-                if gdn is not None:
-                    state.state_block_ids += new_ids[gdn]
-            state.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-        for req_id in out.preempted_req_ids or ():
-            state = self._requests.get(req_id)
-            if state is not None:
-                state.block_ids, state.state_block_ids, state.computed = [], [], 0
-                state.captured.clear()
 
     def _captures(self, out: Any) -> list[StateCapture]:
         """GDN states to copy aside after this step: where a request's step ends on a chunk
@@ -407,18 +272,18 @@ class SariaScheduler:
             state.captured.add(index)
         return captures
 
-    def _ready_to_commit(self, state: _Request) -> bool:
+    def _ready_to_commit(self, state: RequestState) -> bool:
         if state.committed or state.computed < state.request.num_prompt_tokens:
             return False
         return not state.load_sent or state.load_report is not None
 
-    def _commit(self, req_id: str, state: _Request) -> RequestOrders:
+    def _commit(self, req_id: str, state: RequestState) -> RequestOrders:
         request = state.request
         hashes = self.chunk_hashes(request, request.num_prompt_tokens)
         states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
         orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states)
         state.plan, state.committed = None, True
-        state.reads_pages = any(_reads_pages(o) for o in orders)
+        state.reads_pages = any(reads_pages(o) for o in orders)
         k = self.blocks_per_chunk
         blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
         return RequestOrders(req_id, tuple(orders), blocks)
@@ -437,24 +302,3 @@ class SariaScheduler:
             return report
         partial[key] = report
         return None
-
-
-def _reads_pages(order: Order) -> bool:
-    """Orders that read a request's blocks after its step: stores, promotions, writes from HBM."""
-    return isinstance(order, (StoreOrder, PromoteOrder)) or (isinstance(order, WriteOrder) and order.source is Tier.GPU)
-
-
-def _completes(order: Order) -> bool:
-    """Orders that report back (drops do not)."""
-    return not isinstance(order, DropOrder)
-
-
-def summary_line(totals: dict[str, int], rebuilds: int = 0) -> str:
-    """The periodic log line, from :meth:`SchedulerGuard.totals` (since start, over rebuilds): what
-    the loads delivered (tokens vLLM did not compute), SSD traffic and admissions, faults."""
-    t = totals
-    return (f"{t['requests']} requests, loaded {t['hit_tokens_dram']} tokens from DRAM + {t['hit_tokens_ssd']} "
-            f"from SSD in {t['loads']} loads ({t['loads_failed']} failed), SSD writes {t['ssd_writes']} "
-            f"({t['ssd_bytes_written'] / 2**30:.2f} GiB), admissions eviction {t['admissions_eviction']} / reuse "
-            f"{t['admissions_reuse']} / prewrite {t['admissions_prewrite']}, promotions {t['promotions']}, "
-            f"faults {t['scheduler_faults']} (control plane rebuilt {rebuilds}x)")

@@ -47,7 +47,7 @@ from typing import Hashable
 
 import torch
 
-from saria.orders import KV, STATE, DataPlane, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, split_keys
+from saria.orders import STATE, DataPlane, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, split_keys
 from saria.dataplane.build import DataPlaneParts
 from saria.dataplane.transfer.engine import LoadJob, LoadResult
 from saria.kernels import PageTable
@@ -223,10 +223,7 @@ class SariaWorker:
         read (they are not vouched for); its DRAM copies are not to blame."""
         self._fail_request(spec.req_id)
         plan = spec.plan
-        failed = [ObjectKey(chunk, KV) for chunk, tier in zip(plan.chunk_hashes, plan.kv_sources) if tier is Tier.SSD]
-        if plan.state_chunk is not None and plan.state_source is Tier.SSD:
-            failed.append(ObjectKey(plan.state_chunk, STATE))
-        self._load_reports.append(LoadReport(spec.req_id, plan.plan_id, tuple(failed), 0))
+        self._load_reports.append(LoadReport(spec.req_id, plan.plan_id, tuple(plan.keys_from(Tier.SSD)), 0))
 
     def take_error_blocks(self) -> set[int]:
         blocks, self._error_blocks = self._error_blocks, set()

@@ -1,0 +1,123 @@
+"""What the connector's scheduler half keeps and counts: each request's state
+(:class:`RequestState`), what the loads delivered (:class:`LoadCounters`), which orders read a
+request's blocks or report back, and the periodic summary line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from saria.control import DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
+
+from .metadata import LoadReport, LoadSpec
+
+TOTALS_FROM_CONTROL = ("requests", "ssd_writes", "ssd_bytes_written", "admissions_eviction", "admissions_reuse",
+                       "admissions_prewrite", "promotions")
+
+
+@dataclass
+class LoadCounters:
+    """What the connector's loads actually delivered into vLLM's blocks (a plan's chunks that vLLM
+    already held, or that failed and were recomputed, are not hits)."""
+
+    loads: int = 0
+    loads_failed: int = 0
+    hit_tokens_dram: int = 0
+    hit_tokens_ssd: int = 0
+
+    def count(self, chunks: tuple[tuple[str, int], ...], report: LoadReport, *, hybrid: bool) -> None:
+        """One load ended (every rank's report merged): ``chunks`` is its ``(tier, tokens)`` per
+        chunk. A failed load delivered its chunks before ``valid_chunks`` (vLLM recomputes from
+        there on); a hybrid model's failed load delivered nothing (vLLM recomputes the request)."""
+        self.loads += 1
+        delivered = len(chunks)
+        if report.failed:
+            self.loads_failed += 1
+            delivered = 0 if hybrid else min(report.valid_chunks, len(chunks))
+        for tier, tokens in chunks[:delivered]:
+            if tier == Tier.DRAM.value:
+                self.hit_tokens_dram += tokens
+            else:
+                self.hit_tokens_ssd += tokens
+
+
+@dataclass
+class RequestState:
+    """What the scheduler half knows of one request, from its lookup to its end."""
+
+    request: Any  # vLLM's Request (block_hashes, num_prompt_tokens)
+    plan: ReloadPlan | None = None  # pinned, until committed or released
+    load: LoadSpec | None = None  # to send with the next metadata
+    load_sent: bool = False
+    load_report: LoadReport | None = None
+    computed: int = 0  # tokens computed once the last scheduled step ends
+    block_ids: list[int] = field(default_factory=list)  # full-attention group
+    state_block_ids: list[int] = field(default_factory=list)  # GDN group (hybrid models)
+    captured: set[int] = field(default_factory=set)  # chunk indices whose GDN state the worker holds
+    committed: bool = False
+    load_tokens: tuple[tuple[str, int], ...] = ()  # (tier, tokens) per chunk of the load, as sent
+    reads_pages: bool = False  # its commit sent orders that read its blocks after the step (stores, GPU writes)
+
+    @property
+    def failed(self) -> tuple[ObjectKey, ...]:
+        """The plan's SSD reads that failed, for the control plane (which hears of SSD reads only)."""
+        return self.failed_from(Tier.SSD)
+
+    def failed_from(self, tier: Tier) -> tuple[ObjectKey, ...]:
+        """The objects of the plan read from ``tier`` whose reload failed."""
+        if self.load_report is None or self.plan is None:
+            return ()
+        keys = set(self.plan.keys_from(tier))
+        return tuple(key for key in self.load_report.failed if key in keys)
+
+
+def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int | None) -> None:
+    """Follow each request's blocks (``fa``: vLLM's full-attention group, ``gdn``: its GDN group
+    or None) and computed tokens through vLLM's scheduler output."""
+    scheduled = out.num_scheduled_tokens
+    for new in out.scheduled_new_reqs:
+        state = requests.get(new.req_id)
+        if state is not None:
+            state.block_ids = list(new.block_ids[fa]) if new.block_ids else []
+            state.state_block_ids = list(new.block_ids[gdn]) if new.block_ids and gdn is not None else []
+            state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        state = requests.get(req_id)
+        if state is None:
+            continue
+        new_ids = cached.new_block_ids[i]
+        if req_id in cached.resumed_req_ids:
+            state.block_ids = list(new_ids[fa]) if new_ids else []
+            state.state_block_ids = list(new_ids[gdn]) if new_ids and gdn is not None else []
+        elif new_ids:
+            state.block_ids += new_ids[fa]
+            if gdn is not None:
+                state.state_block_ids += new_ids[gdn]
+        state.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+    for req_id in out.preempted_req_ids or ():
+        state = requests.get(req_id)
+        if state is not None:
+            state.block_ids, state.state_block_ids, state.computed = [], [], 0
+            state.captured.clear()
+
+
+def reads_pages(order: Order) -> bool:
+    """Orders that read a request's blocks after its step: stores, promotions, writes from HBM."""
+    return isinstance(order, (StoreOrder, PromoteOrder)) or (isinstance(order, WriteOrder) and order.source is Tier.GPU)
+
+
+def completes(order: Order) -> bool:
+    """Orders that report back (drops do not)."""
+    return not isinstance(order, DropOrder)
+
+
+def summary_line(totals: dict[str, int], rebuilds: int = 0) -> str:
+    """The periodic log line, from :meth:`SchedulerGuard.totals` (since start, over rebuilds): what
+    the loads delivered (tokens vLLM did not compute), SSD traffic and admissions, faults."""
+    t = totals
+    return (f"{t['requests']} requests, loaded {t['hit_tokens_dram']} tokens from DRAM + {t['hit_tokens_ssd']} "
+            f"from SSD in {t['loads']} loads ({t['loads_failed']} failed), SSD writes {t['ssd_writes']} "
+            f"({t['ssd_bytes_written'] / 2**30:.2f} GiB), admissions eviction {t['admissions_eviction']} / reuse "
+            f"{t['admissions_reuse']} / prewrite {t['admissions_prewrite']}, promotions {t['promotions']}, "
+            f"faults {t['scheduler_faults']} (control plane rebuilt {rebuilds}x)")
