@@ -9,9 +9,11 @@ PCIe monitor: :class:`PCIeMonitor` samples NVML's PCIe counters; :func:`calibrat
 coordinator's bandwidth estimates from them.
 
 SSD store: :class:`SSDStore` keeps opaque objects striped over one preallocated file per drive,
-verified on every read and found again after a restart (``ssd_store``; on-disk format in
-``ssd_format``; POSIX / kvikio backends, drive locks and the ``IoOps`` syscall layer in
-``ssd_backends``; checks on the caller's memory in ``ssd_memory``).
+verified on every read and found again after a restart (``ssd/``: the store in ``ssd.store``,
+on-disk format in ``ssd.format``, start-up and recovery in ``ssd.startup``, lost drives in
+``ssd.lost``, POSIX / kvikio backends in ``ssd.backends``, drive files, locks and the ``IoOps``
+syscall layer in ``ssd.files``, checks on arguments and caller memory in ``ssd.checks`` and
+``ssd.memory``; docs/ssd.md).
 """
 
 from saria.dataplane.transfer.coordinator import Coordinator, pace_bytes_per_s
@@ -21,7 +23,7 @@ from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
 from saria.dataplane.transfer.pcie import PCIeMonitor, calibrate
-from saria.dataplane.ssd.backends import IoOps, probe_direct_io
+from saria.dataplane.ssd.files import IoOps, probe_direct_io
 from saria.dataplane.ssd.counters import PathCounters, SSDCounters
 from saria.dataplane.ssd.errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable,
                          ObjectWriteError, SSDStoreError, StoreClosed, StoreConfigError, StoreFull)
