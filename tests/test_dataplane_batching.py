@@ -228,8 +228,11 @@ def test_load_job_finishes_marks_and_defers():
     job = LoadJob(ReloadPlan(1, ("c0", "c1", "c2"), (Tier.DRAM, Tier.SSD, Tier.SSD), None, None, 24, 0, 0, True),
                   items, timeline)
     started = []
+    assert not job.deferred
     job.then(lambda j, deferred: started.append((j, deferred)), items[1:])
+    assert job.deferred
     job.start_deferred()
+    assert not job.deferred
     job.start_deferred()  # each held-back part starts once
     assert started == [(job, items[1:])]
     job.mark("dram", 10)

@@ -219,7 +219,7 @@ def test_bounce_buffers_are_registered_and_unregistered_once(tmp_path):
     """The POSIX backend's bounce buffers (pinned where CUDA is, so copies to and from GPU memory
     are DMA, not CUDA's pageable path) are registered ranges like a host pool's: unregistered when
     the store closes, and when a pool nobody closed is collected."""
-    from saria.dataplane.ssd.backends import AlignedPool
+    from saria.dataplane.ssd.files import AlignedPool
 
     part = 2 * SLOT  # bounce buffers are a part long; header blocks (also registered) are 4 KiB
     (tmp_path / "d").mkdir()

@@ -13,7 +13,8 @@ import torch
 
 from saria.dataplane.ssd.kvikio_status import (KvikioStatus, _compat_name, choose_backend, decide_kvikio, kvikio_facts,
                                            kvikio_status)
-from saria.dataplane.ssd.backends import DriveFile, IoOps, PosixPayloadIO, open_payload_io
+from saria.dataplane.ssd.backends import PosixPayloadIO, open_payload_io
+from saria.dataplane.ssd.files import DriveFile, IoOps
 from saria.dataplane.ssd.counters import SSDCounters
 from saria.dataplane.ssd.errors import StoreConfigError
 

@@ -18,7 +18,7 @@ import torch
 
 from saria.dataplane import (ObjectNotFound, SSDStore, StoreClosed, StoreConfigError, StoreFull,
                              probe_direct_io)
-from saria.dataplane.ssd.backends import O_DIRECT
+from saria.dataplane.ssd.files import O_DIRECT
 from saria.kernels import checksum_naive
 from ssd_cases import PB, Fault, FaultyOps, capacity, drive_file, drives, is_payload, payload
 

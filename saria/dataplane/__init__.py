@@ -13,11 +13,12 @@
   coordinator's bandwidth estimates from them.
 
 ``build`` sizes and opens all of it for a configuration; ``nvtx`` names the profiler ranges.
+docs/ssd.md has the SSD store's design, docs/dataplane.md the rest.
 """
 
 from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
 from saria.dataplane.dram.store import DramObject, DramStore
-from saria.dataplane.ssd.backends import IoOps, probe_direct_io
+from saria.dataplane.ssd.files import IoOps, probe_direct_io
 from saria.dataplane.ssd.counters import PathCounters, SSDCounters
 from saria.dataplane.ssd.errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable,
                                         ObjectWriteError, SSDStoreError, StoreClosed, StoreConfigError, StoreFull)

@@ -1,14 +1,18 @@
 """One object's parts in flight in the SSD store: a write (:class:`WriteJob`: payloads on the writer
 pool, then sync, headers, sync, publish) and a read (:class:`ReadJob`: parts on the reader pool,
 each verified where it landed), each gathering its parts' outcomes (:class:`Gather`) and resolving
-one Future. The store (``ssd_store.SSDStore``, passed in as ``store``) owns the index, the slots
-and the files; a job drives them through the store's internals for one object.
+one Future. The store (:class:`~saria.dataplane.ssd.store.SSDStore`, passed in as ``store``) owns
+the index, the slots and the files; a job drives them through the store's internals for one object.
+On CUDA memory a job waits for the caller's queued work (:func:`ready_events`) and runs its copies
+and checksums on its worker's side stream (:class:`WorkerStreams`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -20,7 +24,32 @@ from saria.dataplane.nvtx import SSD_READ, SSD_WRITE, VERIFY, nvtx_range
 from saria.dataplane.ssd.errors import DriveLost, ObjectCorrupt, ObjectReadError, ObjectUnreadable, ObjectWriteError
 from saria.dataplane.ssd.format import SlotHeader
 from saria.dataplane.ssd.index import IndexEntry, ObjectInfo, PartLocation
+from saria.dataplane.ssd.lost import drive_lost
 from saria.dataplane.ssd.memory import Claim
+
+
+class WorkerStreams:
+    """A side CUDA stream per worker thread and device: the store's copies and checksums on CUDA
+    tensors neither queue behind the caller's streams nor hold them up (each worker waits only for
+    its own stream, when the checksum returns)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def on(self, t: torch.Tensor) -> contextlib.AbstractContextManager:
+        if t.device.type != "cuda":
+            return contextlib.nullcontext()
+        streams = self._local.__dict__.setdefault("streams", {})
+        if t.device not in streams:
+            streams[t.device] = torch.cuda.Stream(t.device)
+        return torch.cuda.stream(streams[t.device])
+
+
+def ready_events(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Events on the caller's current CUDA streams, so workers touch CUDA memory only after the
+    caller's queued work on it (producing a source, or still reading a destination) is done."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return [torch.cuda.current_stream(d).record_event() for d in devices]
 
 
 class Gather:
@@ -94,7 +123,7 @@ class WriteJob:
                     for d in drives:
                         store._files[d].sync()
                 for d in drives:  # never report success for bytes in a file no longer at its path
-                    lost = store._drive_lost(d)
+                    lost = drive_lost(store, d)
                     if lost is not None:
                         raise lost
         except BaseException as exc:

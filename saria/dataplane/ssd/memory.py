@@ -32,7 +32,7 @@ import torch
 
 from saria.kernels import extent_bytes
 
-from saria.dataplane.ssd.backends import host_view
+from saria.dataplane.ssd.files import host_view
 
 
 class Span(NamedTuple):

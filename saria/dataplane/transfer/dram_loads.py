@@ -71,7 +71,8 @@ class DramLoads:
             job, items = work
             for batch in self._batches(items):
                 self._load_batch(job, batch)
-            self._on_device(job.start_deferred)  # a serial plan's SSD part starts once its DRAM part is issued
+            if job.deferred:  # a serial plan's SSD part starts once its DRAM part is issued
+                self._on_device(job.start_deferred)
 
     def _batches(self, items: list[LoadItem]) -> list[list[LoadItem]]:
         """Cut a reload's items (in plan order) into batches unpacked by one launch each: items of

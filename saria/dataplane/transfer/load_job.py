@@ -130,6 +130,11 @@ class LoadJob:
         with self._lock:
             self._deferred.append((start, list(items)))
 
+    @property
+    def deferred(self) -> bool:
+        """Whether :meth:`then` holds anything back."""
+        return bool(self._deferred)
+
     def start_deferred(self) -> None:
         """Start what :meth:`then` held back (each once; nothing if nothing was)."""
         with self._lock:
