@@ -16,11 +16,12 @@ from dataclasses import replace
 from typing import Hashable, Iterable, Sequence
 
 from saria.config import SariaConfig
+from saria.control.accounting import count_request
 from saria.control.admission import Admission, FutureUses
 from saria.control.audit import audit
 from saria.control.checks import (check_hashes, check_id, check_key, check_max_bytes, check_names, check_now, check_ok,
                                   check_recovered, check_states, objects_named, short)
-from saria.control.counters import Counters, count_request
+from saria.control.counters import Counters
 from saria.control.emission import OrderEmitter
 from saria.control.governor import EnduranceGovernor
 from saria.control.placement import Placement

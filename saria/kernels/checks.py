@@ -14,14 +14,29 @@ caller that validates early (the data plane, when an order arrives) does not pay
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from .block_ids import BlockIds
 
-if TYPE_CHECKING:
-    from .page_table import PageTable
+
+class PageTable(Protocol):
+    """What these checks read of a :class:`saria.kernels.PageTable` (which checks its own tensors
+    with :func:`check_caches`, :func:`check_paged_tensor` and :func:`check_one_device`, so this
+    module does not import it)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    segments: tuple[Any, ...]
+    device: torch.device
+    num_pages: int
+    bytes_per_page: int
+    overlap: tuple[int, int] | None  # two tensors whose pages share memory, if any
+
+    def staging_bytes(self, num_page_ids: int) -> int: ...
+
+    def page_sharing(self, lo: int, hi: int) -> int | None: ...
 
 # Triton launches programs per (page id, tensor, tile): tensors on grid axis 1, whose CUDA limit is
 # 65,535; page ids on axis 0 (limit 2**31 - 1); tiles of a page on axis 2 (pages.triton.launch_config).
@@ -93,15 +108,10 @@ def check_memory(t: torch.Tensor, what: str) -> None:
 def check_caches(caches, names: Sequence[str] | None) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...]]:
     """The arguments of ``PageTable(caches, names=names)`` as tuples (default names ``caches[i]``);
     each tensor is checked by :func:`check_paged_tensor`, their devices by :func:`check_one_device`."""
-    from .page_table import PageTable
-
     if isinstance(caches, torch.Tensor):
         raise ValueError(
             "caches must be a sequence of paged tensors, not a single tensor; "
             "pass [cache] for one tensor (or cache.unbind(0) for a legacy [2, NB, ...] K/V cache)")
-    if isinstance(caches, PageTable):
-        raise ValueError("caches is already a PageTable: use it as is (PageTable.of), or PageTable(table.tensors) "
-                         "for a new table over its tensors as they are now")
     try:
         caches = tuple(caches)
     except TypeError:

@@ -69,6 +69,9 @@ class PageTable:
     def __init__(self, caches: Sequence[torch.Tensor], *, names: Sequence[str] | None = None):
         """``caches``: the paged tensors. ``names``: what errors call each of them (default
         ``caches[i]``; :func:`~saria.kernels.state_table` passes ``conv[l]`` / ``temporal[l]``)."""
+        if isinstance(caches, PageTable):
+            raise ValueError("caches is already a PageTable: use it as is (PageTable.of), or PageTable(table.tensors) "
+                             "for a new table over its tensors as they are now")
         caches, names = check_caches(caches, names)
         for name, cache in zip(names, caches):
             check_paged_tensor(cache, name)

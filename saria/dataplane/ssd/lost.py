@@ -15,15 +15,29 @@ to its file; the index, the allocator and the lock).
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from saria.dataplane.ssd.errors import DriveLost
 
-if TYPE_CHECKING:
-    from saria.dataplane.ssd.store import SSDStore
-
 log = logging.getLogger("saria.dataplane.ssd")
+
+
+class SSDStore(Protocol):
+    """The internals of :class:`saria.dataplane.ssd.store.SSDStore` these helpers drive (the store
+    passes itself; this module does not import it)."""
+
+    _lost: dict[int, str]
+    _files: list[Any]  # DriveFile per drive
+    _lock: threading.Lock
+    _alloc: Any  # SlotAllocator
+    _index: dict[bytes, Any]  # key -> IndexEntry
+    _counters: Any  # SSDCounters
+
+    def _retire(self, entry: Any) -> bool: ...
+
+    def _release(self, parts: Any) -> None: ...
 
 
 def drive_lost(store: SSDStore, drive: int) -> DriveLost | None:
