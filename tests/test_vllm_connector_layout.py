@@ -210,7 +210,7 @@ def test_model_identity_reads_dtypes_hashing_and_the_model_config(monkeypatch):
                                                                                                 hash_algo="xxhash"))
 
 
-def test_page_layout_tells_dimension_orders_and_dtypes_apart():
+def test_page_format_tells_dimension_orders_and_dtypes_apart():
     pages = torch.zeros(16, 2, BLOCK, 2, 64, dtype=torch.bfloat16)
     other_order = torch.zeros(16, 2, 2, BLOCK, 64, dtype=torch.bfloat16).transpose(2, 3)  # heads outside tokens
     assert other_order.shape == pages.shape and other_order.stride() != pages.stride()
