@@ -386,8 +386,12 @@ def test_every_request_ended_cleanly_and_the_server_stayed_up(served):
         by_kind.setdefault(o.kind, set()).add((o.result, o.status))
     assert by_kind["turn"] == {("completed", None)}
     assert by_kind["too-long"] == {("refused", 400)}
-    assert by_kind["cancel-stream"] == {("aborted", None)} and by_kind["timeout"] == {("aborted", None)}
-    assert all(o.finish_reason == "length" for o in outcomes if o.kind == "turn")
+    # A stream dropped after three of its 1000 chunks is aborted on every machine. A request
+    # given up on after 0.3 s is a race the client can lose: a fast machine (CI's once) finishes
+    # the whole answer first. Either ending is clean; an error is not.
+    assert by_kind["cancel-stream"] == {("aborted", None)}
+    assert by_kind["timeout"] <= {("aborted", None), ("completed", None)}
+    assert all(o.finish_reason == "length" for o in outcomes if o.kind in ("turn", "timeout") and o.result == "completed")
     assert served["healthy"]
     samples = prometheus(served["metrics"])
     # every request left the engine, the aborted ones too (their blocks freed: the connector's
