@@ -24,7 +24,6 @@ objects; DRAM copies and GDN state objects keep their full size everywhere.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping
