@@ -12,21 +12,28 @@ cfg = SariaConfig.for_model("qwen3-next-80b-a3b")      # hybrid: 1024-token chun
 cfg = SariaConfig(policy=Policy.preset("full-duplicate", p_tau_s=30.0))
 cfg = SariaConfig(dram=Capacity(nbytes=64 << 30), ssd=Capacity(tokens=0))
 cfg = SariaConfig(write_budget=WriteBudget(dwpd=1.0, auto=True))  # governor: theta_E tracks 1 DWPD
+cfg = SariaConfig(ssd_dtype="fp8")                     # kv objects on SSD as FP8 e4m3 + scales (saria.ssd_dtype)
 ```
 
 Capacities are in full-attention token equivalents (``tokens``, as the paper budgets them: one
 token costs ``kv_bytes_per_token``) or in bytes (``nbytes``). Either way GDN state objects consume
-their real bytes.
+their real bytes. The SSD capacity is bytes on the drives: with ``ssd_dtype="fp8"`` a kv object
+takes ``SariaConfig.ssd_kv_bytes`` there (0.515625x for bf16), so the same SSD holds ~1.94x the kv
+objects; DRAM copies and GDN state objects keep their full size everywhere.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from saria.models import ModelSpec, get_model
+from saria.config_checks import ADMISSION_RULES, admission_rules
+from saria.config_checks import check_bool as _check_bool
+from saria.config_checks import check_float as _check_float
+from saria.config_checks import check_int as _check_int
+from saria.models import DTYPE_BYTES, ModelSpec, get_model
+from saria.ssd_dtype import check_ssd_dtype, ssd_kv_bytes
 
 __all__ = ["ADMISSION_RULES", "Bandwidths", "COORDINATION_SATURATION", "Capacity", "ChunkSpec", "LOOKUP_MODES",
            "POLICY_PRESETS", "Policy", "SariaConfig", "WriteBudget", "admission_rules"]
@@ -36,30 +43,6 @@ QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 2 * 8 * 128 * 2
 
 LOOKUP_MODES = ("unified", "tier-prefix")
 
-# Policy.admission: rules joined by "+" (see saria.control.admission). "eq1" is the paper's Eq. 1;
-# "session", "deferred", "prefix" and "cost" refine it; "oracle" (alone) sees the future and runs only in a replay.
-ADMISSION_RULES = ("eq1", "session", "deferred", "prefix", "cost", "oracle")
-
-
-def admission_rules(text: str) -> frozenset[str]:
-    """The rules ``Policy.admission`` names (``"eq1+session+prefix"``); raises ``ValueError`` naming
-    what is wrong. ``oracle`` stands alone; the refinements need ``eq1``."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"Policy.admission must name rules joined by '+' ({', '.join(ADMISSION_RULES)}), "
-                         f"got {text!r}")
-    rules = [part.strip() for part in text.split("+")]
-    unknown = [r for r in rules if r not in ADMISSION_RULES]
-    if unknown:
-        raise ValueError(f"Policy.admission: unknown rule(s) {', '.join(map(repr, unknown))}; known: "
-                         f"{', '.join(ADMISSION_RULES)} (joined by '+', e.g. eq1+session+prefix)")
-    chosen = frozenset(rules)
-    if "oracle" in chosen and len(chosen) > 1:
-        raise ValueError(f"Policy.admission: oracle stands alone (it knows every future reuse), got {text!r}")
-    if "oracle" not in chosen and "eq1" not in chosen:
-        raise ValueError(f"Policy.admission: {text!r} refines nothing; the rules session, deferred, prefix and cost refine "
-                         f"eq1 (write eq1+{'+'.join(sorted(chosen))})")
-    return chosen
-
 # Policy.prewrite_depth above this is refused: it is more DRAM objects than any host holds (2^30
 # chunks of even one token of Qwen3-8B are 144 TiB), and a depth must fit the LRU walk's index.
 MAX_PREWRITE_DEPTH = 1 << 30
@@ -68,30 +51,6 @@ MAX_DRIVES = 1024
 # WriteBudget.theta_max above this is refused: the governor's theta_E is a float, and no chunk is
 # evicted a million times.
 MAX_GOVERNOR_THETA = 1_000_000
-
-
-def _check_int(owner: str, name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{owner}.{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{owner}.{name} must be <= {maximum}, got {value}")
-
-
-def _check_float(owner: str, name: str, value: Any, minimum: float, *, strict: bool = False,
-                 maximum: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
-    if value < minimum or (strict and value == minimum):
-        raise ValueError(f"{owner}.{name} must be {'>' if strict else '>='} {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{owner}.{name} must be <= {maximum}, got {value}")
-
-
-def _check_bool(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{owner}.{name} must be a bool, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -116,18 +75,22 @@ class ChunkSpec:
     """What one chunk's objects weigh. A chunk is ``chunk_tokens`` tokens; its kv object holds
     every full-attention layer's K and V (``chunk_tokens * kv_bytes_per_token`` bytes). A hybrid
     model (``state_bytes > 0``) also keeps a state object (every GDN layer's checkpoint,
-    ``state_bytes``) on the chunks that end a ``checkpoint_tokens`` boundary."""
+    ``state_bytes``) on the chunks that end a ``checkpoint_tokens`` boundary. ``kv_element_bytes``
+    is the size of one element of the KV cache (2: bf16 or fp16), which ``ssd_dtype="fp8"`` needs
+    to size a kv object's FP8 form."""
 
     chunk_tokens: int = 512
     kv_bytes_per_token: int = QWEN3_8B_KV_BYTES_PER_TOKEN
     state_bytes: int = 0
     checkpoint_tokens: int = 16_384
+    kv_element_bytes: int = 2
 
     def __post_init__(self) -> None:
         _check_int("ChunkSpec", "chunk_tokens", self.chunk_tokens, 1)
         _check_int("ChunkSpec", "kv_bytes_per_token", self.kv_bytes_per_token, 1)
         _check_int("ChunkSpec", "state_bytes", self.state_bytes, 0)
         _check_int("ChunkSpec", "checkpoint_tokens", self.checkpoint_tokens, 1)
+        _check_int("ChunkSpec", "kv_element_bytes", self.kv_element_bytes, 1, 8)
         if self.checkpoint_tokens % self.chunk_tokens:
             raise ValueError(f"ChunkSpec.checkpoint_tokens ({self.checkpoint_tokens}) must be a multiple of "
                              f"chunk_tokens ({self.chunk_tokens}): checkpoints sit at chunk boundaries")
@@ -136,12 +99,14 @@ class ChunkSpec:
     def for_model(cls, model: str | ModelSpec, chunk_tokens: int | None = None,
                   checkpoint_tokens: int = 16_384) -> ChunkSpec:
         """Sizes from a :class:`saria.models.ModelSpec` (or its name); chunks default to 1024 tokens
-        for hybrid models and 512 otherwise, as the paper."""
+        for hybrid models and 512 otherwise, as the paper. The element size is the spec's KV dtype's
+        (2 bytes when the spec names none saria knows)."""
         spec = get_model(model) if isinstance(model, str) else model
         if chunk_tokens is None:
             chunk_tokens = 1024 if spec.hybrid else 512
         return cls(chunk_tokens=chunk_tokens, kv_bytes_per_token=spec.kv_bytes_per_token,
-                   state_bytes=spec.state_bytes, checkpoint_tokens=checkpoint_tokens)
+                   state_bytes=spec.state_bytes, checkpoint_tokens=checkpoint_tokens,
+                   kv_element_bytes=DTYPE_BYTES.get(getattr(spec, "kv_dtype", None), 2))
 
     @property
     def hybrid(self) -> bool:
@@ -151,6 +116,11 @@ class ChunkSpec:
     def kv_bytes(self) -> int:
         """Bytes of one kv object."""
         return self.chunk_tokens * self.kv_bytes_per_token
+
+    def ssd_kv_bytes(self, ssd_dtype: str) -> int:
+        """Bytes of one kv object on SSD under ``ssd_dtype`` (:func:`saria.ssd_dtype.ssd_kv_bytes`);
+        ``ValueError`` when fp8 does not apply to this cache (element size, whole groups)."""
+        return ssd_kv_bytes(self.kv_bytes, ssd_dtype, self.kv_element_bytes)
 
     @property
     def checkpoint_chunks(self) -> int:
@@ -370,7 +340,11 @@ class WriteBudget:
 
 @dataclass(frozen=True)
 class SariaConfig:
-    """The one configuration object: tier capacities, chunk geometry, bandwidths, policy, SSD paths."""
+    """The one configuration object: tier capacities, chunk geometry, bandwidths, policy, SSD paths,
+    and ``ssd_dtype``, the SSD tier's element format (``"auto"``: kv objects as the cache holds them;
+    ``"fp8"``: FP8 e4m3 with float32 scales, :mod:`saria.ssd_dtype`; state objects are never
+    quantized). Everything on the SSD side (capacity use, bytes written and read, the write budget,
+    ``ReloadPlan.ssd_bytes``) counts SSD bytes."""
 
     dram: Capacity = Capacity(tokens=1_000_000)
     ssd: Capacity = Capacity(tokens=10_000_000)
@@ -379,6 +353,7 @@ class SariaConfig:
     policy: Policy = Policy()
     ssd_paths: tuple[str, ...] = ()
     write_budget: WriteBudget = WriteBudget()
+    ssd_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name, kind in (("dram", Capacity), ("ssd", Capacity), ("chunk", ChunkSpec),
@@ -387,6 +362,13 @@ class SariaConfig:
                 raise ValueError(f"SariaConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         if not isinstance(self.ssd_paths, tuple) or not all(isinstance(p, str) for p in self.ssd_paths):
             raise ValueError(f"SariaConfig.ssd_paths must be a tuple of str, got {self.ssd_paths!r}")
+        check_ssd_dtype(self.ssd_dtype, "SariaConfig.ssd_dtype")
+        try:
+            self.chunk.ssd_kv_bytes(self.ssd_dtype)
+        except ValueError as exc:
+            raise ValueError(f"SariaConfig.ssd_dtype={self.ssd_dtype!r} does not fit this cache "
+                             f"({self.chunk.kv_element_bytes}-byte elements, kv objects of {self.chunk.kv_bytes} "
+                             f"bytes): {exc}") from None
         if self.write_budget.auto:
             policy = self.policy
             if policy.theta_E is None or policy.admit_all or not policy.use_ssd or self.ssd_bytes == 0:
@@ -419,6 +401,15 @@ class SariaConfig:
         return self.ssd.in_bytes(self.chunk.kv_bytes_per_token) if self.policy.use_ssd else 0
 
     @property
+    def ssd_kv_bytes(self) -> int:
+        """Bytes of one kv object on SSD (``chunk.kv_bytes`` unless ``ssd_dtype`` shrinks it)."""
+        return self.chunk.ssd_kv_bytes(self.ssd_dtype)
+
+    def ssd_bytes_of(self, kv_objects: int, state_objects: int = 0) -> int:
+        """SSD bytes of that many kv and state objects (what an order of them writes or reads there)."""
+        return kv_objects * self.ssd_kv_bytes + state_objects * self.chunk.state_bytes
+
+    @property
     def write_budget_bytes_per_s(self) -> float:
         """The endurance budget's write rate: ``write_budget.dwpd`` drive writes per day of
         ``write_budget.capacity_bytes``, or of the configured SSD capacity (even when the policy
@@ -433,7 +424,8 @@ class SariaConfig:
 
     @property
     def prewarm_bytes_per_s(self) -> float:
-        """The SSD read rate prewarms may use: ``policy.prewarm_gbps``, never more than the drives'."""
+        """The SSD read rate prewarms may use: ``policy.prewarm_gbps``, never more than the drives'
+        (of SSD bytes: an fp8 prewarm brings ~1.94x the kv objects in the same time)."""
         return min(self.policy.prewarm_gbps, self.bandwidth.disk_gbps) * 1e9
 
     @property

@@ -103,7 +103,8 @@ class Admission:
             # Reload (overhead + n chunks at the drives' bandwidth) beats recompute (n chunks at
             # prefill_tps) from n > overhead / (compute - read) per chunk: the least depth + 1 written.
             chunk = config.chunk
-            per_chunk = chunk.chunk_tokens / policy.prefill_tps - chunk.kv_bytes / (config.bandwidth.disk_gbps * 1e9)
+            per_chunk = (chunk.chunk_tokens / policy.prefill_tps
+                         - config.ssd_kv_bytes / (config.bandwidth.disk_gbps * 1e9))  # a reload reads SSD bytes
             self._cost_depth = (math.inf if per_chunk <= 0
                                 else math.floor(policy.reload_overhead_s / per_chunk))  # min depth written
 

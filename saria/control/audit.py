@@ -53,7 +53,7 @@ def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Itera
             if obj.dram != ABSENT:
                 used[DRAM] += obj.nbytes
             if obj.ssd != ABSENT:
-                used[SSD] += obj.nbytes
+                used[SSD] += obj.ssd_nbytes
             if obj.dram_pins != pins.get((id(obj), DRAM), 0) or obj.ssd_pins != pins.get((id(obj), SSD), 0):
                 problems.append(f"{obj!r}: pin counts do not match the live plans and prewarms")
             if obj.dram_pins and obj.dram not in (READY, DRAINING):

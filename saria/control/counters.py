@@ -3,6 +3,11 @@
 Units: ``*_chunks`` count chunks (a chunk's kv object decides where it hit), ``*_bytes`` count
 payload bytes of every object involved (kv and state), other counts are objects unless named.
 Reads and writes count completed payload only (a failed SSD read or write is not counted as bytes).
+SSD-side bytes (``ssd_bytes_written``, ``ssd_useful_write_bytes``, ``ssd_bytes_read``,
+``prewarm_bytes_read``) are bytes on the drives: a kv object's ``ssd_nbytes``, smaller than its
+cache size under ``ssd_dtype="fp8"``. Every other byte count (hits per tier, stores, promotions,
+prewarm bytes issued) is the cache's bytes, as the GPU and DRAM hold them: hits do not depend on
+the SSD format.
 ``hits_dram_chunks + hits_ssd_chunks + misses == references`` always.
 """
 
@@ -40,7 +45,7 @@ class Counters:
     writes_failed: int = 0
     ssd_writes: int = 0          # completed ok
     ssd_bytes_written: int = 0
-    ssd_useful_write_bytes: int = 0  # of those, bytes a plan later read from SSD (each write counted once)
+    ssd_useful_write_bytes: int = 0  # of those, SSD bytes a plan later read from SSD (each write counted once)
     # SSD reads of plans (committed or released).
     ssd_reads: int = 0
     ssd_bytes_read: int = 0
@@ -57,7 +62,7 @@ class Counters:
     prewarm_orders: int = 0      # PromoteOrders (source SSD) issued
     prewarm_chunks: int = 0      # chunks whose objects they carry
     prewarm_bytes: int = 0       # bytes they carry (issued)
-    prewarm_bytes_read: int = 0  # of those, read from SSD and landed in DRAM (completed ok)
+    prewarm_bytes_read: int = 0  # of those, read from SSD and landed in DRAM (completed ok), in SSD bytes
     prewarm_failed: int = 0      # objects
     prewarm_hits: int = 0        # chunks a committed plan read from DRAM, there by a prewarm and unread since
     prewarm_wasted: int = 0      # prewarmed chunks evicted from DRAM before any plan read them

@@ -53,13 +53,15 @@ class ControlPlane:
         policy, chunk = config.policy, config.chunk
         self._lock = threading.Lock()
         self._counters = Counters()
-        self._tree = ContextTree(chunk, policy.metadata_window_s, policy.unified_metadata, self._counters)
+        self._ssd_kv_bytes = config.ssd_kv_bytes  # a kv object on SSD (ssd_dtype); DRAM copies are chunk.kv_bytes
+        self._tree = ContextTree(chunk, policy.metadata_window_s, policy.unified_metadata, self._counters,
+                                 self._ssd_kv_bytes)
         tree = self._tree
         self._admission = Admission(policy, config.ssd_bytes, config=config, clock=lambda: tree.clock, future=future)
         self._sessions = self._admission.sessions
         self._tiers = Residency(config.dram_bytes, config.ssd_bytes, self._admission, self._tree, self._counters)
         self._orders = OrderEmitter(hybrid=chunk.hybrid, kv_bytes=chunk.kv_bytes, state_bytes=chunk.state_bytes)
-        self._recovery = SsdRecovery(self._tiers, self._tree, self._counters, kv_bytes=chunk.kv_bytes,
+        self._recovery = SsdRecovery(self._tiers, self._tree, self._counters, kv_bytes=self._ssd_kv_bytes,
                                      state_bytes=chunk.state_bytes)
         self._placement = Placement(config, self._tiers, self._admission, self._counters)
         self._hybrid = chunk.hybrid
@@ -97,7 +99,8 @@ class ControlPlane:
             if state is not None:
                 self._tiers.pin(state, prefix.state_source)
             plan = reload_plan(self._orders.take_id(), hashes[:n], sources, state, prefix.state_source,
-                               kv_bytes=self._kv_bytes, chunk_tokens=self._chunk_tokens, serial=self._serial)
+                               kv_bytes=self._kv_bytes, chunk_tokens=self._chunk_tokens, serial=self._serial,
+                               ssd_kv_bytes=self._ssd_kv_bytes)
             self._plans.add(PlanRecord(plan, hashes, nodes, self._tree.generation, state))
             self._counters.plans += 1
             self._finish(None, now)  # plan() returns no orders: drops it decided wait in the emitter
@@ -119,7 +122,7 @@ class ControlPlane:
                 return whole
             return reload_plan(whole.plan_id, whole.chunk_hashes[first:], whole.kv_sources[first:], record.state,
                                whole.state_source, kv_bytes=self._kv_bytes, chunk_tokens=self._chunk_tokens,
-                               serial=whole.serial)
+                               serial=whole.serial, ssd_kv_bytes=self._ssd_kv_bytes)
 
     def release(self, plan: ReloadPlan | int, now: float, failed: Iterable[Hashable | ObjectKey] = ()) -> list[Order]:
         """Give up a plan without committing a request (aborted, or planned again). ``failed``
@@ -204,7 +207,7 @@ class ControlPlane:
                     self._counters.stores_failed += len(failing)
                 elif order.source is SSD:  # a prewarm: its SSD copies were pinned while it read them
                     self._counters.prewarm_failed += len(failing)
-                    self._counters.prewarm_bytes_read += sum([obj.nbytes for obj in record.objects
+                    self._counters.prewarm_bytes_read += sum([obj.ssd_nbytes for obj in record.objects
                                                               if obj not in failing])
                     for obj in record.objects:
                         self._tiers.unpin(obj, SSD, changes)

@@ -73,17 +73,18 @@ def find_prefix(nodes: Sequence[Node | None], *, tier_prefix: bool, hybrid: bool
 
 def reload_plan(plan_id: int, chunk_hashes: tuple[Hashable, ...], kv_sources: tuple[Tier, ...],
                 state: CacheObject | None, state_source: Tier | None, *, kv_bytes: int, chunk_tokens: int,
-                serial: bool) -> ReloadPlan:
-    """The plan that reads chunks ``chunk_hashes``' kv objects (``kv_bytes`` each) from
-    ``kv_sources`` and ``state`` (a checkpoint at the last of them, or None) from ``state_source``,
-    with its totals: the tokens of those chunks and the bytes read from each tier."""
+                serial: bool, ssd_kv_bytes: int | None = None) -> ReloadPlan:
+    """The plan that reads chunks ``chunk_hashes``' kv objects (``kv_bytes`` each in DRAM,
+    ``ssd_kv_bytes`` on SSD; None: ``kv_bytes``) from ``kv_sources`` and ``state`` (a checkpoint at
+    the last of them, or None) from ``state_source``, with its totals: the tokens of those chunks
+    and the bytes read from each tier (SSD bytes as stored there: what the drives deliver)."""
     dram_chunks = kv_sources.count(DRAM)
     dram_bytes = dram_chunks * kv_bytes
-    ssd_bytes = (len(kv_sources) - dram_chunks) * kv_bytes
+    ssd_bytes = (len(kv_sources) - dram_chunks) * (kv_bytes if ssd_kv_bytes is None else ssd_kv_bytes)
     if state is not None:
         if state_source is DRAM:
             dram_bytes += state.nbytes
         else:
-            ssd_bytes += state.nbytes
+            ssd_bytes += state.ssd_nbytes
     return ReloadPlan(plan_id, chunk_hashes, kv_sources, None if state is None else state.node.key, state_source,
                       len(chunk_hashes) * chunk_tokens, dram_bytes, ssd_bytes, serial)

@@ -93,7 +93,7 @@ class LivePlans:
 def finish_reads(record: PlanRecord, bad: set[CacheObject], used: bool, tiers: Residency, counters: Counters,
                  changes: PendingChanges) -> None:
     """Mark the plan's failed SSD reads (``bad``) bad, count its completed reads (of a ``used``
-    plan: a committed request's), unpin everything the plan pinned."""
+    plan: a committed request's; SSD bytes, as ``plan.ssd_bytes`` counts them), unpin everything the plan pinned."""
     plan = record.plan
     objs = record.nodes[:len(plan.chunk_hashes)]
     sources = list(plan.kv_sources)
@@ -104,9 +104,9 @@ def finish_reads(record: PlanRecord, bad: set[CacheObject], used: bool, tiers: R
         tiers.mark_bad(obj)
     if used and plan.ssd_bytes:
         counters.ssd_reads += sources.count(SSD) - len(bad)
-        counters.ssd_bytes_read += plan.ssd_bytes - sum(obj.nbytes for obj in bad)
+        counters.ssd_bytes_read += plan.ssd_bytes - sum(obj.ssd_nbytes for obj in bad)
         for obj, source in zip(objs, sources):
             if source is SSD and obj.ssd_unread and obj not in bad:
                 obj.ssd_unread = False
-                counters.ssd_useful_write_bytes += obj.nbytes
+                counters.ssd_useful_write_bytes += obj.ssd_nbytes
     tiers.unpin_all(objs, sources, changes)

@@ -25,6 +25,8 @@ class SsdRecovery:
 
     def __init__(self, tiers: Residency, tree: ContextTree, counters: Counters, *, kv_bytes: int,
                  state_bytes: int) -> None:
+        """``kv_bytes`` / ``state_bytes``: what a recovered object holds on SSD (a kv object's SSD
+        size under ``ssd_dtype``)."""
         self._tiers = tiers
         self._tree = tree
         self._counters = counters

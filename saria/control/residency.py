@@ -1,6 +1,7 @@
 """The two capacity-bounded tiers and every change to where an object's copies are.
 
-Each tier counts the bytes of its copies that are not ``ABSENT`` (filling, ready, draining or bad
+Each tier counts the bytes of its copies that are not ``ABSENT`` (DRAM an object's ``nbytes``, SSD its
+``ssd_nbytes``: a kv object's SSD size under ``ssd_dtype``) (filling, ready, draining or bad
 copies all hold a slot) against its capacity, and keeps its evictable copies (``READY``, unpinned)
 in LRU order. All copy state changes go through :class:`Residency`, which records the slots to
 drop and the copies to store, promote and write in a :class:`PendingChanges`; the control plane
@@ -227,7 +228,7 @@ class Residency:
     def write(self, obj: CacheObject, source: Tier, reason: str, changes: PendingChanges) -> bool:
         """Reserve an SSD slot for ``obj`` (evicting SSD copies as needed) and order the write.
         The caller has decided admission. False (counted as skipped) if SSD has no room."""
-        if not self.reserve_ssd(obj.nbytes, changes):
+        if not self.reserve_ssd(obj.ssd_nbytes, changes):
             self._counters.writes_skipped += 1
             return False
         obj.ssd = FILLING
@@ -254,7 +255,7 @@ class Residency:
         return True
 
     def drop_ssd(self, obj: CacheObject, changes: PendingChanges) -> None:
-        self.ssd.used -= obj.nbytes
+        self.ssd.used -= obj.ssd_nbytes
         obj.ssd = ABSENT
         obj.ssd_unread = False
         changes.ssd_drops.append(obj)
@@ -291,7 +292,7 @@ class Residency:
         nbytes = self.recovered.pop(ObjectKey(obj.node.key, obj.kind), None)
         if nbytes is None:
             return False
-        self.ssd.used += obj.nbytes - nbytes
+        self.ssd.used += obj.ssd_nbytes - nbytes
         obj.ssd = READY
         self.ssd.lru[obj] = None
         self._counters.recovered_adopted += 1
@@ -311,7 +312,7 @@ class Residency:
                 obj.ssd_unread = True
                 lru[obj] = None
                 counters.ssd_writes += 1
-                counters.ssd_bytes_written += obj.nbytes
+                counters.ssd_bytes_written += obj.ssd_nbytes
             if obj.dram == DRAINING and obj.dram_pins == 0:
                 self.drop_dram(obj, changes)
 

@@ -61,7 +61,8 @@ class Evidence:
 
 
 class CacheObject:
-    """One object of a chunk: its ``kind`` (``"kv"`` or ``"state"``), size, the evidence admission
+    """One object of a chunk: its ``kind`` (``"kv"`` or ``"state"``), size (``nbytes``, as the cache
+    and DRAM hold it; ``ssd_nbytes`` on SSD, smaller for a kv object under ``ssd_dtype="fp8"``), the evidence admission
     reads (its node, or its own :class:`Evidence` with per-object metadata), and its copy in each
     tier. ``eviction_step``: what evicting it from DRAM adds to its evidence's E_b: 1 for a kv
     object; for a state object 1 only when it keeps its own evidence (a node counts the evictions
@@ -69,13 +70,15 @@ class CacheObject:
 
     A chunk's kv object is its :class:`Node` itself; a state object is a plain ``CacheObject``."""
 
-    __slots__ = ("node", "kind", "nbytes", "evidence", "eviction_step", "dram", "ssd", "dram_pins", "ssd_pins",
-                 "ssd_unread")
+    __slots__ = ("node", "kind", "nbytes", "ssd_nbytes", "evidence", "eviction_step", "dram", "ssd", "dram_pins",
+                 "ssd_pins", "ssd_unread")
 
-    def __init__(self, node: Node, kind: str, nbytes: int, evidence: Evidence | Node) -> None:
+    def __init__(self, node: Node, kind: str, nbytes: int, evidence: Evidence | Node,
+                 ssd_nbytes: int | None = None) -> None:
         self.node = node
         self.kind = kind
         self.nbytes = nbytes
+        self.ssd_nbytes = nbytes if ssd_nbytes is None else ssd_nbytes
         self.evidence = evidence
         self.eviction_step = 1 if kind is KV or evidence is not node else 0
         self.dram = ABSENT
@@ -107,11 +110,13 @@ class Node(CacheObject):
     __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "queued",
                  "quiet_since", "session", "evicted_as")
 
-    def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int) -> None:
+    def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int,
+                 ssd_kv_bytes: int | None = None) -> None:
         # CacheObject.__init__ for the kv object, inlined: the hottest allocation of the control plane.
         self.node = self
         self.kind = KV
         self.nbytes = kv_bytes
+        self.ssd_nbytes = kv_bytes if ssd_kv_bytes is None else ssd_kv_bytes
         self.evidence = self
         self.eviction_step = 1
         self.dram = ABSENT
@@ -160,12 +165,15 @@ class Node(CacheObject):
 class ContextTree:
     """Chunk hash -> :class:`Node`, parent links, object creation and the metadata window."""
 
-    def __init__(self, chunk: ChunkSpec, window_s: float, unified_metadata: bool, counters: Counters) -> None:
+    def __init__(self, chunk: ChunkSpec, window_s: float, unified_metadata: bool, counters: Counters,
+                 ssd_kv_bytes: int | None = None) -> None:
+        """``ssd_kv_bytes``: a kv object's size on SSD (None: ``chunk.kv_bytes``, ``ssd_dtype="auto"``)."""
         self.nodes: dict[Hashable, Node] = {}
         # Awake nodes, least recently touched first, with stale entries (see the module docstring).
         self._queue: deque[Node] = deque()
         self._window = window_s
         self._kv_bytes = chunk.kv_bytes
+        self._ssd_kv_bytes = chunk.kv_bytes if ssd_kv_bytes is None else ssd_kv_bytes
         self._state_bytes = chunk.state_bytes
         self._checkpoint_chunks = chunk.checkpoint_chunks if chunk.hybrid else 0
         self._unified = unified_metadata
@@ -232,11 +240,11 @@ class ContextTree:
             return []
         made: list[Node] = []
         append = made.append
-        kv_bytes, every = self._kv_bytes, self._checkpoint_chunks
+        kv_bytes, ssd_kv_bytes, every = self._kv_bytes, self._ssd_kv_bytes, self._checkpoint_chunks
         if parent is not None:
             parent.children += 1
         for key in keys:
-            node = Node(key, parent, now, kv_bytes)
+            node = Node(key, parent, now, kv_bytes, ssd_kv_bytes)
             if every and (node.depth + 1) % every == 0:
                 node.state = CacheObject(node, STATE, self._state_bytes, node if self._unified else Evidence(now))
             append(node)

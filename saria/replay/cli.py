@@ -24,6 +24,7 @@ from saria.replay.report import (PlotUnavailable, check_plot_path, format_table,
 from saria.replay.synth import SessionStats, synthesize
 from saria.replay.timing import LOADING_MODES
 from saria.replay.traces import MAX_SPAN_S, MAX_TOKENS
+from saria.ssd_dtype import SSD_DTYPES
 
 __all__ = ["add_commands"]
 
@@ -67,6 +68,11 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
                    help="tokens per cached chunk, a multiple of the trace block (default 512; 1024 for hybrid models)")
     g.add_argument("--checkpoint-tokens", type=_CHUNK_TOKENS, default=16_384, metavar="N",
                    help="hybrid models: a GDN checkpoint every N tokens (default 16384)")
+    g.add_argument("--ssd-dtype", choices=SSD_DTYPES, default="auto",
+                   help="how the SSD tier stores kv objects: auto (as the cache holds them, bf16; default) or fp8 "
+                        "(FP8 e4m3 with a float32 scale per 128 elements: 0.516x the bytes). --ssd-tokens stays the "
+                        "same bytes on the drives, so fp8 holds ~1.94x the chunks; SSD writes, reads, the write "
+                        "budget and reload times count the fp8 bytes; DRAM copies and GDN states stay full size")
     g = p.add_argument_group("model of time")
     g.add_argument("--b-gpu", type=_GBPS, default=48.0, metavar="GB/s", help="GPU ingress (default 48)")
     g.add_argument("--b-disk", type=_GBPS, default=20.0, metavar="GB/s",
@@ -115,7 +121,8 @@ def _base(args: argparse.Namespace, auto: bool = False) -> BaseSettings:
     budget = WriteBudget(dwpd=args.dwpd, capacity_bytes=args.ssd_capacity, auto=auto)
     return BaseSettings(model=args.model, dram_tokens=args.dram_tokens, ssd_tokens=args.ssd_tokens,
                         chunk_tokens=args.chunk_tokens, checkpoint_tokens=args.checkpoint_tokens,
-                        bandwidth=Bandwidths(args.b_gpu, args.b_disk, args.drives, args.b_dram), write_budget=budget)
+                        bandwidth=Bandwidths(args.b_gpu, args.b_disk, args.drives, args.b_dram), write_budget=budget,
+                        ssd_dtype=args.ssd_dtype)
 
 
 def _experiment(args: argparse.Namespace, auto: bool = False) -> Experiment:
@@ -165,7 +172,9 @@ def _describe(exp: Experiment) -> str:
             f"model {base.model}: {chunk.chunk_tokens}-token chunks of {chunk.kv_bytes / 2**20:,.1f} MiB"
             + (f" + {chunk.state_bytes / 2**20:,.1f} MiB GDN checkpoint every {chunk.checkpoint_tokens:,} tokens"
                if chunk.hybrid else "")
-            + f"; DRAM {base.dram_tokens:,} tokens, SSD {base.ssd_tokens:,} tokens\n"
+            + f"; DRAM {base.dram_tokens:,} tokens, SSD {base.ssd_tokens:,} tokens"
+            + (f" of bf16 bytes, kv objects stored as fp8 ({chunk.ssd_kv_bytes('fp8') / 2**20:,.1f} MiB each)"
+               if base.ssd_dtype == "fp8" else "") + "\n"
             f"time: GPU {base.bandwidth.gpu_gbps:g} / SSD {base.bandwidth.disk_gbps_per_drive:g} x "
             f"{base.bandwidth.drives} / DRAM {base.bandwidth.dram_gbps:g} GB/s, {exp.settings.loading} loading, "
             f"{exp.settings.inflight} in flight, prefill {exp.settings.prefill_tps:,.0f} tokens/s")

@@ -171,6 +171,8 @@ class Experiment:
             "dram_tokens": base.dram_tokens, "ssd_tokens": base.ssd_tokens,
             "dram_bytes": sample.dram.in_bytes(chunk.kv_bytes_per_token),
             "ssd_bytes": sample.ssd.in_bytes(chunk.kv_bytes_per_token),
+            "ssd_dtype": base.ssd_dtype, "ssd_kv_bytes": chunk.ssd_kv_bytes(base.ssd_dtype),
+            "ssd_chunks": sample.ssd.in_bytes(chunk.kv_bytes_per_token) // chunk.ssd_kv_bytes(base.ssd_dtype),
             "bandwidth_gbps": asdict(base.bandwidth), "loading": self.settings.loading,
             "disk_write_gbps_per_drive": self.settings.disk_write_gbps or base.bandwidth.disk_gbps_per_drive,
             "inflight": self.settings.inflight, "prefill_tps": self.settings.prefill_tps,

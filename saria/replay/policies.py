@@ -29,8 +29,10 @@ class PolicySpec:
 
 @dataclass(frozen=True)
 class BaseSettings:
-    """What every policy of a run shares: model, capacities (full-attention tokens), chunk and
-    checkpoint sizes, bandwidths, and the write budget (``auto``: govern every policy that can be)."""
+    """What every policy of a run shares: model, capacities (full-attention tokens; the SSD's are
+    bytes on the drives, ``ssd_tokens`` x the model's bf16 bytes per token, whatever ``ssd_dtype``),
+    chunk and checkpoint sizes, bandwidths, the write budget (``auto``: govern every policy that
+    can be) and the SSD tier's element format ``ssd_dtype`` (``auto`` or ``fp8``)."""
 
     model: str = "qwen3-8b"
     dram_tokens: int = 1_000_000
@@ -39,6 +41,7 @@ class BaseSettings:
     checkpoint_tokens: int = 16_384
     bandwidth: Bandwidths = Bandwidths()
     write_budget: WriteBudget = WriteBudget()
+    ssd_dtype: str = "auto"
 
     def chunk(self) -> ChunkSpec:
         """The chunk geometry (a dense model has no checkpoints, so any chunk size goes)."""
@@ -112,4 +115,4 @@ def build_config(spec: PolicySpec, base: BaseSettings) -> SariaConfig:
     policy = replace(policy, name=spec.label)
     return SariaConfig(dram=Capacity(tokens=base.dram_tokens), ssd=Capacity(tokens=base.ssd_tokens),
                        chunk=base.chunk(), bandwidth=base.bandwidth, policy=policy,
-                       write_budget=replace(base.write_budget, auto=auto))
+                       write_budget=replace(base.write_budget, auto=auto), ssd_dtype=base.ssd_dtype)

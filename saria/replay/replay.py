@@ -10,7 +10,8 @@ Per request, on the logical clock (seconds):
    (one prefill at a time, FIFO, overlapping other requests' loads);
 3. at the end of prefill (its first token: TTFT = queueing + transfer + prefill)
    ``commit_prefill``; the orders it returns run on their own FIFO lanes (stores and promotions
-   GPU->DRAM at ``B_DRAM``, SSD writes at the drives' write bandwidth) and are completed
+   GPU->DRAM at ``B_DRAM``, SSD writes at the drives' write bandwidth, of the bytes they put on
+   the drives: ``config.ssd_bytes_of``, smaller under ``ssd_dtype="fp8"``) and are completed
    (``complete``) when they end, so DRAM slots held for writes, promotions not yet readable and
    writes not yet persisted are what the control plane really sees at each moment.
 
@@ -190,6 +191,7 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
     policy = config.policy
     prewarming = policy.prewarm and config.dram_bytes > 0 and config.ssd_bytes > 0
     prewarm_rate = config.prewarm_bytes_per_s
+    ssd_bytes_of = config.ssd_bytes_of
     prewarm_cap = config.prewarm_max_bytes
     lead = policy.prewarm_lead_s
     predictors = [GapPredictor() for _ in sessions] if prewarming else []
@@ -219,8 +221,8 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
                 kind_ = type(order)
                 if kind_ is DropOrder:
                     continue
-                if kind_ is WriteOrder:
-                    write_free = max(now, write_free) + order.nbytes / write_rate
+                if kind_ is WriteOrder:  # the SSD bytes it writes (ssd_dtype), not the cache's
+                    write_free = max(now, write_free) + ssd_bytes_of(len(order.kv), len(order.state)) / write_rate
                     end = write_free
                 else:  # StoreOrder, PromoteOrder: GPU -> DRAM
                     offload_free = max(now, offload_free) + order.nbytes / offload_rate
@@ -256,7 +258,8 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
                 for order in cp.prewarm(chunks[sessions[a].requests[b - 1]], now, prewarm_cap):
                     if type(order) is DropOrder:
                         continue
-                    prewarm_free = max(now, prewarm_free) + order.nbytes / prewarm_rate
+                    read = ssd_bytes_of(len(order.kv), len(order.state))  # SSD bytes, as it reads them
+                    prewarm_free = max(now, prewarm_free) + read / prewarm_rate
                     prewarm_orders.add(order.order_id)
                     push(events, (prewarm_free, _COMPLETE, seq, order.order_id, None))
                     seq += 1
