@@ -18,6 +18,9 @@ from ..pages.cpu import pack_pages_torch, unpack_pages_torch
 
 BLOCK_GROUPS = 8192  # groups encoded per step (1 Mi elements: 4 MiB of float32 temporaries)
 CANONICAL_NAN = 0x7FC00000  # the one NaN scale stored (float32 bits)
+# The one NaN a decoded element is written as, per cache dtype: (bits, integer view).
+NAN_BITS = {torch.bfloat16: (0x7FC0, torch.int16), torch.float16: (0x7E00, torch.int16),
+            torch.float32: (CANONICAL_NAN, torch.int32)}
 
 
 def _encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -39,8 +42,11 @@ def _decode(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> Non
     """``out`` (cache dtype ``[groups, 128]``) = ``codes * scale`` in float32, rounded to the cache
     dtype; a NaN comes out as the dtype's positive quiet NaN (one bit pattern, as in the kernel)."""
     y = codes.view(torch.float8_e4m3fn).to(torch.float32) * scales[:, None]
-    y = torch.where(torch.isnan(y), float("nan"), y)
     out.copy_(y)
+    nan = torch.isnan(y)
+    if nan.any():  # torch's own casts differ (fp32 NaN -> bf16 is 0xFFFF on the CPU in torch 2.13)
+        bits, word = NAN_BITS[out.dtype]
+        out.view(word).masked_fill_(nan, bits)
 
 
 def _split(rows: torch.Tensor, elements: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ def _magnitudes() -> torch.Tensor:
 
 MAGNITUDES = _magnitudes()
 NAN = float("nan")
+NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}  # positive quiet NaN
 
 
 def _code(q: float) -> int:
@@ -78,9 +79,13 @@ def dequantize_naive(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n = flat.numel() * FP8_GROUP // (FP8_GROUP + 4)
     scales = flat[n:].clone().view(torch.float32)
     out = torch.empty(n, dtype=dtype)
+    word = torch.int32 if dtype == torch.float32 else torch.int16
     for i, code in enumerate(flat[:n].tolist()):
         y = torch.tensor(_value(code), dtype=torch.float32) * scales[i // FP8_GROUP]
-        out[i] = NAN if torch.isnan(y) else y
+        if torch.isnan(y):
+            out.view(word)[i] = NAN_BITS[dtype]
+        else:
+            out[i] = y
     return out.view(torch.uint8).to(stored.device)
 
 
