@@ -83,7 +83,7 @@ def _e4m3_codes(q):
     normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)  # 3 mantissa bits, exponent bias 127 -> 7
     e = a >> 23
     mant = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
-    shift = tl.minimum(141 - e, 31)  # |q| * 2**9 = mant * 2**(e - 141)
+    shift = tl.maximum(tl.minimum(141 - e, 31), 1)  # |q| * 2**9 = mant * 2**(e - 141); normal lanes clamped
     sub = (mant + (1 << (shift - 1)) - 1 + ((mant >> shift) & 1)) >> shift
     code = tl.where(a >= 0x3C800000, normal, sub)  # 0x3C800000: 2**-6, e4m3's smallest normal
     return code | tl.where(qb < 0, 0x80, 0)
@@ -120,6 +120,45 @@ def _page_and_object(p_table, p_ids, i_n, i_t, per_chunk, ids_per_chunk, skip, p
     return base + block * page_stride, n_elem, row + first, row + chunk_elems + (first // GROUP_C) * 4
 
 
+@triton.jit
+def _pack_tile(p_x, p_c, p_s, mask, g_mask):
+    """One tile: elements at ``p_x`` ([GROUPS, 128] pointers) -> codes at ``p_c``, each group's
+    scale as 4 bytes from ``p_s`` ([GROUPS] pointers)."""
+    x = tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
+    amax_b = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # integer max: NaN > inf > finite
+    scale = tl.math.div_rn(amax_b.to(tl.float32, bitcast=True), 448.0)
+    s_b = tl.where(amax_b > 0x7F800000, 0x7FC00000, scale.to(tl.int32, bitcast=True))  # one NaN
+    ok = (s_b > 0) & (s_b < 0x7F800000)  # finite and non-zero: else the group's codes are 0
+    safe = tl.where(ok, scale, 1.0)
+    codes = tl.where(ok[:, None], _e4m3_codes(tl.math.div_rn(x, safe[:, None])), 0)
+    tl.store(p_c, codes.to(tl.uint8), mask=mask)
+    for k in tl.static_range(4):
+        tl.store(p_s + k, ((s_b >> (8 * k)) & 0xFF).to(tl.uint8), mask=g_mask)
+
+
+@triton.jit
+def _unpack_tile(p_x, p_c, p_s, mask, g_mask, DTYPE: tl.constexpr):
+    """One tile: codes at ``p_c`` and scales at ``p_s`` -> elements at ``p_x``, ``code * scale`` in
+    float32 rounded to the cache dtype to nearest even (NaN as the dtype's positive quiet NaN)."""
+    codes = tl.load(p_c, mask=mask, other=0).to(tl.int32)
+    s_b = tl.load(p_s, mask=g_mask, other=0).to(tl.int32)
+    for k in tl.static_range(1, 4):
+        s_b = s_b | (tl.load(p_s + k, mask=g_mask, other=0).to(tl.int32) << (8 * k))
+    y = _e4m3_values(codes) * s_b.to(tl.float32, bitcast=True)[:, None]
+    nan = y != y
+    if DTYPE == 0:
+        yb = y.to(tl.int32, bitcast=True)
+        hi = (yb + 0x7FFF + ((yb >> 16) & 1)) >> 16  # round to nearest even; the arithmetic shift
+        hi = tl.where(nan, 0x7FC0, hi & 0xFFFF)  # of a negative value is undone by the mask
+        out = hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif DTYPE == 1:
+        hb = y.to(tl.float16).to(tl.int16, bitcast=True)
+        out = tl.where(nan, 0x7E00, hb).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        out = tl.where(nan, 0x7FC00000, y.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    tl.store(p_x, out, mask=mask)
+
+
 @triton.jit(do_not_specialize=["tiles", "skip"])
 def _fp8_pages_kernel(
     p_table,  # int64 [T, 4]: base address, page stride, page bytes, tensor offset (PageTable._addresses)
@@ -141,6 +180,9 @@ def _fp8_pages_kernel(
     n_s = tiles.to(tl.int64)
     page_addr, n_elem, code_off, scale_off = _page_and_object(
         p_table, p_ids, i_n, i_t, per_chunk, ids_per_chunk, skip, page_id_bytes, ESIZE)
+    n_elem = tl.multiple_of(n_elem, 128)  # checked by the public ops: whole groups (masks stay per row)
+    # Page and codes 16-byte aligned: hint it, so rows move in 16-byte words (checked in the PTX).
+    aligned = ((page_addr | (staging_addr + code_off)) & 15) == 0
     if DTYPE == 0:
         p_page = page_addr.to(tl.pointer_type(tl.bfloat16))
     elif DTYPE == 1:
@@ -154,39 +196,23 @@ def _fp8_pages_kernel(
     tile = GROUPS * GROUP_C
     for start in range(i_s * tile, n_elem, n_s * tile):
         o = start + o2
-        mask = o < n_elem  # whole groups: a page is a multiple of 128 elements
         g_mask = start + g * GROUP_C < n_elem
+        # Whole groups (a page is a multiple of 128 elements): the mask is the rows', broadcast, so
+        # the compiler sees it constant along a row and may move rows in vectors.
+        mask = tl.broadcast_to(g_mask[:, None], (GROUPS, GROUP_C))
         p_s = p_scales + (start // GROUP_C + g) * 4
-        if PACK:
-            x = tl.load(p_page + o, mask=mask, other=0.0).to(tl.float32)
-            xb = x.to(tl.int32, bitcast=True)
-            amax_b = tl.max(xb & 0x7FFFFFFF, axis=1)  # integer max: NaN > inf > finite, exactly as torch
-            scale = tl.math.div_rn(amax_b.to(tl.float32, bitcast=True), 448.0)
-            s_b = tl.where(amax_b > 0x7F800000, 0x7FC00000, scale.to(tl.int32, bitcast=True))  # one NaN
-            ok = (s_b > 0) & (s_b < 0x7F800000)  # finite and non-zero: else the group's codes are 0
-            safe = tl.where(ok, scale, 1.0)
-            codes = tl.where(ok[:, None], _e4m3_codes(tl.math.div_rn(x, safe[:, None])), 0)
-            tl.store(p_codes + o, codes.to(tl.uint8), mask=mask)
-            for k in tl.static_range(4):
-                tl.store(p_s + k, ((s_b >> (8 * k)) & 0xFF).to(tl.uint8), mask=g_mask)
-        else:
-            codes = tl.load(p_codes + o, mask=mask, other=0).to(tl.int32)
-            s_b = tl.load(p_s, mask=g_mask, other=0).to(tl.int32)
-            for k in tl.static_range(1, 4):
-                s_b = s_b | (tl.load(p_s + k, mask=g_mask, other=0).to(tl.int32) << (8 * k))
-            y = _e4m3_values(codes) * s_b.to(tl.float32, bitcast=True)[:, None]
-            nan = y != y
-            if DTYPE == 0:
-                yb = y.to(tl.int32, bitcast=True)
-                hi = (yb + 0x7FFF + ((yb >> 16) & 1)) >> 16  # round to nearest even (arithmetic shift:
-                hi = tl.where(nan, 0x7FC0, hi & 0xFFFF)  # keep the low 16 bits)
-                out = hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
-            elif DTYPE == 1:
-                hb = y.to(tl.float16).to(tl.int16, bitcast=True)
-                out = tl.where(nan, 0x7E00, hb).to(tl.int16).to(tl.float16, bitcast=True)
+        if aligned:  # the hints are attributes of the ops that make the pointers: made in this branch only
+            p_x = tl.max_contiguous(tl.multiple_of(p_page + o, [16, 16]), [1, GROUP_C])
+            p_c = tl.max_contiguous(tl.multiple_of(p_codes + o, [16, 16]), [1, GROUP_C])
+            if PACK:
+                _pack_tile(p_x, p_c, p_s, mask, g_mask)
             else:
-                out = tl.where(nan, 0x7FC00000, y.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-            tl.store(p_page + o, out, mask=mask)
+                _unpack_tile(p_x, p_c, p_s, mask, g_mask, DTYPE)
+        else:
+            if PACK:
+                _pack_tile(p_page + o, p_codes + o, p_s, mask, g_mask)
+            else:
+                _unpack_tile(p_page + o, p_codes + o, p_s, mask, g_mask, DTYPE)
 
 
 def launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, per_chunk: int, pack: bool, *,
