@@ -255,7 +255,7 @@ def run_table(device, name, caches, ids, bench, backend, note, rows, checker, sw
         "CPU tensor, wall clock, one thread")
     if sweep and cuda:
         sweep_table(table, caches, ids, staging, launch, auto, bench, row, checker, f"{name} x{chunks}")
-    run_fp8(device, name, table, caches, ids, bench, backend, row, checker)  # last: it refills the caches
+    run_fp8(device, name, table, caches, ids, bench, backend, row, checker, sweep)  # last: refills the caches
 
 
 def sweep_table(table, caches, ids, staging, launch, auto, bench, row, checker, label):

@@ -39,9 +39,13 @@ def _skip_reason(table: PageTable) -> str | None:
     return None
 
 
-def run_fp8(device, name, table: PageTable, caches, ids, bench, backend, row, checker) -> None:
+SWEEP = [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8)]  # (groups per tile, warps), one program per tile
+
+
+def run_fp8(device, name, table: PageTable, caches, ids, bench, backend, row, checker, sweep=False) -> None:
     """FP8 rows for one table and chunk count through ``row(op, impl, ms, note)`` (bench_kernels'
-    row maker: GB/s and the fraction of the D2D copy over the raw bytes)."""
+    row maker: GB/s and the fraction of the D2D copy over the raw bytes); ``sweep`` (GPU): the
+    kernel at each :data:`SWEEP` configuration too, each checked first."""
     why = _skip_reason(table)
     if why:
         print(f"fp8 rows skipped for {name}: {why}", flush=True)
@@ -72,11 +76,29 @@ def run_fp8(device, name, table: PageTable, caches, ids, bench, backend, row, ch
             cfg = fp8_mod.launch_config(table)
             ms = bench(lambda: fp8_mod.launch(table, checked, stored, per_chunk, pack))
             row(op, FP8_KERNEL, ms, f"groups={cfg.groups} tiles={cfg.tiles} warps={cfg.num_warps}; ids on the GPU")
+    if sweep and cuda:
+        _sweep(table, ids, stored, bench, row, checker, f"{name} x{ids.shape[0]}")
     out_q, out_d = torch.empty_like(stored), torch.empty_like(raw)
     row("quantize fp8", f"quantize_staging ({device.type})", bench(lambda: quantize_staging(raw, dtype, out=out_q)),
         "torch ops on packed bytes")
     row("dequantize fp8", f"dequantize_staging ({device.type})",
         bench(lambda: dequantize_staging(stored, dtype, out=out_d)), "torch ops on packed bytes")
+
+
+def _sweep(table, ids, stored, bench, row, checker, label) -> None:
+    checked = check_block_ids(table, ids, unique=True).on(stored.device)
+    want = stored.clone()  # checked against quantize_staging above
+    largest = max(s.page_bytes for s in table.segments) // table.tensors[0].element_size() // FP8_GROUP
+    for groups, warps in SWEEP:
+        cfg = dict(groups=groups, num_warps=warps, tiles=min(fp8_mod.MAX_GRID_YZ, -(-largest // groups)))
+        stored.fill_(0)
+        fp8_mod.launch(table, checked, stored, ids.shape[1], True, **cfg)
+        checker.expect(torch.equal(stored, want), f"{label} fp8 {cfg}: pack differs")
+        for op, pack in (("pack fp8", True), ("unpack fp8", False)):
+            ms = bench(lambda: fp8_mod.launch(table, checked, stored if pack else want, ids.shape[1], pack, **cfg),
+                       quick=True)
+            row(op, f"saria triton fp8 groups={groups} warps={warps} tiles={cfg['tiles']}", ms, "sweep")
+    stored.copy_(want)
 
 
 def fp8_interpreter_smoke(rows) -> None:

@@ -34,9 +34,12 @@ from ..checks import check_in_range, check_power_of_two
 from ..page_table import PageTable
 
 GROUP = 128  # saria.ssd_dtype.FP8_GROUP: elements per scale (a tl.constexpr below)
-# Groups per tile on a GPU: 32 x 128 elements (8 KiB of bf16 read per tile, 32 fp32 values per
-# thread at 4 warps). Not measured on a GPU yet: bench/bench_kernels.py has the fp8 rows.
-TILE_GROUPS = 32
+# Groups per tile on a GPU: 16 x 128 elements (4 KiB of bf16 read per tile). Not measured on a GPU
+# yet (bench/bench_kernels.py has the fp8 rows, --sweep-block sweeps 8 to 32 groups and 4 / 8 warps).
+# ptxas (sm_90a, bf16, 4 warps): 16 groups 72 / 76 registers (pack / unpack), 32 groups 149 / 72,
+# 64 groups 221 / 124, no spills; so 16 groups fit 7 programs an SM (28 KiB of loads in flight), 32
+# groups 3 (24 KiB).
+TILE_GROUPS = 16
 NUM_WARPS = 4
 MAX_GRID_YZ = 65_535
 # Under the interpreter (about 1 ms a program): one tile per page, up to this many groups.
