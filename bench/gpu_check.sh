@@ -52,9 +52,10 @@ step doctor 60 "$PY" -m saria.commands.cli doctor
 wanted doctor && "$PY" -m saria.commands.cli doctor --json >"$out/doctor.json" 2>/dev/null
 step kernel_tests 240 "${PYTEST[@]}" -n 8 tests/test_kernels_pages.py tests/test_kernels_state.py \
   tests/test_kernels_checksum.py tests/test_kernels_codegen.py tests/test_kernels_misuse.py \
-  tests/test_kernels_launch.py tests/test_kernels_oracle.py
+  tests/test_kernels_launch.py tests/test_kernels_oracle.py tests/test_kernels_fp8.py
 # SARIA_SWEEP_KERNELS=1 adds the tile/warp sweep (about a minute more) for re-tuning from the CSV.
-step bench_kernels 150 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" \
+# The FP8 rows (pack_pages_fp8 / unpack_pages_fp8, target >= 0.80 of the D2D copy) run in this step.
+step bench_kernels 200 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" \
   ${SARIA_SWEEP_KERNELS:+--sweep-block}
 step dataplane_tests 300 "${PYTEST[@]}" -n 8 tests/test_dataplane_engine.py tests/test_dataplane_orders.py \
   tests/test_dataplane_batching.py tests/test_dataplane_dram_store.py tests/test_dataplane_host_pool.py \

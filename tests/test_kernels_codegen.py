@@ -41,6 +41,15 @@ text = ptx(checksum._checksum_kernel, {"p_words": "*i32", "n_words": "i64", "p_b
            aligned=("p_words", "p_bytes", "p_sum"))
 out["checksum"] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
 out["checksum_atomics"] = re.findall(r"(?:atom|red)\.global[.\w]*", text)
+fp8 = importlib.import_module('saria.kernels.fp8.triton')
+fp8_sig = {"p_table": "*i64", "p_ids": "*i64", "staging_addr": "i64", "per_chunk": "i64", "ids_per_chunk": "i64",
+           "skip": "i64", "page_id_bytes": "i64", "tiles": "i32", "PACK": "constexpr", "DTYPE": "constexpr",
+           "ESIZE": "constexpr", "GROUPS": "constexpr"}
+for pack in (True, False):
+    text = ptx(fp8._fp8_pages_kernel, fp8_sig, {"PACK": pack, "DTYPE": 0, "ESIZE": 2, "GROUPS": fp8.TILE_GROUPS})
+    name = "fp8_" + ("pack" if pack else "unpack")
+    out[name] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
+    out[name + "_float"] = sorted(set(re.findall(r"(?:div|rcp|fma|mul|cvt)\.[.\w]*f32[.\w]*", text)))
 print(json.dumps(out))
 """
 
@@ -68,3 +77,17 @@ def test_checksum_reduces_on_the_device_with_one_64_bit_atomic_per_program(globa
     atomics = global_memory_ops["checksum_atomics"]
     assert len(atomics) == 1 and atomics[0].endswith(".add.u64"), atomics
     assert not any(op.startswith("st.global") for op in global_memory_ops["checksum"]), global_memory_ops
+
+
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+def test_fp8_kernel_moves_aligned_rows_in_16_byte_words(global_memory_ops, direction):
+    ops = global_memory_ops["fp8_" + direction]
+    assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, ops  # the hinted path (aligned pages)
+    narrow = "ld.global.b16" if direction == "pack" else "st.global.b16"
+    assert narrow in ops, ops  # the unhinted path for unaligned pages is there too
+
+
+def test_fp8_kernel_divides_in_ieee_and_never_flushes_subnormals(global_memory_ops):
+    floats = global_memory_ops["fp8_pack_float"] + global_memory_ops["fp8_unpack_float"]
+    assert "div.rn.f32" in global_memory_ops["fp8_pack_float"], floats  # tl.math.div_rn, as the format says
+    assert not [op for op in floats if "approx" in op or "full" in op or "ftz" in op or op.startswith("fma")], floats

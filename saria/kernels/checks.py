@@ -6,6 +6,9 @@ dereference raw addresses, so input that slips past them can crash the process o
 that is not the caller's. Bad input raises ``ValueError`` (``IndexError`` for block ids out of
 range), naming the offending argument and value.
 
+The FP8 ops' own checks (dtype, whole groups, FP8 staging) are in :mod:`saria.kernels.fp8.checks`,
+on top of these.
+
 Block ids are checked once: :func:`check_block_ids` returns a :class:`BlockIds`, and handing that
 to any op (or to :func:`check_block_ids` again) re-checks in O(1) only that it fits the table, so a
 caller that validates early (the data plane, when an order arrives) does not pay for it twice.

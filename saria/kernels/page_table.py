@@ -168,6 +168,13 @@ class PageTable:
         return (f"PageTable({len(self)} tensors, {self.num_pages} pages, "
                 f"{self.bytes_per_page} bytes per page id, device={self.device})")
 
+    @property
+    def element_dtype(self) -> torch.dtype | None:
+        """The dtype every tensor of the table has, or None when they differ (a hybrid table: FA
+        pages in the cache dtype, GDN pages seen as int8). ``ssd_dtype=fp8`` needs one."""
+        dtypes = {t.dtype for t in self.tensors}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
     def staging_bytes(self, num_page_ids: int) -> int:
         """Bytes of staging that ``num_page_ids`` page ids pack into."""
         return self.bytes_per_page * num_page_ids
