@@ -32,6 +32,8 @@ FP8_GROUP = 128  # elements per scale
 FP8_SCALE_BYTES = 4  # one float32 per group
 FP8_MAX = 448.0  # largest finite e4m3fn value
 QUANTIZED_ELEMENT_BYTES = (2, 4)  # bf16 / fp16, fp32: the cache element sizes fp8 applies to
+# What an SSD store's identity records for FP8 objects (codes, group, scales): change it with the layout
+FP8_FORMAT = "fp8-e4m3fn/group-128/float32-scales"
 
 
 def check_ssd_dtype(value: object, owner: str = "ssd_dtype") -> str:

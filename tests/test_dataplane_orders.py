@@ -130,6 +130,24 @@ def test_released_is_set_when_the_order_dies_part_way(parts, monkeypatch):
     assert run.released.is_set() and pool.free_slots == pool.num_slots
 
 
+def test_a_failed_store_waits_for_its_stream_before_giving_memory_back(parts, monkeypatch):
+    """The failure path synchronizes the offload stream (the packs and copies queued there may
+    still read the pages and write the slots) before it frees the slots: on CUDA, freeing first is
+    a use after free. Here the CPU twin records the call."""
+    caches, gdn, engine, store, pool = parts
+    synced = []
+    monkeypatch.setattr(engine._packer.streams, "synchronize", synced.append)
+
+    def broken(*args):
+        raise RuntimeError("device lost (injected)")
+
+    monkeypatch.setattr(engine._packer, "packed_on_device", broken)
+    run, = engine.execute([StoreOrder(1, ("a",), (), 0)], {"a": blocks_of(0)})
+    with pytest.raises(RuntimeError, match="device lost"):
+        run.completion.result()
+    assert synced == ["offload"] and pool.free_slots == pool.num_slots
+
+
 def test_queued_orders_are_released_by_close(tmp_path, monkeypatch):
     caches = vllm_layers(NB, 4, 2, 8, torch.bfloat16, layers=2, seed=3)
     with HostPool(16 * SLOT, SLOT) as pool:

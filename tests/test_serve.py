@@ -69,6 +69,13 @@ def test_print_command_builds_the_kv_transfer_config_and_passes_the_rest(capsys,
     assert not (tmp_path / "a").exists()  # a dry run creates nothing
 
 
+def test_ssd_dtype_flag_becomes_the_connector_option(capsys, tmp_path):
+    rc, out, err = run_cli(capsys, "serve", "m", "--ssd-path", str(tmp_path), "--ssd-dtype", "fp8", "--print-command")
+    assert rc == 0, err
+    extra = json.loads(shlex.split(out)[-1])["kv_connector_extra_config"]
+    assert extra == {"ssd_dtype": "fp8", "ssd_paths": [str(tmp_path)]}
+
+
 def test_no_connector_serves_plain_vllm(capsys):
     rc, out, _ = run_cli(capsys, "serve", "m", "--enable-prefix-caching", "--no-connector", "--print-command")
     assert rc == 0 and out.split("vllm ", 1)[1].strip() == "serve m --enable-prefix-caching"
@@ -82,6 +89,9 @@ def test_no_connector_serves_plain_vllm(capsys):
     (["m", "--kv_transfer_config.kv_connector", "X"], "--kv_transfer_config.kv_connector is not allowed"),
     (["m", "--kv-offloading-size", "4"], "--kv-offloading-size is not allowed"),
     (["m", "--ssd-gb", "3"], "--ssd-gb needs --ssd-path"),
+    (["m", "--ssd-dtype", "fp8"], "--ssd-dtype fp8 needs --ssd-path"),
+    (["m", "--ssd-dtype", "int4", "--ssd-path", "/tmp"], "argument --ssd-dtype: invalid choice: 'int4'"),
+    (["m", "--saria-option", "ssd_dtype=fp4"], "unknown ssd_dtype 'fp4': must be auto or fp8"),
     (["m", "--dram-gb", "-1"], "argument --dram-gb: must be from 0"),
     (["m", "--dram-gb", "lots"], "argument --dram-gb: not a number"),
     (["m", "--policy", "fastest"], "argument --policy: invalid choice: 'fastest'"),

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings as settings_, strategies as st
 
 from saria.control import StoreOrder, Tier
 from saria.integrations.vllm.audit import KVAudit
@@ -64,6 +65,50 @@ def test_an_unknown_chunk_is_unverified_and_a_chunk_stored_again_is_checked_agai
     assert audit.check("c0", [1, 2]) == 0
     audit.forget()
     assert audit.check("c0", [1, 2]) == 0 and audit.counters()["unverified_pages"] == 4
+
+
+@settings_(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       st.sampled_from(["normal", "zeros", "signed-zeros", "tiny", "wide", "one-big"]))
+def test_the_audits_fp8_reference_is_saria_kernels_byte_for_byte(seed, dtype, kind):
+    """The audit's FP8 round trip (torch's own float8_e4m3fn cast) and saria's encoding
+    (quantize_staging / dequantize_staging, held by the kernels' tests against their oracle) agree
+    on every byte: two independent implementations of saria/ssd_dtype.py."""
+    from saria.kernels import dequantize_staging, quantize_staging
+    from saria.integrations.vllm.audit import fp8_round_trip
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 2, 4, 16, generator=g)
+    if kind == "zeros":
+        x[:2] = 0
+    elif kind == "signed-zeros":
+        x[1::2] = -0.0
+    elif kind == "tiny":
+        x *= 1e-4
+    elif kind == "wide":
+        x *= torch.exp2(torch.randint(-20, 12, x.shape, generator=g).float())
+    elif kind == "one-big":
+        x.view(-1)[::128] = 3e4
+    page = x.to(dtype)
+    kernels = dequantize_staging(quantize_staging(page.view(torch.uint8).reshape(-1), dtype), dtype).view(dtype)
+    assert torch.equal(fp8_round_trip(page).view(torch.uint8).reshape(-1), kernels.view(torch.uint8).reshape(-1))
+
+
+def test_under_fp8_a_chunk_from_ssd_is_checked_against_its_round_trip_and_from_dram_exactly(caplog):
+    from saria.integrations.vllm.audit import fp8_round_trip
+
+    views = layers()
+    audit = KVAudit(views, ssd_fp8=True)
+    audit.stored("c0", [1, 2])
+    for v in views:
+        v[5].copy_(fp8_round_trip(v[1]))  # what an FP8 SSD object gives back
+        v[6].copy_(fp8_round_trip(v[2]))
+    assert audit.check("c0", [5, 6], from_ssd=True) == 0
+    with caplog.at_level(logging.ERROR, logger="saria.vllm"):
+        assert audit.check("c0", [5, 6]) == 2  # from DRAM it must be exact: the round trip is not
+    for v in views:
+        v[5].copy_(v[1])
+    assert audit.check("c0", [5, 6], from_ssd=True) == 1  # exact bytes where FP8 ones belong: wrong too
 
 
 def test_the_option_is_a_boolean():

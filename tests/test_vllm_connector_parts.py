@@ -46,7 +46,18 @@ def test_defaults_and_sizes():
     assert ConnectorSettings().chunk_tokens_for(48, hybrid=False) == 528  # whole blocks near 512
 
 
+def test_ssd_dtype_reaches_the_config_with_the_caches_element_size():
+    s = ConnectorSettings.from_extra_config({"ssd_paths": ["/a"], "ssd_dtype": "fp8"})
+    config = s.saria_config(block_size=32, kv_bytes_per_token=1024, kv_element_bytes=2)
+    assert config.ssd_dtype == "fp8" and config.chunk.kv_element_bytes == 2
+    assert config.ssd_kv_bytes == config.chunk.kv_bytes // 2 + config.chunk.kv_bytes // 2 // 128 * 4
+    assert ConnectorSettings.from_extra_config({}).saria_config(block_size=32, kv_bytes_per_token=1024).ssd_dtype == "auto"
+    with pytest.raises(ValueError, match="2- or 4-byte elements"):  # vLLM's own fp8 cache: nothing left to halve
+        s.saria_config(block_size=32, kv_bytes_per_token=1024, kv_element_bytes=1)
+
+
 @pytest.mark.parametrize("extra, match", [
+    ({"ssd_dtype": "fp4"}, "unknown ssd_dtype .fp4.: must be auto or fp8"),
     ({"dram_gbs": 1}, "unknown saria connector option"),
     ({"policy": "fast"}, "unknown policy"),
     ({"ssd_paths": "/mnt/nvme0"}, "list of directories"),

@@ -30,6 +30,7 @@ from typing import Any
 
 from saria.argtypes import float_range, int_range
 from saria.config import POLICY_PRESETS
+from saria.ssd_dtype import SSD_DTYPES
 
 CONNECTOR = {"kv_connector": "SariaConnector", "kv_connector_module_path": "saria.integrations.vllm",
              "kv_role": "kv_both"}
@@ -47,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "missing); none: no SSD tier")
     g.add_argument("--ssd-gb", type=float_range(0, MAX_GB), metavar="GB",
                    help="SSD tier size in GiB over all drives and ranks (default 64; needs --ssd-path)")
+    g.add_argument("--ssd-dtype", choices=SSD_DTYPES,
+                   help="how the SSD tier stores KV: auto (as vLLM's cache holds it, bit-exact; default) or "
+                        "fp8 (e4m3 with a float32 scale per 128 values: about half the SSD bytes written, "
+                        "read and held; DRAM copies stay exact)")
     g.add_argument("--policy", choices=tuple(POLICY_PRESETS), help="policy preset (default saria)")
     g.add_argument("--chunk-tokens", type=int_range(1, 1 << 40), metavar="N",
                    help="tokens per cached chunk, a multiple of vLLM's block size (default 512; hybrid "
@@ -115,7 +120,7 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             value = text
         extra[key.strip()] = value
-    flags = {"dram_gb": args.dram_gb, "ssd_gb": args.ssd_gb, "policy": args.policy,
+    flags = {"dram_gb": args.dram_gb, "ssd_gb": args.ssd_gb, "ssd_dtype": args.ssd_dtype, "policy": args.policy,
              "chunk_tokens": args.chunk_tokens, "checkpoint_tokens": args.checkpoint_tokens,
              "coordinator": args.coordinator, "durable": args.durable, "log_interval_s": args.log_interval_s,
              "on_load_failure": args.on_load_failure, "b_gpu_gbps": args.b_gpu_gbps,
@@ -135,6 +140,8 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         extra["ssd_paths"] = [str(Path(p).expanduser().absolute()) for p in args.ssd_path]
     if extra.get("ssd_gb") is not None and not extra.get("ssd_paths"):
         raise ValueError("--ssd-gb needs --ssd-path (without a drive there is no SSD tier)")
+    if extra.get("ssd_dtype") == "fp8" and not extra.get("ssd_paths"):
+        raise ValueError("--ssd-dtype fp8 needs --ssd-path (it is how the SSD tier stores KV; there is none)")
     for path in extra.get("ssd_paths") or ():
         if isinstance(path, str) and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"--ssd-path {path} is not a directory")

@@ -31,7 +31,8 @@ def slot_bytes_for(object_sizes: Sequence[int]) -> int:
 def sized_config(config: SariaConfig, kv_table: PageTable, block_tokens: int,
                  state_table: PageTable | None = None, state_pages: int = 1) -> SariaConfig:
     """``config`` with its object sizes taken from the page tables (what the bytes really weigh):
-    ``chunk.kv_bytes_per_token`` from the KV pages, ``chunk.state_bytes`` from the state pages."""
+    ``chunk.kv_bytes_per_token`` and ``chunk.kv_element_bytes`` from the KV pages,
+    ``chunk.state_bytes`` from the state pages."""
     chunk_tokens = config.chunk.chunk_tokens
     if block_tokens < 1 or chunk_tokens % block_tokens:
         raise ValueError(f"chunk_tokens ({chunk_tokens}) must be a whole number of {block_tokens}-token pages")
@@ -39,7 +40,7 @@ def sized_config(config: SariaConfig, kv_table: PageTable, block_tokens: int,
         raise ValueError(f"a page of {kv_table.bytes_per_page} bytes is not {block_tokens} equal tokens")
     state_bytes = state_table.staging_bytes(state_pages) if state_table is not None else 0
     chunk = dataclasses.replace(config.chunk, kv_bytes_per_token=kv_table.bytes_per_page // block_tokens,
-                                state_bytes=state_bytes)
+                                state_bytes=state_bytes, kv_element_bytes=kv_table.tensors[0].element_size())
     return dataclasses.replace(config, chunk=chunk)
 
 
@@ -73,14 +74,20 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
     """
     chunk = config.chunk
     expected = sized_config(config, kv_table, block_tokens, state_table, state_pages).chunk
-    if (chunk.kv_bytes_per_token, chunk.state_bytes) != (expected.kv_bytes_per_token, expected.state_bytes):
-        raise ValueError(f"config sizes objects at {chunk.kv_bytes_per_token} B/token and {chunk.state_bytes} B/state "
-                         f"but the pages hold {expected.kv_bytes_per_token} and {expected.state_bytes}: "
-                         "build the config with sized_config()")
+    if (chunk.kv_bytes_per_token, chunk.state_bytes, chunk.kv_element_bytes) != \
+            (expected.kv_bytes_per_token, expected.state_bytes, expected.kv_element_bytes):
+        raise ValueError(f"config sizes objects at {chunk.kv_bytes_per_token} B/token of {chunk.kv_element_bytes}-byte "
+                         f"elements and {chunk.state_bytes} B/state but the pages hold {expected.kv_bytes_per_token}, "
+                         f"{expected.kv_element_bytes} and {expected.state_bytes}: build the config with sized_config()")
     sizes = [chunk.kv_bytes] + ([chunk.state_bytes] if chunk.state_bytes else [])
     slot = slot_bytes_for(sizes)
     slots_per = [-(-s // slot) for s in sizes]
     dram_slots = max(max(slots_per), -(-config.dram_bytes // slot) + config.dram_bytes // min(sizes) + 1)
+    # What the SSD holds: kv objects in their FP8 form under ssd_dtype="fp8", in parts sized for them
+    # (a part is then not a host slot: writes from DRAM quantize first anyway)
+    ssd_sizes = [config.ssd_kv_bytes] + sizes[1:]
+    part = slot if config.ssd_dtype == "auto" else slot_bytes_for(ssd_sizes)
+    parts_per = [-(-s // part) for s in ssd_sizes]
     host_pool = HostPool(dram_slots * slot, slot)
     paths = list(config.ssd_paths if ssd_paths is None else ssd_paths)
     ssd = None
@@ -88,14 +95,14 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
         if config.ssd_bytes:
             if not paths:
                 raise ValueError("the policy uses SSD but no ssd_paths were given (one directory per drive)")
-            parts = -(-config.ssd_bytes // slot) + config.ssd_bytes // min(sizes) + 1
-            per_drive = -(-parts // len(paths)) + max(slots_per)
-            ssd = SSDStore(paths, PAGE + per_drive * (PAGE + slot), slot, durable=durable, direct=direct,
+            parts = -(-config.ssd_bytes // part) + config.ssd_bytes // min(ssd_sizes) + 1
+            per_drive = -(-parts // len(paths)) + max(parts_per)
+            ssd = SSDStore(paths, PAGE + per_drive * (PAGE + part), part, durable=durable, direct=direct,
                            identity=ssd_identity)
         coordinator = Coordinator(config.bandwidth, mode=coordinator_mode)
         engine = TransferEngine(kv_table, host_pool=host_pool, coordinator=coordinator,
                                 pages_per_chunk=config.chunk.chunk_tokens // block_tokens, ssd=ssd,
-                                state_table=state_table, state_pages=state_pages)
+                                state_table=state_table, state_pages=state_pages, ssd_dtype=config.ssd_dtype)
     except BaseException:
         host_pool.close()
         if ssd is not None:

@@ -79,13 +79,17 @@ class TransferEngine:
     ``kv_table``: the engine's full-attention pages (one :class:`PageTable` over every layer);
     a chunk's kv object is ``pack_pages(kv_table, its pages_per_chunk block ids)``.
     ``state_table``: hybrid models' GDN state pages (a state object is ``state_pages`` of them).
+    ``ssd_dtype`` (:mod:`saria.ssd_dtype`): ``"auto"`` stores SSD objects as packed, and then
     ``host_pool.slot_bytes`` must equal ``ssd.part_bytes``: a host slot is an SSD part, so SSD
     writes go straight from slots and per-part checksums are computed once, at pack time.
+    ``"fp8"`` stores kv objects on SSD in their FP8 form (``kv_ssd_bytes``): packed by the
+    quantizing kernel from the pages, quantized from a DRAM copy on the offload thread, dequantized
+    by the unpack on reload and by a prewarm into DRAM; SSD parts may then be of any size.
     """
 
     def __init__(self, kv_table: PageTable, *, host_pool: HostPool, coordinator: Coordinator,
                  pages_per_chunk: int, ssd: SSDStore | None = None, state_table: PageTable | None = None,
-                 state_pages: int = 1, batch_bytes: int = 256 << 20):
+                 state_pages: int = 1, batch_bytes: int = 256 << 20, ssd_dtype: str = "auto"):
         if pages_per_chunk < 1:
             raise ValueError(f"pages_per_chunk must be >= 1, got {pages_per_chunk}")
         if batch_bytes < 1:
@@ -94,10 +98,10 @@ class TransferEngine:
             raise ValueError(f"state_pages must be >= 1, got {state_pages}")
         if state_table is not None and state_table.device != kv_table.device:
             raise ValueError(f"state pages are on {state_table.device}, KV pages on {kv_table.device}")
-        if ssd is not None and ssd.part_bytes != host_pool.slot_bytes:
+        self._tables = Tables(kv_table, state_table, pages_per_chunk, state_pages, ssd_dtype)
+        if ssd is not None and ssd.part_bytes != host_pool.slot_bytes and ssd_dtype == "auto":
             raise ValueError(f"host slots ({host_pool.slot_bytes} B) and SSD parts ({ssd.part_bytes} B) must be "
                              "the same size: an SSD object is written part by part from host slots")
-        self._tables = Tables(kv_table, state_table, pages_per_chunk, state_pages)
         self.kv_table = kv_table
         self.state_table = state_table
         self.pages_per_chunk = pages_per_chunk
@@ -108,6 +112,8 @@ class TransferEngine:
         self.device = kv_table.device
         self.kv_bytes = self._tables.kv_bytes
         self.state_bytes = self._tables.state_bytes
+        self.ssd_dtype = ssd_dtype
+        self.kv_ssd_bytes = self._tables.kv_ssd_bytes
         self.dram = DramStore(host_pool)
         self._counters = TransferCounters()
         self._streams = Streams(self.device)
@@ -159,9 +165,11 @@ class TransferEngine:
         if len(kv_blocks) != plan.num_chunks:
             raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
         items = []
+        fp8 = self._tables.quantized(KV)
         for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
+            quantized = fp8 and tier is Tier.SSD  # arrives in its FP8 form, dequantized by the unpack
             items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, self._tables.ids(KV, chunk, blocks),
-                                   self.kv_bytes))
+                                   self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
         if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
             raise ValueError(f"skip_pages must be in [0, {self.pages_per_chunk}) and needs a chunk, got {skip_pages}")
         if items:

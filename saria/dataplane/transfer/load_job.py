@@ -43,8 +43,10 @@ class LoadItem:
     """One object of a reload: where it comes from and which pages it goes to.
 
     ``index``: the chunk's position in the plan (a state object: its chunk's position);
-    ``blocks``: its block ids (checked, all of the object's pages); ``skip``: leading pages the
-    engine already holds and that must not be written (only the plan's first chunk has any)."""
+    ``blocks``: its block ids (checked, all of the object's pages); ``nbytes``: its bytes as they
+    travel (its FP8 form's when ``quantized``: a kv object read from SSD under ``ssd_dtype="fp8"``,
+    dequantized by the unpack); ``skip``: leading pages the engine already holds and that must not
+    be written (only the plan's first chunk has any)."""
 
     index: int
     key: ObjectKey
@@ -53,6 +55,7 @@ class LoadItem:
     blocks: BlockIds
     nbytes: int
     skip: int = 0
+    quantized: bool = False
 
 
 class LoadJob:

@@ -3,9 +3,10 @@ writes share, in submission order (:class:`Packer`).
 
 An order's objects are resolved to block ids or prepacked staging (:meth:`Packer.resolve`) on the
 caller's thread, then packed on the offload thread with one :func:`~saria.kernels.pack_pages`
-launch per object kind (:meth:`Packer.pack`), after the caller's queued work (CUDA). The packs look
-:func:`pack_pages` up in this module at run time: tests and the harness replace
-``saria.dataplane.transfer.packing.pack_pages`` to slow or gate them.
+launch per object kind (:meth:`Packer.pack`), after the caller's queued work (CUDA); for the SSD
+under ``ssd_dtype="fp8"``, kv objects are packed straight into their FP8 form by the quantizing
+kernel. The packs look :func:`pack_pages` up in this module at run time: tests and the harness
+replace ``saria.dataplane.transfer.packing.pack_pages`` to slow or gate them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Callable, Hashable, Mapping
 import torch
 
 from saria.orders import KV, STATE, ObjectKey, Order
-from saria.kernels import BlockIds, checksum, pack_pages
+from saria.kernels import BlockIds, checksum, pack_pages, pack_pages_fp8, quantize_staging
 
 from saria.dataplane import nvtx
 from saria.dataplane.dram.host_pool import HostPool
@@ -81,40 +82,47 @@ class Packer:
                     out.append((key, None, None))
         return out
 
-    def pack(self, objects: Objects) -> list[tuple[ObjectKey, torch.Tensor | None, BaseException | None]]:
+    def pack(self, objects: Objects, *, for_ssd: bool = False
+             ) -> list[tuple[ObjectKey, torch.Tensor | None, BaseException | None]]:
         """Pack the objects of one order into GPU staging, on the current stream: one pack launch
         per object kind over the block ids of all its objects (the staging of a batch is the
         concatenation of the objects' packed bytes, one row each). Prepacked objects are used as
-        is. Returns ``(key, staging, error)`` per object, in order; an object whose pages cannot be
-        packed (or with neither pages nor a packed copy) has an error instead of a staging."""
+        is. ``for_ssd``: in the form the SSD stores (kv objects in their FP8 form under
+        ``ssd_dtype="fp8"``, quantized inside the pack). Returns ``(key, staging, error)`` per
+        object, in order; an object whose pages cannot be packed (or with neither pages nor a
+        packed copy) has an error instead of a staging."""
         out: list = [None] * len(objects)
         for kind in (KV, STATE):
             batch = [(n, ids) for n, (key, ids, packed) in enumerate(objects) if key.kind == kind and ids is not None]
             if not batch:
                 continue
             table, _, _ = self.tables.table(kind)
+            pack = pack_pages_fp8 if for_ssd and self.tables.quantized(kind) else pack_pages
             try:
                 with nvtx.nvtx_range(nvtx.PACK):
-                    rows = pack_pages(table, BlockIds.stack([ids for _, ids in batch]))
+                    rows = pack(table, BlockIds.stack([ids for _, ids in batch]))
                 for (n, _), row in zip(batch, rows):
                     out[n] = (objects[n][0], row, None)
             except Exception:  # one bad object: pack them one by one to name it
                 for n, ids in batch:
                     try:
                         with nvtx.nvtx_range(nvtx.PACK):
-                            out[n] = (objects[n][0], pack_pages(table, ids), None)
+                            out[n] = (objects[n][0], pack(table, ids), None)
                     except Exception as exc:
                         out[n] = (objects[n][0], None, exc)
         for n, (key, ids, packed) in enumerate(objects):
             if ids is None:
                 error = None if packed is not None else LookupError(
                     f"{key}: neither its pages nor a packed copy were given")
+                if packed is not None and for_ssd and self.tables.quantized(key.kind):
+                    packed = quantize_staging(packed, self.tables.kv_dtype)
                 out[n] = (key, packed, error)
         return out
 
-    def part_checksums(self, staging: torch.Tensor) -> tuple[int, ...]:
-        """Checksums of an object's parts (one part = one host slot = one SSD part)."""
-        part = self.host_pool.slot_bytes
+    def part_checksums(self, staging: torch.Tensor, part: int | None = None) -> tuple[int, ...]:
+        """Checksums of an object's parts of ``part`` bytes (default one host slot, which is one
+        SSD part unless the SSD stores FP8)."""
+        part = part or self.host_pool.slot_bytes
         with nvtx.nvtx_range(nvtx.VERIFY):
             return tuple(checksum(staging[o:o + part]) for o in range(0, staging.numel(), part))
 
@@ -126,6 +134,6 @@ class Packer:
         """Wait for what is queued on a stream before its memory is given back (failure paths:
         never raises; a device that cannot even synchronize has bigger problems to report)."""
         try:
-            self.packer.streams.synchronize(stream_name)
+            self.streams.synchronize(stream_name)
         except Exception as exc:
             log.warning("synchronizing the %s stream failed: %s", stream_name, exc)

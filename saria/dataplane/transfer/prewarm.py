@@ -1,7 +1,9 @@
 """The SSD -> DRAM path (``prewarm`` thread): a prewarm (:class:`~saria.orders.PromoteOrder` with
 ``source=Tier.SSD``) reads each object's SSD copy, verified by the store like every SSD read,
 straight into freshly allocated host slots (one SSD part is one host slot), checksums the slots
-and publishes the object once it is whole; an object that cannot be read fails alone. No GPU work."""
+and publishes the object once it is whole; an object that cannot be read fails alone. No GPU work.
+A kv object stored in its FP8 form (``ssd_dtype="fp8"``) is read into a buffer of its own and
+dequantized into the slots: DRAM holds what the cache holds."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from saria.orders import PromoteOrder, Tier
-from saria.kernels import checksum
+import torch
+
+from saria.kernels import checksum, dequantize_staging
 
 from saria.dataplane import nvtx
 from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
@@ -52,16 +56,20 @@ class Prewarms:
         for key in keys:
             slots = None
             try:
-                _, _, expected = self.tables.table(key.kind)
+                _, _, nbytes = self.tables.table(key.kind)
+                expected = self.tables.ssd_bytes(key.kind)
                 ssd_key = object_key(key.chunk, key.kind)
                 info = self.ssd.info(ssd_key)
                 if info is None:
                     raise LookupError(f"{key} is not on SSD")
                 if info.length != expected:
                     raise ValueError(f"{key} is {info.length} bytes on SSD, {expected} expected")
-                slots = self.host_pool.allocate(self.host_pool.slots_for(info.length))
-                views = self.host_pool.views(slots, info.length)
-                self.ssd.read(ssd_key, views).result()  # verified against its checksums by the store
+                slots = self.host_pool.allocate(self.host_pool.slots_for(nbytes))
+                views = self.host_pool.views(slots, nbytes)
+                if self.tables.quantized(key.kind) or self.ssd.part_bytes != self.host_pool.slot_bytes:
+                    self._read_recoded(key, ssd_key, info.length, views)
+                else:  # verified against its checksums by the store
+                    self.ssd.read(ssd_key, views).result()
                 with nvtx.nvtx_range(nvtx.VERIFY):
                     sums = tuple(checksum(view) for view in views)
             except Exception as exc:
@@ -73,8 +81,19 @@ class Prewarms:
                 self.counters.add(prewarm_failures=1)
                 failed.append(key)
                 continue
-            self.dram.put(key, DramObject(slots, info.length, sums))
+            self.dram.put(key, DramObject(slots, nbytes, sums))
             landed += info.length
         self.counters.add(ssd_to_dram_bytes=landed, ssd_to_dram_seconds=time.perf_counter() - t0)
         ok = len(failed) < len(keys) or not keys
         return Completion(order.order_id, ok, tuple(failed) if ok else ())
+
+    def _read_recoded(self, key, ssd_key: bytes, length: int, views: list[torch.Tensor]) -> None:
+        """Read an object whose SSD parts are not host slots (its FP8 form, or parts of another
+        size) into a buffer of its own, verified by the store, then into ``views`` (dequantized)."""
+        stored = torch.empty(length, dtype=torch.uint8)
+        self.ssd.read(ssd_key, stored).result()
+        raw = dequantize_staging(stored, self.tables.kv_dtype) if self.tables.quantized(key.kind) else stored
+        offset = 0
+        for view in views:
+            view.copy_(raw[offset:offset + view.numel()])
+            offset += view.numel()

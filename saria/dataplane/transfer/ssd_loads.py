@@ -49,12 +49,13 @@ class _SsdBatch:
 
     def runs(self, ks: list[int]) -> list[tuple[int, int]]:
         """Sorted object indices cut into ``[start, stop)`` runs of consecutive objects of one page
-        table (one unpack launch each); an object with skipped pages is a run of its own."""
+        table and form (one unpack launch each); an object with skipped pages is a run of its own."""
         runs: list[tuple[int, int]] = []
         for k in ks:
             item = self.items[k]
-            if runs and runs[-1][1] == k and not item.skip and not self.items[runs[-1][0]].skip and \
-                    self.items[runs[-1][0]].table is item.table:
+            first = self.items[runs[-1][0]] if runs else None
+            if first is not None and runs[-1][1] == k and not item.skip and not first.skip and \
+                    first.table is item.table and first.quantized == item.quantized:
                 runs[-1] = (runs[-1][0], k + 1)
             else:
                 runs.append((k, k + 1))

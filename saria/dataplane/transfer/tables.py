@@ -1,5 +1,5 @@
-"""The engine's page tables, with the one check of a caller's block ids (:class:`Tables`), and
-the unpack both reload paths end with (:func:`unpack_run`)."""
+"""The engine's page tables and object sizes, with the one check of a caller's block ids
+(:class:`Tables`), and the unpack both reload paths end with (:func:`unpack_run`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Hashable, Sequence
 import torch
 
 from saria.orders import KV
-from saria.kernels import BlockIds, PageTable, check_block_ids, drop_leading_pages, unpack_pages
+from saria.kernels import (BlockIds, PageTable, check_block_ids, drop_leading_pages, fp8_staging_bytes, unpack_pages,
+                           unpack_pages_fp8)
+from saria.ssd_dtype import check_ssd_dtype
 
 from saria.dataplane import nvtx
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
@@ -23,9 +25,14 @@ Blocks = Sequence[int] | torch.Tensor
 
 class Tables:
     """The engine's page tables and object shapes: ``kv_table`` (a kv object is ``pages_per_chunk``
-    of its pages) and, for hybrid models, ``state_table`` (a state object is ``state_pages``)."""
+    of its pages) and, for hybrid models, ``state_table`` (a state object is ``state_pages``).
 
-    def __init__(self, kv_table: PageTable, state_table: PageTable | None, pages_per_chunk: int, state_pages: int):
+    ``ssd_dtype`` (:mod:`saria.ssd_dtype`): ``"fp8"`` stores kv objects on SSD in their FP8 form
+    (``kv_ssd_bytes`` each, packed and unpacked by the quantizing kernels); ``ValueError`` here if
+    the KV pages cannot take it (a dtype other than bf16/fp16/fp32, pages not whole groups)."""
+
+    def __init__(self, kv_table: PageTable, state_table: PageTable | None, pages_per_chunk: int, state_pages: int,
+                 ssd_dtype: str = "auto"):
         self.kv_table = kv_table
         self.state_table = state_table
         self.pages_per_chunk = pages_per_chunk
@@ -33,6 +40,9 @@ class Tables:
         self.device = kv_table.device
         self.kv_bytes = kv_table.staging_bytes(pages_per_chunk)
         self.state_bytes = state_table.staging_bytes(state_pages) if state_table is not None else 0
+        self.ssd_dtype = check_ssd_dtype(ssd_dtype)
+        self.kv_dtype = kv_table.tensors[0].dtype
+        self.kv_ssd_bytes = fp8_staging_bytes(kv_table, pages_per_chunk) if ssd_dtype == "fp8" else self.kv_bytes
 
     def table(self, kind: str) -> tuple[PageTable, int, int]:
         """(table, pages per object, bytes per object) for an object kind."""
@@ -41,6 +51,15 @@ class Tables:
         if self.state_table is None:
             raise ValueError("a state object was asked for but this engine has no state_table (not a hybrid model)")
         return self.state_table, self.state_pages, self.state_bytes
+
+    def quantized(self, kind: str) -> bool:
+        """Whether objects of ``kind`` are stored on SSD in their FP8 form (kv objects under
+        ``ssd_dtype="fp8"``; state objects never are)."""
+        return kind == KV and self.ssd_dtype == "fp8"
+
+    def ssd_bytes(self, kind: str) -> int:
+        """Bytes of one object of ``kind`` on SSD."""
+        return self.kv_ssd_bytes if kind == KV else self.table(kind)[2]
 
     def ids(self, kind: str, chunk: Hashable, blocks: Blocks | None) -> BlockIds:
         """An object's block ids, checked once here for every kernel that will use them
@@ -65,7 +84,11 @@ class Tables:
 
 
 def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
-    """Unpack one object from its own staging (``item.nbytes`` bytes)."""
+    """Unpack one object from its own staging (``item.nbytes`` bytes; its FP8 form if
+    ``item.quantized``, then dequantized into the pages)."""
+    if item.quantized:
+        unpack_pages_fp8(staging, item.table, item.blocks[item.skip:], skip=item.skip)
+        return
     if item.skip:
         staging = drop_leading_pages(staging, item.table, item.blocks.numel(), item.skip)
     unpack_pages(staging, item.table, item.blocks[item.skip:])
@@ -73,8 +96,8 @@ def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
 
 def unpack_run(job: LoadJob, items: list[LoadItem], staging: torch.Tensor, path: str, streams: Streams,
                counters: TransferCounters) -> None:
-    """Unpack ``items`` (one page table; ``staging`` their packed bytes back to back) with one
-    launch on ``path``'s stream, and finish them on ``job`` (with an event on that stream). Never
+    """Unpack ``items`` (one page table, all quantized or none; ``staging`` their packed bytes
+    back to back) with one launch on ``path``'s stream, and finish them on ``job`` (with an event on that stream). Never
     raises (its callers are the paths' threads, which must neither die nor leave a job waiting):
     if the launch is refused (e.g. two objects naming the same page), each object is unpacked
     alone and only those that fail alone fail."""
@@ -85,7 +108,11 @@ def unpack_run(job: LoadJob, items: list[LoadItem], staging: torch.Tensor, path:
             if len(items) == 1:
                 _unpack(items[0], staging)
             else:
-                unpack_pages(staging, items[0].table, BlockIds.stack([i.blocks for i in items]))
+                ids = BlockIds.stack([i.blocks for i in items])
+                if items[0].quantized:
+                    unpack_pages_fp8(staging.view(len(items), -1), items[0].table, ids)
+                else:
+                    unpack_pages(staging, items[0].table, ids)
             event = streams.record(path)
     except Exception as exc:
         if len(items) == 1:

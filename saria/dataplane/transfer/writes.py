@@ -1,7 +1,11 @@
 """The DRAM/GPU -> SSD path (the SSD store's writer pool): write orders from DRAM slots (no copy,
 their checksums computed at pack time) or, for write-through, from GPU staging packed on the
 packer's offload thread and then held by the store until written. An order's ``released`` event is
-set at once for DRAM-source writes, once its pages are packed for GPU-source ones."""
+set at once for DRAM-source writes, once its pages are packed for GPU-source ones.
+
+Under ``ssd_dtype="fp8"`` a kv object goes to SSD in its FP8 form: packed so by the quantizing
+kernel from the pages, or quantized from its DRAM copy on the offload thread (not the caller's:
+the caller is the engine's step); its part checksums are those of the stored bytes."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Hashable, Mapping
 import torch
 
 from saria.orders import ObjectKey, Tier, WriteOrder
+from saria.kernels import quantize_staging
 
 from saria.dataplane.dram.store import DramStore
 from saria.dataplane.ssd.keys import object_key
@@ -31,6 +36,9 @@ class Writes:
         self.dram = dram
         self.ssd = ssd
         self.counters = counters
+        # DRAM copies cannot go to SSD slot by slot: their kv objects are quantized first, or SSD
+        # parts are not host slots (fp8 sizes them for the smaller objects)
+        self._recode = ssd is not None and (tables.ssd_dtype != "auto" or ssd.part_bytes != packer.host_pool.slot_bytes)
 
     def write(self, order: WriteOrder, kv_blocks: Mapping[Hashable, Blocks], state_blocks: Mapping[Hashable, Blocks],
               prepacked: Mapping[ObjectKey, torch.Tensor], released: threading.Event) -> "Future[Completion]":
@@ -40,8 +48,11 @@ class Writes:
         keys = order.keys()
         if order.source is Tier.DRAM:
             released.set()
-            futures = [self._write_from_dram(key) for key in keys]
-            self._gather_writes(order, keys, futures, result)
+            if self._recode:
+                self.packer.pool.submit(self._recode_and_write, order, keys, result)
+            else:
+                futures = [self._write_from_dram(key) for key in keys]
+                self._gather_writes(order, keys, futures, result)
         elif order.source is Tier.GPU:
             objects = self.packer.resolve(order, kv_blocks, state_blocks, prepacked)
             self.packer.submit(self._pack_and_write, order, objects, released, keys, result)
@@ -56,7 +67,7 @@ class Writes:
         try:
             with self.packer.streams.on("offload"):
                 self.packer.streams.wait(None, ready)  # the offload stream (current here) follows the caller's work
-                packed = self.packer.pack(objects)
+                packed = self.packer.pack(objects, for_ssd=True)
                 self.packer.packed_on_device("offload")
                 released.set()
                 futures = [error if error is not None else self._write_staging(key, staging)
@@ -79,9 +90,35 @@ class Writes:
         except Exception as exc:  # store full, closed
             return exc
 
+    def _recode_and_write(self, order: WriteOrder, keys: list[ObjectKey], result: Future) -> None:
+        """On the offload thread: each object's DRAM copy in the form the SSD stores (a kv object
+        quantized), then written. The control plane keeps the DRAM copies until the order completes."""
+        try:
+            futures = []
+            for key in keys:
+                obj = self.dram.get(key)
+                if obj is None:
+                    self.counters.add(missing_dram_objects=1)
+                    futures.append(LookupError(f"{key} is not in DRAM"))
+                    continue
+                try:
+                    raw = self.dram.contiguous(obj)
+                    if raw is None:
+                        raw = torch.cat(self.dram.views(obj))
+                    data = quantize_staging(raw, self.tables.kv_dtype) if self.tables.quantized(key.kind) else raw
+                except Exception as exc:
+                    futures.append(exc)
+                    continue
+                futures.append(self._write_staging(key, data))
+            self._gather_writes(order, keys, futures, result)
+        except BaseException as exc:
+            if not result.done():
+                result.set_exception(exc)
+            raise
+
     def _write_staging(self, key: ObjectKey, staging: torch.Tensor) -> Future | BaseException:
         try:
-            sums = self.packer.part_checksums(staging)
+            sums = self.packer.part_checksums(staging, self.ssd.part_bytes)
             # the store holds the staging tensor until the write is done
             return self.ssd.write(object_key(key.chunk, key.kind), staging, sums)
         except Exception as exc:
@@ -109,7 +146,7 @@ class Writes:
         if not futures:
             result.set_result(Completion(order.order_id, True))
         for key, future in zip(keys, futures):
-            nbytes = self.tables.table(key.kind)[2]
+            nbytes = self.tables.ssd_bytes(key.kind)  # the bytes the SSD stores
             if isinstance(future, BaseException):
                 one_done(key, future, nbytes)
             else:

@@ -13,6 +13,11 @@ different steps (a whole prompt at once, or a new turn over a cached prefix), an
 vLLM's attention rounds the two differently (``docs/numerics.md``). Outputs then differ in their
 last bits for reasons that are vLLM's, not saria's; the bytes saria restores must never differ.
 
+Under ``ssd_dtype="fp8"`` a chunk reloaded from SSD is checked against the FP8 round trip of the
+page vLLM computed (each 128-element group scaled to e4m3's range, cast with torch's own
+``float8_e4m3fn`` and back: the format of :mod:`saria.ssd_dtype`, computed here without saria's
+kernels), bit for bit; a chunk reloaded from DRAM against the page itself.
+
 Cost: a device-to-host copy and a hash of every page stored and reloaded, on the engine's thread.
 For tests, ``saria demo`` and debugging a deployment, not for serving at speed. Objects that a
 previous run left on SSD were computed before this process started: their reloads count as
@@ -27,6 +32,8 @@ from typing import Hashable, Sequence
 
 import torch
 
+from saria.ssd_dtype import FP8_GROUP, FP8_MAX
+
 log = logging.getLogger("saria.vllm")
 
 DIGEST_BYTES = 16
@@ -39,36 +46,44 @@ class KVAudit:
     table sees them. A chunk stored again (recomputed after its objects were dropped) replaces its
     digests: a reload reads the newest copy."""
 
-    def __init__(self, views: Sequence[torch.Tensor]):
+    def __init__(self, views: Sequence[torch.Tensor], *, ssd_fp8: bool = False):
         if not views:
             raise ValueError("KVAudit needs at least one paged tensor")
         self.views = list(views)
-        self._stored: dict[Hashable, tuple[bytes, ...]] = {}
+        self.ssd_fp8 = ssd_fp8
+        # per chunk: the pages' digests, and under ssd_fp8 their FP8 round trips' digests
+        self._stored: dict[Hashable, tuple[tuple[bytes, ...], tuple[bytes, ...] | None]] = {}
         self.stored_pages = 0
         self.checked_pages = 0
         self.mismatched_pages = 0
         self.unverified_pages = 0
         self._reported: set[Hashable] = set()
 
-    def page_digest(self, block: int) -> bytes:
-        """The digest of one vLLM block over every attention layer, in layer order."""
+    def page_digest(self, block: int, *, fp8: bool = False) -> bytes:
+        """The digest of one vLLM block over every attention layer, in layer order (``fp8``: of
+        its FP8 round trip, :func:`fp8_round_trip`)."""
         h = hashlib.blake2b(digest_size=DIGEST_BYTES)
         for view in self.views:
-            page = view[block].detach().contiguous()
-            h.update(page.view(torch.uint8).cpu().numpy().tobytes())
+            page = view[block].detach().cpu().contiguous()
+            if fp8:
+                page = fp8_round_trip(page)
+            h.update(page.view(torch.uint8).numpy().tobytes())
         return h.digest()
 
     def stored(self, chunk: Hashable, blocks: Sequence[int]) -> None:
         """A store or write is about to read ``chunk`` from ``blocks``: what they hold now is what
         vLLM computed."""
-        self._stored[chunk] = tuple(self.page_digest(b) for b in blocks)
+        rounded = tuple(self.page_digest(b, fp8=True) for b in blocks) if self.ssd_fp8 else None
+        self._stored[chunk] = (tuple(self.page_digest(b) for b in blocks), rounded)
         self.stored_pages += len(blocks)
 
-    def check(self, chunk: Hashable, blocks: Sequence[int], skip: int = 0) -> int:
+    def check(self, chunk: Hashable, blocks: Sequence[int], skip: int = 0, *, from_ssd: bool = False) -> int:
         """A reload wrote ``chunk`` into ``blocks[skip:]`` (the first ``skip`` pages are vLLM's own
-        and were left alone); returns how many of those pages differ from what was stored."""
+        and were left alone); returns how many of those pages differ from what was stored (its
+        FP8 round trip when it came ``from_ssd`` under ``ssd_fp8``)."""
         written = range(skip, len(blocks))
-        expected = self._stored.get(chunk)
+        exact, rounded = self._stored.get(chunk, (None, None))
+        expected = rounded if from_ssd and self.ssd_fp8 else exact
         if expected is None or len(expected) != len(blocks):
             self.unverified_pages += len(written)
             return 0
@@ -92,3 +107,15 @@ class KVAudit:
 
 def _short(chunk: Hashable) -> str:
     return chunk.hex()[:12] if isinstance(chunk, bytes) else repr(chunk)[:24]
+
+
+def fp8_round_trip(page: torch.Tensor) -> torch.Tensor:
+    """What an FP8 SSD object gives back for ``page`` (a contiguous CPU tensor of bf16, fp16 or
+    fp32 whose elements fill whole groups): per :data:`~saria.ssd_dtype.FP8_GROUP` consecutive
+    elements, ``scale = amax / 448``, codes ``x / scale`` cast to ``float8_e4m3fn`` by torch, decoded
+    as ``code * scale`` in float32 and rounded to the page's dtype (a zero group stays zero)."""
+    x = page.reshape(-1, FP8_GROUP).float()
+    scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.where(scale > 0, x / safe, torch.zeros_like(x)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (codes.float() * scale).to(page.dtype).reshape(page.shape)

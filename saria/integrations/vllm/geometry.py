@@ -15,6 +15,7 @@ class EngineGeometry:
     attention_group: int  # index of the full-attention group in kv_cache_config.kv_cache_groups
     attention_layers: tuple[str, ...]
     kv_bytes_per_token: int
+    kv_element_bytes: int = 2  # bytes of one element of the attention pages (bf16: 2)
     state_group: int | None = None  # hybrid models: the GDN (mamba) group
     state_layers: tuple[str, ...] = ()
     state_bytes: int = 0  # one checkpoint: every GDN layer's conv and temporal state
@@ -63,7 +64,7 @@ def engine_geometry(kv_cache_config: Any, cache_config: Any) -> EngineGeometry:
                          f"{spec.block_size}")
     geometry = EngineGeometry(block_size=spec.block_size, attention_group=index, attention_layers=layers,
                               kv_bytes_per_token=len(layers) * spec.page_size_bytes // spec.block_size,
-                              hash_block_size=hash_block_size)
+                              kv_element_bytes=spec.dtype.itemsize, hash_block_size=hash_block_size)
     if state is None:
         return geometry
     s_index, s_layers, s_spec = state
@@ -74,5 +75,6 @@ def engine_geometry(kv_cache_config: Any, cache_config: Any) -> EngineGeometry:
     if s_spec.block_size != spec.block_size:
         raise ValueError(f"saria: GDN block size {s_spec.block_size} differs from attention block size {spec.block_size}")
     return EngineGeometry(block_size=spec.block_size, attention_group=index, attention_layers=layers,
-                          kv_bytes_per_token=geometry.kv_bytes_per_token, state_group=s_index, state_layers=s_layers,
+                          kv_bytes_per_token=geometry.kv_bytes_per_token,
+                          kv_element_bytes=geometry.kv_element_bytes, state_group=s_index, state_layers=s_layers,
                           state_bytes=len(s_layers) * _state_bytes_per_layer(s_spec), hash_block_size=hash_block_size)

@@ -73,10 +73,11 @@ METRICS: tuple[Metric, ...] = (
            "reuse: R_b >= theta_R, prewrite).", "reason",
            {"admissions_eviction": "eviction", "admissions_reuse": "reuse", "admissions_prewrite": "prewrite"}),
     Metric("vllm:saria_ssd_writes", "Writes to saria's SSD tier completed.", None, {"ssd_writes": None}),
-    Metric("vllm:saria_ssd_bytes_written", "Bytes of the writes to saria's SSD tier completed (one rank's shard "
-           "per object).", None, {"ssd_bytes_written": None}),
+    Metric("vllm:saria_ssd_bytes_written", "Bytes of the writes to saria's SSD tier completed, as stored (one "
+           "rank's shard per object; under ssd_dtype=fp8 a kv object's FP8 form).", None, {"ssd_bytes_written": None}),
     Metric("vllm:saria_promotions", "SSD-hit chunks promoted to saria's DRAM tier.", None, {"promotions": None}),
-    Metric("vllm:saria_transfer_bytes", "Bytes moved by saria's data plane, by path, summed over worker ranks.",
+    Metric("vllm:saria_transfer_bytes", "Bytes moved by saria's data plane, by path, summed over worker ranks "
+           "(SSD paths: as stored, an FP8 form's under ssd_dtype=fp8).",
            "path", {"dram_to_gpu_bytes": "dram_to_gpu", "ssd_to_gpu_bytes": "ssd_to_gpu",
                     "gpu_to_dram_bytes": "gpu_to_dram", "ssd_write_bytes": "to_ssd"}),
     Metric("vllm:saria_transfer_seconds", "Seconds saria's data plane spent moving bytes, by path, summed over "

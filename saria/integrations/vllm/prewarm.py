@@ -51,6 +51,7 @@ class PrewarmSessions:
         self.lead_s = policy.prewarm_lead_s
         self.max_bytes = config.prewarm_max_bytes
         self.rate = config.prewarm_bytes_per_s
+        self.config = config
         self.max_sessions = max_sessions
         self._tips: OrderedDict[Hashable, PrewarmSession] = OrderedDict()
         self._due: list[tuple[float, int, Hashable, PrewarmSession, int]] = []
@@ -94,7 +95,9 @@ class PrewarmSessions:
             if generation != session.generation or self._tips.get(tip) is not session:
                 continue  # the turn came (or the session was dropped) first
             new = self.control.prewarm(session.hashes, now, self.max_bytes)
-            nbytes = sum(order.nbytes for order in new if isinstance(order, PromoteOrder))
+            # paced by what the prewarm reads from SSD (a kv object's FP8 form under ssd_dtype=fp8)
+            nbytes = sum(self.config.ssd_bytes_of(len(order.kv), len(order.state))
+                         for order in new if isinstance(order, PromoteOrder))
             if nbytes:
                 self.issued += 1
                 self._next_free = max(now, self._next_free) + nbytes / self.rate

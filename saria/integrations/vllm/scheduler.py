@@ -65,7 +65,8 @@ class SariaScheduler:
         self.geometry = geometry
         block_size = geometry.block_size
         self.config = settings.saria_config(block_size=block_size, kv_bytes_per_token=geometry.kv_bytes_per_token,
-                                            state_bytes=geometry.state_bytes, shards=workers)
+                                            state_bytes=geometry.state_bytes, shards=workers,
+                                            kv_element_bytes=geometry.kv_element_bytes)
         self.control = ControlPlane(self.config)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size

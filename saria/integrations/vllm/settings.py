@@ -16,6 +16,10 @@ key                           meaning (default)
                               (:func:`~saria.integrations.vllm.layout.rank_directories`)
 ``ssd_gb`` / ``ssd_bytes``    SSD tier size of the server over all drives and ranks (64 GiB when
                               ``ssd_paths`` is set)
+``ssd_dtype``                 how the SSD tier stores kv objects: ``auto`` (as the KV cache holds them,
+                              bit-exact) or ``fp8`` (FP8 e4m3 with a float32 scale per 128 elements:
+                              about half the SSD bytes written, read and held; DRAM copies and GDN
+                              states stay exact; :mod:`saria.ssd_dtype`) (``auto``)
 ``chunk_tokens``              tokens per cached chunk, a multiple of the block size (512; hybrid: one block)
 ``checkpoint_tokens``         hybrid models: tokens between kept GDN state checkpoints, besides the one at
                               each prompt's last chunk boundary; a multiple of ``chunk_tokens``
@@ -43,13 +47,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from saria.config import POLICY_PRESETS, Bandwidths, Capacity, ChunkSpec, Policy, SariaConfig, admission_rules
+from saria.ssd_dtype import SSD_DTYPES
 
 GiB = 1 << 30
 DEFAULT_CHECKPOINT_TOKENS = 16_384
 _POLICY_FIELDS = {f.name for f in dataclasses.fields(Policy)} - {"name"}
 _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", "chunk_tokens",
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
-         "log_interval_s", "on_load_failure", "audit_kv"} | _POLICY_FIELDS
+         "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype"} | _POLICY_FIELDS
 
 
 MAX_BYTES = 1 << 60  # an exabyte: beyond any tier a machine could give
@@ -102,6 +107,7 @@ class ConnectorSettings:
     dram_bytes: int = 8 * GiB
     ssd_paths: tuple[str, ...] = ()
     ssd_bytes: int = 0
+    ssd_dtype: str = "auto"
     chunk_tokens: int | None = None
     checkpoint_tokens: int | None = None  # None: DEFAULT_CHECKPOINT_TOKENS rounded to whole chunks
     bandwidth: Bandwidths = Bandwidths()
@@ -144,6 +150,7 @@ class ConnectorSettings:
                              "(saria, paper, ...) or evaluate the oracle with saria replay --policy oracle")
         return cls(policy=policy, policy_overrides=overrides, dram_bytes=_size(extra, "dram", 8 * GiB),
                    ssd_paths=tuple(paths), ssd_bytes=_size(extra, "ssd", 64 * GiB if paths else 0),
+                   ssd_dtype=_choice(extra, "ssd_dtype", "auto", SSD_DTYPES),
                    chunk_tokens=_positive_int(extra, "chunk_tokens"),
                    checkpoint_tokens=_positive_int(extra, "checkpoint_tokens"),
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
@@ -172,7 +179,7 @@ class ConnectorSettings:
         return self.checkpoint_tokens
 
     def saria_config(self, *, block_size: int, kv_bytes_per_token: int, state_bytes: int = 0,
-                     shards: int = 1) -> SariaConfig:
+                     shards: int = 1, kv_element_bytes: int = 2) -> SariaConfig:
         """The configuration of one shard's cache for an engine with these page geometries (one
         rank's: ``kv_bytes_per_token`` and ``state_bytes`` are what one worker's pages hold).
         Under tensor and pipeline parallelism each of the ``shards`` worker ranks holds its shard of
@@ -189,6 +196,6 @@ class ConnectorSettings:
             policy = dataclasses.replace(policy, use_ssd=False)  # no drives: no SSD tier
         return SariaConfig(dram=Capacity(nbytes=self.dram_bytes // shards), ssd=Capacity(nbytes=self.ssd_bytes // shards),
                            chunk=ChunkSpec(chunk_tokens=chunk_tokens, kv_bytes_per_token=kv_bytes_per_token,
-                                           state_bytes=state_bytes,
-                                           checkpoint_tokens=chunk_tokens),
-                           bandwidth=self.bandwidth, policy=policy, ssd_paths=self.ssd_paths)
+                                           state_bytes=state_bytes, checkpoint_tokens=chunk_tokens,
+                                           kv_element_bytes=kv_element_bytes),
+                           bandwidth=self.bandwidth, policy=policy, ssd_paths=self.ssd_paths, ssd_dtype=self.ssd_dtype)

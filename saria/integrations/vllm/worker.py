@@ -116,7 +116,7 @@ class SariaWorker:
         rank = open_rank(self.settings, self.geometry, self.layout, self.model, self.num_blocks, kv_caches)
         self.data, self.state_table, self._inventory = rank.parts, rank.state_table, rank.inventory
         if self.settings.audit_kv:
-            self.audit = KVAudit(rank.kv_views)
+            self.audit = KVAudit(rank.kv_views, ssd_fp8=self.settings.ssd_dtype == "fp8")
 
     # --- loads -----------------------------------------------------------------------------------
 
@@ -201,7 +201,8 @@ class SariaWorker:
         self._load_reports.append(LoadReport(req_id, spec.plan.plan_id, result.failed, result.valid_chunks))
         if self.audit is not None:
             for c in range(result.valid_chunks):
-                self.audit.check(spec.plan.chunk_hashes[c], spec.kv_blocks[c], spec.skip_pages if c == 0 else 0)
+                self.audit.check(spec.plan.chunk_hashes[c], spec.kv_blocks[c], spec.skip_pages if c == 0 else 0,
+                                 from_ssd=spec.plan.kv_sources[c] is Tier.SSD)
         if result.failed:
             if self.geometry.hybrid:  # block ids are per group: vLLM takes request-level failures
                 self._failed_requests.add(req_id)

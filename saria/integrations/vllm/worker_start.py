@@ -16,6 +16,7 @@ from saria.dataplane.build import DataPlaneParts, open_data_plane
 from saria.dataplane.ssd.keys import parse_object_key
 from saria.kernels import PageTable
 from saria.orders import ObjectKey
+from saria.ssd_dtype import FP8_FORMAT
 
 from .geometry import EngineGeometry
 from .layout import ParallelLayout, page_format, rank_directories, store_identity
@@ -69,10 +70,14 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
             raise ValueError(f"saria: GDN pages hold {state_table.bytes_per_page} B of state, vLLM's spec "
                              f"says {g.state_bytes}")
     config = settings.saria_config(block_size=block_size, kv_bytes_per_token=g.kv_bytes_per_token,
-                                   state_bytes=g.state_bytes, shards=layout.shards)
+                                   state_bytes=g.state_bytes, shards=layout.shards,
+                                   kv_element_bytes=table.tensors[0].element_size())
+    # an FP8 store's objects are not a bf16 store's: the identity says so (and a store written in
+    # the other form is wiped at open, with a log line); "auto" keeps the identity of earlier runs
+    stored = {"ssd_format": FP8_FORMAT} if config.ssd_dtype == "fp8" else {}
     identity = store_identity(model, layout, block_size=block_size, chunk_tokens=config.chunk.chunk_tokens,
                               kv_bytes_per_token=g.kv_bytes_per_token, state_bytes=g.state_bytes,
-                              pages=page_format(views))
+                              pages=page_format(views), **stored)
     directories = rank_directories(settings.ssd_paths, layout) if config.ssd_bytes else []
     parts = open_data_plane(config, table, block_tokens=block_size, state_table=state_table,
                             ssd_paths=directories, ssd_identity=identity, coordinator_mode=settings.coordinator,
