@@ -280,6 +280,13 @@ def test_checksum_of_the_stored_bytes_sees_one_flipped_byte():
         assert checksum(flipped) != base, at
 
 
+def test_sizes_and_the_tables_element_dtype():
+    caches = vllm_layers(4, 2, 2, 16, torch.float32, layers=3)  # 128 elements a page
+    assert PageTable(caches).element_dtype == torch.float32
+    assert PageTable(caches + [torch.zeros(4, 128, dtype=torch.int8)]).element_dtype is None
+    assert fp8_staging_bytes(caches, 5) == 3 * 5 * (128 + 4) == fp8_bytes(3 * 5 * 128 * 4, 4)
+
+
 def test_empty_ids_and_empty_objects():
     caches = vllm_layers(4, 2, 2, 16, torch.float32)
     assert pack_pages_fp8(caches, _ids()).numel() == 0

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -20,12 +21,22 @@ from .cpu import dequantize_rows, pack_pages_fp8_torch, quantize_rows, unpack_pa
 from .triton import launch
 
 
+# A table's FP8 check, once per table (tables are immutable, and every op verifies them first).
+_CHECKED: "weakref.WeakKeyDictionary[PageTable, torch.dtype]" = weakref.WeakKeyDictionary()
+
+
+def _fp8_dtype(table: PageTable) -> torch.dtype:
+    dtype = _CHECKED.get(table)
+    if dtype is None:
+        dtype = _CHECKED[table] = check_fp8_table(table, FP8_GROUP)
+    return dtype
+
+
 def fp8_staging_bytes(table: PageTable | Sequence[torch.Tensor], pages: int) -> int:
     """Bytes of the FP8 object of ``pages`` page ids of ``table`` (``saria.ssd_dtype.fp8_bytes`` of
     their packed bytes). ``ValueError`` for a table fp8 does not apply to (:func:`pack_pages_fp8`)."""
     table = PageTable.of(table)
-    dtype = check_fp8_table(table, FP8_GROUP)
-    return fp8_bytes(table.staging_bytes(pages), dtype.itemsize)
+    return fp8_bytes(table.staging_bytes(pages), _fp8_dtype(table).itemsize)
 
 
 def _check_staging(staging: torch.Tensor, table: PageTable, chunks: int, per_chunk: int, what: str) -> None:
@@ -57,7 +68,7 @@ def pack_pages_fp8(caches: PageTable | Sequence[torch.Tensor], block_ids: torch.
     scale inf, both with codes 0, so the whole group decodes to NaN: the damage stays visible and
     confined to its 128 elements, never a finite wrong value."""
     table = PageTable.of(caches)
-    check_fp8_table(table, FP8_GROUP)
+    _fp8_dtype(table)
     blocks = check_block_ids(table, block_ids)
     chunks, per_chunk = blocks.chunks, blocks.per_chunk
     row = fp8_staging_bytes(table, per_chunk)
@@ -84,7 +95,7 @@ def unpack_pages_fp8(staging: torch.Tensor, caches: PageTable | Sequence[torch.T
     or staging sharing page bytes, a stale table) and :func:`pack_pages_fp8`."""
     table = PageTable.of(caches)
     check_unpack_target(table)
-    check_fp8_table(table, FP8_GROUP)
+    _fp8_dtype(table)
     blocks = check_block_ids(table, block_ids, unique=True)
     skip = check_skip(skip, blocks.dim(), blocks.per_chunk)
     chunks, per_chunk = blocks.chunks, blocks.per_chunk + skip

@@ -17,7 +17,10 @@ docs/kernels.md), so the compiled kernel, the interpreter and torch agree bit fo
   (numpy) also rounds to nearest even.
 
 Divisions are ``tl.math.div_rn`` (IEEE), as the format requires. Scales are stored and loaded as
-4 single bytes (little-endian), so an FP8 object may start at any address.
+4 single bytes (little-endian), so an FP8 object may start at any address. A page whose address and
+first code are 16-byte aligned takes a branch whose pointers carry alignment hints (16-byte vector
+loads and stores: tests/test_kernels_codegen.py checks the PTX); other pages the same tile code
+without them. :func:`launch_config` picks the tile and the split from the table's page sizes.
 """
 
 from __future__ import annotations
