@@ -57,7 +57,7 @@ step kernel_tests 240 "${PYTEST[@]}" -n 8 tests/test_kernels_pages.py tests/test
 # The FP8 rows (pack_pages_fp8 / unpack_pages_fp8, target >= 0.80 of the D2D copy) run in this step.
 step bench_kernels 200 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" \
   ${SARIA_SWEEP_KERNELS:+--sweep-block}
-step dataplane_tests 300 "${PYTEST[@]}" -n 8 tests/test_dataplane_engine.py tests/test_dataplane_orders.py \
+step dataplane_tests 300 "${PYTEST[@]}" -n 8 tests/test_dataplane_engine.py tests/test_dataplane_fp8.py tests/test_dataplane_orders.py \
   tests/test_dataplane_batching.py tests/test_dataplane_dram_store.py tests/test_dataplane_host_pool.py \
   tests/test_dataplane_coordinator.py tests/test_dataplane_cuda_rules.py tests/test_ssd_store.py \
   tests/test_ssd_store_misuse.py tests/test_gpu_stress.py tests/test_pcie.py tests/test_ssd_backends.py \

@@ -43,7 +43,8 @@ def test_the_ssd_holds_and_moves_fp8_sizes(fp8):
     control, engine = fp8["saria"]["control"], fp8["saria"]["worker"]["engine"]
     assert control["ssd_writes"] > 0 and control["ssd_bytes_written"] == control["ssd_writes"] * stored
     assert engine["ssd_write_bytes"] == control["ssd_bytes_written"]
-    assert engine["ssd_to_gpu_bytes"] == 4 * stored
+    ssd_chunks = sum(t["ssd_tokens"] for t in fp8["saria"]["turns"]) // CHUNK
+    assert ssd_chunks >= 4 and engine["ssd_to_gpu_bytes"] == ssd_chunks * stored
 
 
 def test_a_bf16_server_wipes_the_fp8_store_instead_of_reading_it(fp8):

@@ -105,7 +105,7 @@ class Writes:
                     raw = self.dram.contiguous(obj)
                     if raw is None:
                         raw = torch.cat(self.dram.views(obj))
-                    data = quantize_staging(raw, self.tables.kv_dtype) if self.tables.quantized(key.kind) else raw
+                    data = self._quantized(raw) if self.tables.quantized(key.kind) else raw
                 except Exception as exc:
                     futures.append(exc)
                     continue
@@ -115,6 +115,15 @@ class Writes:
             if not result.done():
                 result.set_exception(exc)
             raise
+
+    def _quantized(self, raw: torch.Tensor) -> torch.Tensor:
+        """A DRAM copy's FP8 form, encoded on the engine's device: on a GPU one copy up from the
+        pinned slots, then the encoding on the ``offload`` stream (the store then writes from the
+        device, by GDS where it can); on a CPU in place (torch: ~20 ms per million elements)."""
+        with self.packer.streams.on("offload"):
+            data = quantize_staging(raw.to(self.tables.device, non_blocking=True), self.tables.kv_dtype)
+        self.packer.packed_on_device("offload")  # the FP8 bytes exist before the store reads them
+        return data
 
     def _write_staging(self, key: ObjectKey, staging: torch.Tensor) -> Future | BaseException:
         try:
