@@ -17,6 +17,8 @@ the offline oracle, and saria's policies, and prints one table:
     python bench/bench_policy.py                    # the table (a few minutes on 2 cores)
     python bench/bench_policy.py --plot-dir docs/policy   # and a writes-vs-CHAR plot per trace
     python bench/bench_policy.py --json out.json    # every record
+    python bench/bench_policy.py --ssd-dtype fp8    # the SSD tier storing FP8 (same SSD bytes; see
+                                                    # bench/bench_ssd_dtype.py for fp8 against bf16)
 
 A missing trace folder leaves the two synth seeds, and says so.
 """
@@ -38,6 +40,7 @@ from saria.replay.experiment import Experiment, Point, open_trace  # noqa: E402
 from saria.replay.policies import BaseSettings, parse_policy  # noqa: E402
 from saria.replay.replay import ReplaySettings  # noqa: E402
 from saria.replay.traces import TraceError  # noqa: E402
+from saria.ssd_dtype import SSD_DTYPES  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces"
 GiB = 1 << 30
@@ -63,13 +66,13 @@ def traces(folder: Path) -> list[str]:
     return specs + ["synth", "synth:seed=1"]
 
 
-def replay_all(spec: str, scale: float, jobs: int | None) -> list[dict] | None:
+def replay_all(spec: str, scale: float, jobs: int | None, ssd_dtype: str = "auto") -> list[dict] | None:
     try:
         trace = open_trace(spec)
     except TraceError as exc:
         print(f"note: {spec}: {exc} (skipped)", file=sys.stderr)
         return None
-    base = BaseSettings(dram_tokens=int(1_000_000 * scale), ssd_tokens=int(10_000_000 * scale))
+    base = BaseSettings(dram_tokens=int(1_000_000 * scale), ssd_tokens=int(10_000_000 * scale), ssd_dtype=ssd_dtype)
     arrivals = "rewindow"
     try:
         exp = Experiment(trace, spec, base, ReplaySettings(), arrivals=arrivals, workers=jobs, progress=False)
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-dir", type=Path, help="write a writes-vs-CHAR plot per trace here (needs matplotlib)")
     parser.add_argument("--jobs", type=int, default=None, help="replays in parallel (default: the CPU count)")
     parser.add_argument("--quick", action="store_true", help="a small synth trace at one tenth capacity (a smoke run)")
+    parser.add_argument("--ssd-dtype", choices=SSD_DTYPES, default="auto",
+                        help="how the SSD tier stores kv objects: auto (bf16, default) or fp8 (0.516x the bytes; the "
+                             "SSD capacity stays in bytes, so it holds ~1.94x the chunks)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     specs = ["synth:sessions=60"] if args.quick else traces(args.traces)
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for spec in specs:
         for scale, name in scales:
-            results = replay_all(spec, scale, args.jobs)
+            results = replay_all(spec, scale, args.jobs, args.ssd_dtype)
             if results is None:
                 continue
             rows.append((spec, name, {label: r for (label, _), r in zip(POLICIES, results)}))

@@ -26,3 +26,22 @@ def test_quick_policy_table(tmp_path):
     assert verdicts["E2R8 (paper)"]["dominates"] and verdicts["saria"]["dominates"]  # saria is >= E2R8
     assert results["oracle"]["useful_write_fraction"] > paper["useful_write_fraction"]
     assert list((tmp_path / "plots").glob("*.png"))
+
+
+def test_quick_policy_table_with_an_fp8_ssd(tmp_path):
+    """``--ssd-dtype fp8``: the same SSD bytes hold more chunks in FP8: every policy writes at most
+    0.516x the bytes of its bf16 run per chunk written, and none hits less."""
+    runs = {}
+    for dtype in ("auto", "fp8"):
+        out = tmp_path / f"{dtype}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_policy.py"), "--quick", "--jobs", "2",
+                               "--ssd-dtype", dtype, "--json", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [row] = json.loads(out.read_text())
+        runs[dtype] = row["results"]
+    assert runs["auto"]["FD"]["ssd_write_bytes"] > 0 and runs["auto"]["saria"]["ssd_write_bytes"] > 0
+    for label, bf16 in runs["auto"].items():
+        fp8 = runs["fp8"][label]
+        assert fp8["char_mean"] >= bf16["char_mean"] - 1e-12, label
+        assert fp8["ssd_write_bytes"] <= 0.516 * bf16["ssd_write_bytes"] + 1, label
