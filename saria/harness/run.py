@@ -56,7 +56,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
                 num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
                 abort_turns: list[int] = (), gap_s: float = 0.0, kv_cache_dtype: str = "auto",
-                emulate_ssd_fp8: bool = False) -> SessionResult:
+                emulate_ssd_fp8: bool | str = False) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -87,7 +87,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     steps whenever saria has pending work, as a server's engine does (orders completing, a prewarm
     falling due), and sleeps otherwise. ``kv_cache_dtype``: vLLM's (``auto``: the model's dtype;
     ``fp8``: vLLM's own FP8 KV cache, scales 1.0 without calibrated ones). ``emulate_ssd_fp8``: every
-    kv object saria reloads from SSD goes through the SSD tier's FP8 format first
+    kv object saria reloads from SSD goes through an FP8 round trip first: True or ``"saria"`` the
+    SSD tier's format, ``"vllm"`` vLLM's FP8 KV format with scale 1.0
     (:func:`~saria.harness.fp8.emulate_fp8_ssd_reloads`; an engine in this process)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -147,7 +148,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
             raise ValueError("emulate_ssd_fp8 needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         from saria.harness.fp8 import emulate_fp8_ssd_reloads
 
-        restore = emulate_fp8_ssd_reloads(restore)
+        restore = emulate_fp8_ssd_reloads(restore, fmt="saria" if emulate_ssd_fp8 is True else emulate_ssd_fp8)
     result = SessionResult([], block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     start = time.perf_counter()
     first = 0
