@@ -24,7 +24,8 @@ Configurations (``--configs``), each one vLLM engine running both workloads one 
 * ``ae``: (a) emulated before the data plane has it: saria with ``ssd_dtype="auto"``, every kv object
   read back from SSD quantized and dequantized in its staging by the format's torch reference
   (``saria.harness.fp8``) before it lands in vLLM's pages. Once (a) runs, the two should agree
-  bit for bit (``a_equals_emulation``), if the data plane implements the format as specified.
+  bit for bit (``a_equals_emulation``, over the prompts both reused as much of), if the data plane
+  implements the format as specified.
 * ``b``: plain vLLM with its own FP8 KV cache, ``kv_cache_dtype="fp8"`` (e4m3, per-tensor scales
   k_scale = v_scale = 1.0 as vLLM uses without calibrated scales), no prefix reuse: every token's
   K and V, prefix, suffix and generated, go through FP8.
@@ -307,11 +308,12 @@ def main(args: argparse.Namespace) -> int:
         for name in ("a", "ae", "be"):
             if name in w["configs"] and "b" in w["configs"]:
                 w[f"{name}_no_worse_than_b"] = no_worse(w["configs"][name], w["configs"]["b"])
-        if "a" in w["configs"] and "ae" in w["configs"]:
-            w["a_equals_emulation"] = all(
-                runs["a"]["turns"][evaluated[j]]["output_tokens"] == runs["ae"]["turns"][evaluated[j]]["output_tokens"]
-                and runs["a"]["turns"][evaluated[j]]["logprobs"] == runs["ae"]["turns"][evaluated[j]]["logprobs"]
-                for j in idx)
+        if "a" in w["configs"] and "ae" in w["configs"]:  # over the prompts both reused as much of
+            pairs = [(runs["a"]["turns"][evaluated[j]], runs["ae"]["turns"][evaluated[j]]) for j in idx]
+            pairs = [(x, y) for x, y in pairs if x["cached_tokens"] == y["cached_tokens"]]
+            w["a_equals_emulation"] = all(x["output_tokens"] == y["output_tokens"] and x["logprobs"] == y["logprobs"]
+                                          for x, y in pairs)
+            w["a_equals_emulation_prompts"] = len(pairs)
         result["workloads"][wname] = w
     if "c" in runs:
         audit = runs["c"]["worker"].get("audit") or {}
