@@ -55,7 +55,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                 corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
                 num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
-                abort_turns: list[int] = (), gap_s: float = 0.0) -> SessionResult:
+                abort_turns: list[int] = (), gap_s: float = 0.0, kv_cache_dtype: str = "auto",
+                emulate_ssd_fp8: bool | str = False) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -84,7 +85,11 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     is aborted as soon as it has its first output token (its prompt's stores just started).
     ``gap_s``: an idle gap after every turn but the last, during which the engine (in this process)
     steps whenever saria has pending work, as a server's engine does (orders completing, a prewarm
-    falling due), and sleeps otherwise."""
+    falling due), and sleeps otherwise. ``kv_cache_dtype``: vLLM's (``auto``: the model's dtype;
+    ``fp8``: vLLM's own FP8 KV cache, scales 1.0 without calibrated ones). ``emulate_ssd_fp8``: every
+    kv object saria reloads from SSD goes through an FP8 round trip first: True or ``"saria"`` the
+    SSD tier's format, ``"vllm"`` vLLM's FP8 KV format with scale 1.0
+    (:func:`~saria.harness.fp8.emulate_fp8_ssd_reloads`; an engine in this process)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -107,6 +112,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         kwargs["block_size"] = block_size
     if num_gpu_blocks is not None:
         kwargs["num_gpu_blocks_override"] = num_gpu_blocks
+    if kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
     batches = list(batches) if batches is not None else [1] * len(prompts)
     if sum(batches) != len(prompts) or min(batches, default=1) < 1:
         raise ValueError(f"batches {batches} must be positive and add up to the {len(prompts)} prompts")
@@ -136,6 +143,12 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         if guard is None:
             raise ValueError("slow_stores_s needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         restore = slow_packs(slow_stores_s, restore)
+    if emulate_ssd_fp8:
+        if guard is None:
+            raise ValueError("emulate_ssd_fp8 needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        from saria.harness.fp8 import emulate_fp8_ssd_reloads
+
+        restore = emulate_fp8_ssd_reloads(restore, fmt="saria" if emulate_ssd_fp8 is True else emulate_ssd_fp8)
     result = SessionResult([], block_size=llm.llm_engine.vllm_config.cache_config.block_size)
     start = time.perf_counter()
     first = 0
