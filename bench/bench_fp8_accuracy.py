@@ -18,14 +18,12 @@ Configurations (``--configs``), each one vLLM engine running both workloads one 
   over vLLM's own prefix cache primed with the prefix a saria run reuses (the same split of
   reused and computed tokens). Always run.
 * ``a``: saria with ``ssd_dtype="fp8"`` (kv objects on SSD as e4m3, a float32 scale per 128
-  elements: ``saria/ssd_dtype.py``), every reload from SSD. Runs once the connector accepts the
-  ``ssd_dtype`` option (``saria/integrations/vllm/settings.py``); until then it is reported as
-  pending.
-* ``ae``: (a) emulated before the data plane has it: saria with ``ssd_dtype="auto"``, every kv object
-  read back from SSD quantized and dequantized in its staging by the format's torch reference
-  (``saria.harness.fp8``) before it lands in vLLM's pages. Once (a) runs, the two should agree
-  bit for bit (``a_equals_emulation``, over the prompts both reused as much of), if the data plane
-  implements the format as specified.
+  elements: ``saria/ssd_dtype.py``), every reload from SSD, audited (each reloaded page against
+  the FP8 round trip of the page vLLM computed).
+* ``ae``: (a) emulated: saria with ``ssd_dtype="auto"``, every kv object read back from SSD
+  quantized and dequantized in its staging by the format's torch reference (``saria.harness.fp8``)
+  before it lands in vLLM's pages. (a) and (ae) must agree bit for bit (``a_equals_emulation``,
+  over the prompts both reused as much of): the data plane implements the format as specified.
 * ``b``: plain vLLM with its own FP8 KV cache, ``kv_cache_dtype="fp8"`` (e4m3, per-tensor scales
   k_scale = v_scale = 1.0 as vLLM uses without calibrated scales), no prefix reuse: every token's
   K and V, prefix, suffix and generated, go through FP8.
@@ -180,21 +178,11 @@ def no_worse(a: dict, b: dict) -> bool:
 
 # --- runs -----------------------------------------------------------------------------------------
 
-def connector_has_ssd_dtype() -> bool:
-    """Whether the saria connector accepts ``ssd_dtype`` in its extra config."""
-    from saria.integrations.vllm import settings
-
-    return "ssd_dtype" in settings._KEYS
-
-
 def saria_config(ssd: Path, ssd_dtype: str) -> dict[str, Any]:
     """saria's connector options for configurations a and c: SSD only (``gds-only``: every chunk
     written through to SSD, every hit reloaded from it), 64-token chunks."""
-    config = {"chunk_tokens": CHUNK, "policy": "gds-only", "dram_bytes": 0, "ssd_paths": [str(ssd)],
-              "ssd_bytes": 1 << 30, "log_interval_s": 0, "audit_kv": ssd_dtype == "auto"}
-    if ssd_dtype != "auto":  # the option exists only once the connector has it
-        config["ssd_dtype"] = ssd_dtype
-    return config
+    return {"chunk_tokens": CHUNK, "policy": "gds-only", "dram_bytes": 0, "ssd_paths": [str(ssd)],
+            "ssd_bytes": 1 << 30, "log_interval_s": 0, "audit_kv": True, "ssd_dtype": ssd_dtype}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -208,12 +196,6 @@ def main(args: argparse.Namespace) -> int:
     configs = list(dict.fromkeys(args.configs.split(",")))
     if any(c not in CONFIGS for c in configs):
         raise SystemExit(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
-    pending = {}
-    if "a" in configs and not connector_has_ssd_dtype():
-        pending["a"] = ("the saria connector has no ssd_dtype option yet "
-                        "(saria/integrations/vllm/settings.py): configuration a is pending")
-        configs.remove("a")
-        print(f"note: {pending['a']}")
 
     session, source = session_prompts(args.turns, args.max_prompt_tokens, args.trace)
     heads, tails, prefix_lens = batch_prompts(args.prefixes, args.prompts, args.max_prefix_chunks, args.seed)
@@ -285,7 +267,7 @@ def main(args: argparse.Namespace) -> int:
     if "b" in runs:
         per_config["b"] = runs["b"]["turns"]
 
-    result: dict[str, Any] = {"max_tokens": args.max_tokens, "quick": args.quick, "pending": pending,
+    result: dict[str, Any] = {"max_tokens": args.max_tokens, "quick": args.quick,
                               "seconds": seconds, "workloads": {}, "configs": {k: DESCRIPTIONS[k] for k in per_config}}
     for wname, (lo, hi) in workloads.items():
         idx = [j for j, i in enumerate(evaluated) if lo <= i < hi]
@@ -322,8 +304,16 @@ def main(args: argparse.Namespace) -> int:
             w["configs"]["c"]["vs_vllm_prefix_cache"]["tokens_identical"]
             and w["configs"]["c"]["vs_vllm_prefix_cache"]["max_dlogprob"] == 0.0
             for w in result["workloads"].values()) and audit.get("mismatched_pages", 1) == 0
+    if "a" in runs:  # every page reloaded from the FP8 SSD against the round trip of what vLLM computed
+        result["a_audit"] = runs["a"]["worker"].get("audit") or {}
+        result["a_audit_clean"] = result["a_audit"].get("checked_pages", 0) > 0 and \
+            result["a_audit"].get("mismatched_pages", 1) == 0
     table = markdown(result)
     print("\n" + table)
+    if "a" in runs:
+        print(f"(a) audit: {result['a_audit'].get('checked_pages', 0)} pages reloaded from the FP8 SSD checked "
+              f"against the FP8 round trip of vLLM's pages, {result['a_audit'].get('mismatched_pages', '?')} "
+              "mismatched")
     if "c" in runs:
         print(f"(c) identical to vLLM's own prefix-cache reuse: {result['c_identical_to_vllm_prefix_cache']} "
               f"(audit: {result['c_audit'].get('checked_pages', 0)} reloaded pages checked, "
@@ -340,7 +330,8 @@ def main(args: argparse.Namespace) -> int:
     if args.markdown:
         write_output(args.markdown, table + "\n", "--markdown")
         print(f"wrote {args.markdown}")
-    return 0 if result.get("c_identical_to_vllm_prefix_cache", True) else 1
+    exact = result.get("c_identical_to_vllm_prefix_cache", True) and result.get("a_audit_clean", True)
+    return 0 if exact else 1
 
 
 def markdown(result: dict) -> str:
@@ -353,8 +344,6 @@ def markdown(result: dict) -> str:
     for wname, w in result["workloads"].items():
         for name in order:
             if name not in w["configs"]:
-                if name in result.get("pending", {}):
-                    lines.append(f"| {wname} | ({name}) {DESCRIPTIONS[name]} | pending |" + " |" * (len(head) - 3))
                 continue
             e = w["configs"][name]
             label = f"({name}) {DESCRIPTIONS[name]}" if name in CONFIGS else DESCRIPTIONS[name]
@@ -375,8 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                   "prefix cache. See the module docstring for the metrics.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="a,ae,b,be,c",
-                   help="comma-separated configurations to run besides the reference (default a,ae,b,be,c; a is "
-                        "skipped and reported pending while the connector lacks ssd_dtype)")
+                   help="comma-separated configurations to run besides the reference (default a,ae,b,be,c)")
     p.add_argument("--quick", action="store_true",
                    help="a small run for the tests: a 4-turn session cut to 800 tokens, 3 prefixes, 6 prompts, "
                         "8 tokens (overrides the sizes below)")

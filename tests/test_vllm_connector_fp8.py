@@ -40,9 +40,12 @@ def test_turn_three_reloads_from_the_fp8_ssd_and_every_page_is_the_round_trip(fp
 
 def test_the_ssd_holds_and_moves_fp8_sizes(fp8):
     stored = fp8_bytes(CHUNK * KV_BYTES_PER_TOKEN, 2)
-    control, engine = fp8["saria"]["control"], fp8["saria"]["worker"]["engine"]
+    control, worker = fp8["saria"]["control"], fp8["saria"]["worker"]
+    engine = worker["engine"]
     assert control["ssd_writes"] > 0 and control["ssd_bytes_written"] == control["ssd_writes"] * stored
-    assert engine["ssd_write_bytes"] == control["ssd_bytes_written"]
+    # the data plane's count: every object the store committed (the control plane counts those whose
+    # completions it has heard of by the end of the run: the last ones may still be on their way)
+    assert engine["ssd_write_bytes"] == worker["ssd"]["writes"] * stored >= control["ssd_bytes_written"]
     ssd_chunks = sum(t["ssd_tokens"] for t in fp8["saria"]["turns"]) // CHUNK
     assert ssd_chunks >= 4 and engine["ssd_to_gpu_bytes"] == ssd_chunks * stored
 

@@ -1,8 +1,8 @@
-"""A torch reference of the SSD tier's FP8 format (``saria/ssd_dtype.py``) and an emulation of
-``ssd_dtype="fp8"`` reloads for engine runs, in this process: every kv object read back from SSD
-is quantized and dequantized in its staging before it lands in vLLM's pages, as an SSD tier that
-stored it as FP8 would hand it back. ``bench/bench_fp8_accuracy.py`` measures its accuracy cost
-before the data plane has the option, and then holds the real one against it.
+"""An emulation of ``ssd_dtype="fp8"`` reloads for engine runs, in this process: every kv object
+read back from SSD is quantized and dequantized in its staging before it lands in vLLM's pages (by
+the audit's torch reference of the SSD tier's FP8 format,
+:func:`saria.integrations.vllm.audit.fp8_round_trip`), as an SSD tier that stored it as FP8 would
+hand it back. ``bench/bench_fp8_accuracy.py`` holds the real option against it, byte for byte.
 
 The emulation can also apply vLLM's own FP8 KV quantization instead (:func:`fp8_tensor_round_trip`:
 e4m3 with one per-tensor scale, 1.0 when no calibrated scales exist): the same reloaded tokens
@@ -14,24 +14,9 @@ from typing import Callable
 
 import torch
 
+from saria.integrations.vllm.audit import fp8_round_trip
 from saria.orders import KV
-from saria.ssd_dtype import FP8_GROUP, FP8_MAX
-
-
-def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (bf16, fp16 or fp32, ``numel % FP8_GROUP == 0``) encoded as the SSD tier's FP8 and
-    decoded back to its dtype: per group of ``FP8_GROUP`` consecutive elements, ``scale =
-    amax(|x|) / 448`` in float32, codes ``x / scale`` clamped to [-448, 448] and rounded to e4m3fn
-    (nearest even), decoded as ``code * scale`` in float32 rounded to the dtype (a zero group stays
-    zero)."""
-    if x.numel() % FP8_GROUP:
-        raise ValueError(f"{x.numel()} elements are not whole groups of {FP8_GROUP}")
-    groups = x.reshape(-1, FP8_GROUP).float()
-    scale = groups.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = (groups / safe).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out = torch.where(scale == 0, torch.zeros_like(groups), codes.float() * scale)
-    return out.to(x.dtype).reshape(x.shape)
+from saria.ssd_dtype import FP8_MAX
 
 
 def fp8_tensor_round_trip(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
