@@ -52,7 +52,8 @@ from saria.replay.replay import ReplayInternalError, ReplaySettings
 from saria.replay.timing import GB, transfer_seconds
 from saria.replay.traces import Trace
 
-__all__ = ["CLUSTER_ADMISSIONS", "FleetRun", "FleetSettings", "MAX_REPLICAS", "ROUTERS", "replay_fleet",
+__all__ = ["CLUSTER_ADMISSIONS", "FleetRun", "FleetSettings", "MAX_REPLICAS", "ROUTERS", "check_fleet_config",
+           "replay_fleet",
            "route_session"]
 
 ROUTERS = ("random", "session", "least-loaded")
@@ -132,6 +133,18 @@ class FleetRun:
         return self.end_s - self.start_s
 
 
+def check_fleet_config(config: SariaConfig) -> None:
+    """Refuse, with one line, a policy the fleet replay does not model: the oracle admission (it
+    knows one server's future) and prewarming (per-session gap predictions on one server)."""
+    name = config.policy.name
+    if config.policy.admission == "oracle":
+        raise ValueError(f"--policy {name}: the oracle admission knows one server's future; it is not defined "
+                         f"in a fleet replay (--replicas > 1 or --cluster-gb > 0)")
+    if config.policy.prewarm:
+        raise ValueError(f"--policy {name}: prewarming is not modelled in a fleet replay (--replicas > 1 or "
+                         f"--cluster-gb > 0); use prewarm=false")
+
+
 def route_session(session: int, seed: int, replicas: int) -> int:
     """The ``session`` router's replica for a session index: splitmix64 of (index, seed), mod N."""
     z = (session * 0x9E3779B97F4A7C15 + seed * 0xBF58476D1CE4E5B9 + 0x632BE59BD9B4E019) & _MASK
@@ -162,10 +175,7 @@ def replay_fleet(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]]
     """Replay ``trace`` (``chunks[i]``: request i's chunk hashes) on ``schedule`` over the fleet
     (see the module docstring). ``audit`` checks every control plane at the end (``FleetRun.audit``,
     prefixed by the replica). An exception of a control plane raises :class:`ReplayInternalError`."""
-    if config.policy.admission == "oracle":
-        raise ValueError("the oracle admission knows one server's future; it is not defined in a fleet replay")
-    if config.policy.prewarm:
-        raise ValueError("prewarming is not modelled in a fleet replay (use a policy with prewarm=false)")
+    check_fleet_config(config)
     engine = _Fleet(name, trace, chunks, schedule, config, fleet, settings)
     try:
         engine.run()
