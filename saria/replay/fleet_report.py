@@ -4,7 +4,7 @@
 processes (forked on Linux; results in job order, independent of ``workers``).
 :func:`summarize_fleet` is one run's record (keys :data:`FLEET_KEYS`):
 
-* hits by tier, in chunks and tokens (``dram_``, ``ssd_``, ``cluster_hit_chunks`` / ``_tokens``:
+* ``referenced_chunks`` (every chunk of every replayed request), hits by tier, in chunks and tokens (``dram_``, ``ssd_``, ``cluster_hit_chunks`` / ``_tokens``:
   a chunk counts where the request read it; the local tiers' hits are the control planes' counters
   summed, cluster hits the chunks loaded from the pool), ``hit_ratio`` (all tiers over every chunk
   referenced) and ``char_mean`` (hits of every tier over the hits an unlimited fleet-wide cache
@@ -36,7 +36,7 @@ from saria.replay.traces import Trace
 __all__ = ["FLEET_KEYS", "FleetJob", "format_fleet_table", "run_fleets", "summarize_fleet"]
 
 FLEET_KEYS = ("policy", "replicas", "router", "cluster_gb", "cluster_gbps", "cluster_admission", "requests",
-              "dram_hit_chunks", "dram_hit_tokens", "ssd_hit_chunks", "ssd_hit_tokens", "cluster_hit_chunks",
+              "referenced_chunks", "dram_hit_chunks", "dram_hit_tokens", "ssd_hit_chunks", "ssd_hit_tokens", "cluster_hit_chunks",
               "cluster_hit_tokens", "hit_ratio", "char_mean", "dram_read_bytes", "ssd_read_bytes",
               "ssd_write_bytes", "store_bytes", "cluster_put_bytes", "cluster_get_bytes", "cluster_evicted_bytes",
               "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p90", "transfer_ms_mean", "requests_per_replica_min",
@@ -78,7 +78,7 @@ def summarize_fleet(run: FleetRun) -> dict:
         "policy": run.name, "replicas": run.fleet.replicas, "router": run.fleet.router,
         "cluster_gb": run.fleet.cluster_bytes / GB, "cluster_gbps": run.fleet.cluster_gbps,
         "cluster_admission": run.fleet.cluster_admission if run.fleet.cluster_bytes else None,
-        "requests": len(served),
+        "requests": len(served), "referenced_chunks": references,
         "dram_hit_chunks": dram, "dram_hit_tokens": dram * tokens, "ssd_hit_chunks": ssd, "ssd_hit_tokens": ssd * tokens,
         "cluster_hit_chunks": remote, "cluster_hit_tokens": remote * tokens,
         "hit_ratio": (dram + ssd + remote) / references if references else 0.0, "char_mean": char_mean,
@@ -111,8 +111,8 @@ def format_fleet_table(rows: Sequence[dict], *, trace: bool = False) -> str:
         f"{'get GiB':>8} {'req max/mean':>12}")
     lines = [head]
     for row in rows:
-        cluster = f"{row['cluster_gb']:g}GB {row['cluster_admission']}" if row["cluster_gb"] else "none"
-        refs = row["dram_hit_chunks"] + row["ssd_hit_chunks"] + row["cluster_hit_chunks"]
+        cluster = f"{row['cluster_gb']:.4g}GB {row['cluster_admission']}" if row["cluster_gb"] else "none"
+        refs = row["referenced_chunks"]
         share = (lambda n: _fmt(n / refs, ".1%")) if refs else (lambda n: "-")
         lines.append((f"{row['trace'][:24]:<24} " if trace else "") + (
             f"{row['policy'][:16]:<16} {row['replicas']:>3} {row['router']:<12} {cluster:>13} "
