@@ -11,10 +11,12 @@ paper-statistics trace), under the ``saria`` policy, default bandwidths and pref
   trace's load; its sessions are what N servers would each see a 1/N sample of). The router
   spreads arrivals: ``session`` sends all of a session's turns to one replica (by hash), ``random``
   sends each turn to a random replica (seed 0); N = 1 has one row per cluster setting.
-* **Capacities per replica.** The paper's per-server DRAM 1M / SSD 10M tokens, scaled by the
+* **Capacities per replica.** The paper's per-server DRAM 1M / SSD 10M tokens, scaled down by the
   trace's working set (distinct chunk tokens) against ``synth``'s, so each replica's tiers hold
-  the same share of the trace's context as the paper's server holds of TraceLab's (``synth``: 1.0;
-  at least 16 chunks of DRAM). Constant in N.
+  the same share of a small trace's context as the paper's server holds of TraceLab's (``synth``:
+  1.0; never above the paper's, so the Mooncake trace gets 1M / 10M; at least 16 chunks of DRAM).
+  Constant in N. Chunks are 512 tokens, or the trace's block where that is smaller (the agent
+  traces' 64-token blocks: their prompts are a few thousand tokens).
 * **Cluster tier.** N x the per-replica DRAM bytes (each server lends the pool as much DRAM as its
   own tier holds), 25 GB/s per replica (a 200 Gb/s NIC), admission ``all``; against none.
 
@@ -69,14 +71,15 @@ def working_set_tokens(spec: str, chunk_tokens: int) -> tuple[object, list, int]
 
 
 def bench_trace(spec: str, reference_tokens: int, replicas: list[int], jobs: int | None) -> tuple[dict, list[dict]]:
-    chunk_tokens = BaseSettings().chunk().chunk_tokens
+    chunk_tokens = min(BaseSettings().chunk().chunk_tokens, open_trace(spec).block_tokens)
     trace, chunks, tokens = working_set_tokens(spec, chunk_tokens)
-    scale = tokens / reference_tokens
+    scale = min(1.0, tokens / reference_tokens)
     dram = max(16 * chunk_tokens, round(PAPER_DRAM * scale))
-    base = BaseSettings(dram_tokens=dram, ssd_tokens=max(dram, round(PAPER_SSD * scale)))
+    base = BaseSettings(dram_tokens=dram, ssd_tokens=max(dram, round(PAPER_SSD * scale)), chunk_tokens=chunk_tokens)
     config = build_config(parse_policy("saria"), base)
     dram_bytes = config.dram_bytes
-    info = {"trace": spec, "requests": len(trace.requests), "working_set_tokens": tokens, "scale": scale,
+    info = {"trace": spec, "requests": len(trace.requests), "chunk_tokens": chunk_tokens,
+            "working_set_tokens": tokens, "scale": scale,
             "dram_tokens": base.dram_tokens, "ssd_tokens": base.ssd_tokens}
     rows = []
     for n in replicas:
@@ -114,7 +117,7 @@ def main() -> int:
             print(f"note: {spec}: {exc} (skipped)", file=sys.stderr)
             continue
         info["seconds"] = time.perf_counter() - t0
-        print(f"{Path(spec).name}: {info['requests']:,} requests, working set {info['working_set_tokens']:,} tokens "
+        print(f"{Path(spec).name}: {info['requests']:,} requests, {info['chunk_tokens']}-token chunks, working set {info['working_set_tokens']:,} tokens "
               f"(x{info['scale']:.3g} of synth): per replica DRAM {info['dram_tokens']:,} / SSD "
               f"{info['ssd_tokens']:,} tokens; {info['seconds']:.1f} s", file=sys.stderr)
         infos.append(info)
