@@ -30,7 +30,6 @@ A missing trace folder leaves ``synth``, and says so.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

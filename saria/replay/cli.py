@@ -16,7 +16,7 @@ from saria.config import MAX_DRIVES, MAX_THRESHOLD, POLICY_PRESETS, Bandwidths, 
 from saria.models import MODELS
 from saria.replay.arrivals import ARRIVAL_MODES
 from saria.replay.experiment import Experiment, Point, open_trace
-from saria.replay.fleet import CLUSTER_ADMISSIONS, MAX_REPLICAS, ROUTERS, FleetSettings, check_fleet_config
+from saria.replay.fleet_cli import add_fleet_options, fleet_replay, fleet_wanted
 from saria.replay.policies import BaseSettings, parse_policy
 from saria.replay.replay import ReplaySettings
 from saria.outputs import atomic_output, check_output, is_stream, same_file_check, write_output
@@ -200,35 +200,13 @@ def _queueing_note(exp: Experiment, runs) -> None:
               f"raise --prefill-tps or --inflight, or use --arrivals rewindow", file=sys.stderr)
 
 
-def _add_fleet(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("fleet (docs/replay.md#fleet-replay)")
-    g.add_argument("--replicas", type=int_range(1, MAX_REPLICAS), default=1, metavar="N",
-                   help="simulate N replicas, each with its own DRAM and SSD tiers (the capacities above) under the "
-                        "policy, sharing the trace's arrivals through --router (default 1: one server)")
-    g.add_argument("--router", choices=ROUTERS, default="session",
-                   help="random (seeded by --seed), session (sticky: a session's requests to one replica, by hash; "
-                        "default) or least-loaded (fewest outstanding prompt tokens)")
-    g.add_argument("--cluster-gb", type=float_range(0.0, 1e7), default=0.0, metavar="GB",
-                   help="a cluster tier shared by the replicas (a Mooncake Store pool: LRU by bytes), in GB (1e9 "
-                        "bytes); each run is reported without it and with it. Default 0: no cluster tier")
-    g.add_argument("--cluster-gbps", type=_GBPS, default=25.0, metavar="GB/s",
-                   help="cluster reads and puts per replica (its network link; default 25, a 200 Gb/s NIC)")
-    g.add_argument("--cluster-admission", choices=CLUSTER_ADMISSIONS, default="all",
-                   help="what the cluster tier is given: all (every chunk a replica computes; default), evicted "
-                        "(chunks leaving a replica's DRAM) or shared (chunks referenced by a second session)")
-
-
-def _fleet_wanted(args: argparse.Namespace) -> bool:
-    return args.replicas > 1 or args.cluster_gb > 0
-
-
 # ============================================================================================ replay
 def _cmd_replay(args: argparse.Namespace) -> int:
     specs = [_policy(p, "--policy") for p in (args.policy or DEFAULT_POLICIES)]
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"a policy is listed twice: {labels}")
-    if _fleet_wanted(args) and args.plot:
+    if fleet_wanted(args) and args.plot:
         raise ValueError("--plot: a fleet replay (--replicas > 1 or --cluster-gb > 0) draws no plot; use --json "
                          "or --csv")
     _check_outputs(args)
@@ -237,8 +215,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.write_budget == "auto" and not any(c.write_budget.auto for c in configs):
         raise ValueError("--write-budget auto: none of the policies has eviction-based admission to govern "
                          "(saria, zero-promotion, full-promotion do)")
-    if _fleet_wanted(args):
-        return _fleet_replay(args, exp, specs, configs)
+    if fleet_wanted(args):
+        return fleet_replay(args, exp, specs, configs, _describe(exp))
     print(_describe(exp))
     results, runs = exp.run([Point(spec.label, config) for spec, config in zip(specs, configs)])
     print(format_table(results))
@@ -257,37 +235,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(f"wrote {args.csv}")
     if args.plot:
         _report_plot(lambda: plot_results(args.plot, results, f"{args.trace}: {exp.base.model}"), args.plot, "replay")
-    return 0
-
-
-def _fleet_replay(args: argparse.Namespace, exp: Experiment, specs, configs) -> int:
-    from saria.replay.fleet_report import FleetJob, format_fleet_table, run_fleets, summarize_fleet
-
-    for config in configs:
-        check_fleet_config(config)
-    cluster_bytes = round(args.cluster_gb * 1e9)
-    variants = [FleetSettings(args.replicas, args.router, 0, args.cluster_gbps, args.cluster_admission, args.seed)]
-    if cluster_bytes:
-        variants.append(FleetSettings(args.replicas, args.router, cluster_bytes, args.cluster_gbps,
-                                      args.cluster_admission, args.seed))
-    jobs = [FleetJob(spec.label, config, fleet) for spec, config in zip(specs, configs) for fleet in variants]
-    print(_describe(exp))
-    print(f"fleet: {args.replicas} replicas, router {args.router} (seed {args.seed}), each with the capacities above"
-          + (f"; cluster tier {args.cluster_gb:g} GB at {args.cluster_gbps:g} GB/s per replica, admission "
-             f"{args.cluster_admission}, against none" if cluster_bytes else "; no cluster tier"))
-    runs = run_fleets(exp.trace, exp.chunks, exp.schedule(None), jobs, exp.settings, workers=args.jobs)
-    rows = [summarize_fleet(run) for run in runs]
-    print(format_fleet_table(rows))
-    if args.json:
-        config = exp.config_dict([])
-        config["fleet"] = {"replicas": args.replicas, "router": args.router, "seed": args.seed,
-                           "cluster_bytes": cluster_bytes, "cluster_gbps": args.cluster_gbps,
-                           "cluster_admission": args.cluster_admission}
-        write_output(args.json, json_text({"trace": args.trace, "config": config, "results": rows}), "--json")
-        print(f"wrote {args.json}")
-    if args.csv:
-        write_csv(args.csv, rows, "--csv")
-        print(f"wrote {args.csv}")
     return 0
 
 
@@ -393,7 +340,7 @@ def add_commands(sub) -> None:
     _add_common(p)
     p.add_argument("--policy", action="append", metavar="NAME",
                    help=f"a policy to replay (repeat for several; default: {', '.join(DEFAULT_POLICIES)})")
-    _add_fleet(p)
+    add_fleet_options(p)
     p.add_argument("--write-budget", choices=("off", "auto"), default="off",
                    help="auto: the endurance governor moves theta_E (and theta_R with it) online to hold writes "
                         "at --dwpd on --ssd-capacity, for every policy with eviction-based admission")
