@@ -36,10 +36,12 @@ POLICIES = ("saria", "full-duplicate", "dram-only", "lmcache-plus", "saria:theta
 FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _setup(sessions: int, seed: int, policy: str, dram: int, ssd: int, window: float, model: str = "qwen3-8b"):
+def _setup(sessions: int, seed: int, policy: str, dram: int, ssd: int, window: float, model: str = "qwen3-8b",
+           checkpoint_tokens: int = 16_384):
     trace = open_trace(f"synth:sessions={sessions},prompt_tokens=6000,first_prompt_tokens=2000,"
                        f"shared_prefix_tokens=1024,prefix_variants=2,seed={seed}")
-    config = build_config(parse_policy(policy), BaseSettings(model=model, dram_tokens=dram, ssd_tokens=ssd))
+    config = build_config(parse_policy(policy), BaseSettings(model=model, dram_tokens=dram, ssd_tokens=ssd,
+                                                             checkpoint_tokens=checkpoint_tokens))
     chunks = [chunk_keys(r, trace.block_tokens, config.chunk.chunk_tokens) for r in trace.requests]
     return trace, config, chunks, make_schedule(trace, "rewindow", window_hours=window, seed=seed)
 
@@ -69,7 +71,8 @@ def test_one_replica_without_cluster_is_the_single_server_replay(policy, capacit
 
 
 def test_hybrid_model_one_replica_matches_too():
-    trace, config, chunks, schedule = _setup(8, 3, "saria", 40_000, 200_000, 0.5, model="qwen3.5-9b")
+    trace, config, chunks, schedule = _setup(8, 3, "saria", 12_000, 40_000, 0.5, model="qwen3.5-9b",
+                                             checkpoint_tokens=2048)
     single = replay("p", trace, chunks, schedule, config)
     fleet = replay_fleet("p", trace, chunks, schedule, config, FleetSettings())
     assert fleet.counters == [single.counters] and _same(fleet.ttft_s, single.ttft_s)
@@ -248,3 +251,14 @@ def test_bench_fleet_quick_runs():
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "synth" in proc.stdout and "cluster" in proc.stdout
+
+
+def test_hybrid_cluster_hits_end_on_a_checkpoint():
+    trace, config, chunks, schedule = _setup(10, 6, "saria", 12_000, 40_000, 0.3, model="qwen3.5-9b",
+                                             checkpoint_tokens=2048)
+    run = replay_fleet("p", trace, chunks, schedule, config, FleetSettings(4, "random", 10**12), audit=True)
+    every = config.chunk.checkpoint_chunks
+    assert run.audit == [] and sum(run.cluster_chunks) > 0
+    for local, remote in zip(run.hit_chunks, run.cluster_chunks):
+        assert local % every == 0 and (remote == 0 or (local + remote) % every == 0)
+    assert run.cluster["put_bytes"] % config.chunk.kv_bytes != 0  # GDN states travel with their chunks
