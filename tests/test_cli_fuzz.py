@@ -775,6 +775,7 @@ VALID = {
     ("roundtrip", "chunks"): ["1"], ("roundtrip", "chunk_tokens"): ["16", "32"],
     ("demo", "turns"): ["2", "3"], ("demo", "max_tokens"): ["1", "8"], ("demo", "max_prompt_tokens"): ["100", "3000"],
     ("demo", "dram_chunks"): ["1", "8"],
+    ("replay", "replicas"): ["1", "3"], ("replay", "cluster_gb"): ["0", "1", "0.05"], ("replay", "cluster_gbps"): ["25"],
 }
 # Edge values that are valid but slow here (the roundtrip's Triton interpreter moves ~10 MB/s).
 SLOW = {("roundtrip", "chunks"): lambda v: 2 < (_int_or_none(v) or 0) < 10**4,

@@ -11,6 +11,8 @@ Modules, one job each:
 * ``arrivals``: recorded or re-windowed session starts, session inference;
 * ``timing``: transfer time of a plan (serial, overlap, coordinated Eq. 4, ideal);
 * ``replay``: the discrete-event replay of one policy;
+* ``fleet``, ``cluster_tier``, ``fleet_report``: N replicas behind a router with a shared cluster
+  tier (a Mooncake Store pool), their records and table;
 * ``metrics``: CHAR, P25 bad, percentiles, the result record;
 * ``policies``: policy specs (``NAME:key=value,...``) and their configs;
 * ``runner``: parallel replays with one progress bar;

@@ -16,6 +16,7 @@ from saria.config import MAX_DRIVES, MAX_THRESHOLD, POLICY_PRESETS, Bandwidths, 
 from saria.models import MODELS
 from saria.replay.arrivals import ARRIVAL_MODES
 from saria.replay.experiment import Experiment, Point, open_trace
+from saria.replay.fleet_cli import add_fleet_options, fleet_replay, fleet_wanted
 from saria.replay.policies import BaseSettings, parse_policy
 from saria.replay.replay import ReplaySettings
 from saria.outputs import atomic_output, check_output, is_stream, same_file_check, write_output
@@ -205,12 +206,17 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"a policy is listed twice: {labels}")
+    if fleet_wanted(args) and args.plot:
+        raise ValueError("--plot: a fleet replay (--replicas > 1 or --cluster-gb > 0) draws no plot; use --json "
+                         "or --csv")
     _check_outputs(args)
     exp = _experiment(args, auto=args.write_budget == "auto")
     configs = [exp.config_for(spec) for spec in specs]
     if args.write_budget == "auto" and not any(c.write_budget.auto for c in configs):
         raise ValueError("--write-budget auto: none of the policies has eviction-based admission to govern "
                          "(saria, zero-promotion, full-promotion do)")
+    if fleet_wanted(args):
+        return fleet_replay(args, exp, specs, configs, _describe(exp))
     print(_describe(exp))
     results, runs = exp.run([Point(spec.label, config) for spec, config in zip(specs, configs)])
     print(format_table(results))
@@ -334,6 +340,7 @@ def add_commands(sub) -> None:
     _add_common(p)
     p.add_argument("--policy", action="append", metavar="NAME",
                    help=f"a policy to replay (repeat for several; default: {', '.join(DEFAULT_POLICIES)})")
+    add_fleet_options(p)
     p.add_argument("--write-budget", choices=("off", "auto"), default="off",
                    help="auto: the endurance governor moves theta_E (and theta_R with it) online to hold writes "
                         "at --dwpd on --ssd-capacity, for every policy with eviction-based admission")
