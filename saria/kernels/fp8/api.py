@@ -106,6 +106,17 @@ def unpack_pages_fp8(staging: torch.Tensor, caches: PageTable | Sequence[torch.T
         unpack_pages_fp8_torch(table, blocks.on(table.device), staging, chunks, per_chunk, skip)
 
 
+def _result(out: torch.Tensor | None, given: torch.Tensor, rows: int, size: int, what: str) -> torch.Tensor:
+    """``out`` checked to hold ``rows`` rows of ``size`` bytes shaped as ``given`` (1-D for one
+    row), on its device; a new tensor when ``None``."""
+    shape = (size,) if given.dim() == 1 else (rows, size)
+    if out is None:
+        return torch.empty(shape, dtype=torch.uint8, device=given.device)
+    if tuple(check_fp8_rows(out, "out", given.device).shape) != (rows, size) or out.dim() != given.dim():
+        raise ValueError(f"out has shape {tuple(out.shape)}; {what} {tuple(given.shape)} is {shape}")
+    return out
+
+
 def quantize_staging(raw: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 form of packed objects ``raw`` (uint8, 1-D: one object; 2-D: one a row) of ``dtype``
     elements (bf16, fp16 or fp32), in torch on the CPU or CUDA: byte for byte what
@@ -114,11 +125,7 @@ def quantize_staging(raw: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | 
     dtype = check_fp8_dtype(dtype)
     rows = check_fp8_rows(raw, "raw")
     size = fp8_bytes(rows.shape[1], dtype.itemsize)
-    shape = (size,) if raw.dim() == 1 else (rows.shape[0], size)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.uint8, device=raw.device)
-    elif tuple(check_fp8_rows(out, "out", raw.device).shape) != (rows.shape[0], size) or out.dim() != raw.dim():
-        raise ValueError(f"out has shape {tuple(out.shape)}; the FP8 form of raw {tuple(raw.shape)} is {shape}")
+    out = _result(out, raw, rows.shape[0], size, "the FP8 form of raw")
     if out.numel():
         quantize_rows(rows, dtype, out.view(rows.shape[0], size))
     return out
@@ -135,11 +142,7 @@ def dequantize_staging(stored: torch.Tensor, dtype: torch.dtype, out: torch.Tens
         raise ValueError(f"stored rows of {rows.shape[1]} bytes are not FP8 objects: an object of n elements "
                          f"(n a multiple of {FP8_GROUP}) takes n + n / 32 bytes, a multiple of {FP8_GROUP + 4}")
     size = elements * dtype.itemsize
-    shape = (size,) if stored.dim() == 1 else (rows.shape[0], size)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.uint8, device=stored.device)
-    elif tuple(check_fp8_rows(out, "out", stored.device).shape) != (rows.shape[0], size) or out.dim() != stored.dim():
-        raise ValueError(f"out has shape {tuple(out.shape)}; the decoded form of stored {tuple(stored.shape)} is {shape}")
+    out = _result(out, stored, rows.shape[0], size, "the decoded form of stored")
     if out.numel():
         dequantize_rows(rows, dtype, out.view(rows.shape[0], size))
     return out
