@@ -16,6 +16,7 @@ import torch
 from cluster_cases import fill, matches, mooncake_available, start_cluster, SKIP_REASON
 from saria.dataplane.cluster import (ClusterMiss, ClusterOff, ClusterStore, ClusterTimeout, Layout,
                                      ObjectAbsent, ObjectCorrupt)
+from saria.dataplane.cluster.local import free_ports
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.keys import object_key
 from saria.kernels.checksum import checksum
@@ -127,6 +128,7 @@ CHILD = r"""
 import json, sys
 from cluster_cases import fill, matches
 from saria.dataplane.cluster import ClusterStore
+from saria.dataplane.cluster.local import free_ports
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.keys import object_key
 master, identity, mode, spec = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -309,7 +311,6 @@ def test_master_killed_then_back(own_cluster, pool, caplog):
 
 def test_dead_master_at_open_does_not_block(own_cluster, pool, caplog):
     caplog.set_level(logging.WARNING, logger="saria.dataplane.cluster")
-    from cluster_cases import free_ports
     t0 = time.monotonic()
     store = ClusterStore(f"127.0.0.1:{free_ports(1)[0]}", IDENTITY, pool, setup_wait_s=1.0)
     try:
