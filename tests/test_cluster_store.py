@@ -337,3 +337,14 @@ def test_misuse_is_refused_before_anything_is_sent(cluster, pool):
                 store.get_many([object_key(1, "kv")] * 2, [v, v])
         finally:
             pool.free(slots)
+
+
+def test_bench_quick_runs():
+    """``bench/bench_cluster.py --quick`` runs end to end (its own master and node) and reports both
+    targets (MET or MISSED: the numbers depend on the host; docs/cluster.md has them)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_cluster.py"), "--quick"],
+                         capture_output=True, text=True, env=env, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for op in ("put", "get"):
+        assert f"target {op} >= 0.80 of Mooncake's own" in run.stdout, run.stdout

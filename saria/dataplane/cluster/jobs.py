@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from saria.dataplane.cluster import queries
 from saria.dataplane.cluster.errors import (ClusterMiss, ClusterOff, ClusterTimeout, ClusterWriteError,
                                             ObjectAbsent, ObjectCorrupt)
 from saria.dataplane.cluster.layout import Meta, meta_bytes
@@ -150,6 +151,27 @@ class Batch:
 
     # ------------------------------------------------------------------------ get
 
+    def _groups(self, metas: dict[int, Meta]) -> list[list[int]]:
+        """The objects to fetch, in runs of about ``pipeline_bytes``: each run is verified (on the
+        verifier thread) while the next one is on the wire."""
+        groups: list[list[int]] = []
+        size = self.store._pipeline_bytes
+        for i, meta in metas.items():
+            if not groups or sum(metas[k].length for k in groups[-1]) >= size:
+                groups.append([])
+            groups[-1].append(i)
+        return groups
+
+    def _verify(self, objects: list[int], metas: dict[int, Meta]) -> dict[int, ClusterMiss]:
+        """Each part's checksum against its metadata: the objects that fail it."""
+        failed: dict[int, ClusterMiss] = {}
+        for i in objects:
+            for j, (v, (_, c)) in enumerate(zip(self.views[i], metas[i].parts)):
+                if checksum(v) != c:
+                    failed[i] = ObjectCorrupt(f"part {j} of {self.keys[i].hex()} fails its checksum")
+                    break
+        return failed
+
     def _get(self, client: Any, arena: torch.Tensor) -> None:
         store, layout = self.store, self.store._layout
         t0 = time.perf_counter()
@@ -181,40 +203,41 @@ class Batch:
                                           f"destination implies ({code})", code)
             else:
                 failed[i] = ClusterMiss(f"Mooncake get of {key}'s metadata failed", code)
-        keys, ptrs, sizes, where = [], [], [], []
-        for i, meta in metas.items():
-            for j, (v, pkey) in enumerate(zip(self.views[i], layout.part_keys(self.keys[i], meta))):
-                keys.append(pkey)
-                ptrs.append(v.data_ptr())
-                sizes.append(v.numel())
-                where.append((i, j))
-        codes = client.batch_get_into(keys, ptrs, sizes) if keys else []
-        if store._conn.check(codes, "batch_get_into"):
-            return self.fail_all(ClusterOff, "master unreachable during get", -900)
-        for (i, j), code, size in zip(where, codes, sizes):
-            if i in failed or code == size:
-                continue
-            key = self.keys[i].hex()
-            if code == OBJECT_NOT_FOUND:
-                failed[i] = ObjectAbsent(f"part {j} of {key} is gone from the cluster (evicted)", code)
-            elif code == BUFFER_OVERFLOW or code >= 0:
-                failed[i] = ObjectCorrupt(f"part {j} of {key} has the wrong size ({code}, expected {size})", code)
-            else:
-                failed[i] = ClusterMiss(f"Mooncake get of part {j} of {key} failed", code)
+        verifying = []
+        for group in self._groups(metas):
+            keys, ptrs, sizes, where = [], [], [], []
+            for i in group:
+                for j, (v, pkey) in enumerate(zip(self.views[i], layout.part_keys(self.keys[i], metas[i]))):
+                    keys.append(pkey)
+                    ptrs.append(v.data_ptr())
+                    sizes.append(v.numel())
+                    where.append((i, j))
+            codes = client.batch_get_into(keys, ptrs, sizes)
+            if store._conn.check(codes, "batch_get_into"):
+                return self.fail_all(ClusterOff, "master unreachable during get", -900)
+            for (i, j), code, size in zip(where, codes, sizes):
+                if i in failed or code == size:
+                    continue
+                key = self.keys[i].hex()
+                if code == OBJECT_NOT_FOUND:
+                    failed[i] = ObjectAbsent(f"part {j} of {key} is gone from the cluster (evicted)", code)
+                elif code == BUFFER_OVERFLOW or code >= 0:
+                    failed[i] = ObjectCorrupt(f"part {j} of {key} has the wrong size ({code}, expected {size})",
+                                              code)
+                else:
+                    failed[i] = ClusterMiss(f"Mooncake get of part {j} of {key} failed", code)
+            arrived = [i for i in group if i not in failed]
+            verifying.append(store._verifier.submit(self._verify, arrived, metas))
+        for f in verifying:
+            failed.update(f.result())
         with self.lock:
             if self.timed_out:
                 return
-        for i, meta in metas.items():
-            if i not in failed:
-                for j, (v, (_, c)) in enumerate(zip(self.views[i], meta.parts)):
-                    if checksum(v) != c:
-                        failed[i] = ObjectCorrupt(f"part {j} of {self.keys[i].hex()} fails its checksum")
-                        break
         store._counters.add(get_seconds=time.perf_counter() - t0)
         drop = [i for i, miss in failed.items() if isinstance(miss, ObjectCorrupt)
                 or (isinstance(miss, ObjectAbsent) and i in metas)]
         if drop:  # evidence against the stored copy: gone before the caller hears of the miss
-            store._drop(client, [(self.keys[i], metas.get(i)) for i in drop])
+            queries.drop(store, client, [(self.keys[i], metas.get(i)) for i in drop])
         for i in range(len(self.keys)):
             if i in failed:
                 self.settle(i, miss=failed[i])

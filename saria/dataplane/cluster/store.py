@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
+from saria.dataplane.cluster import queries
 from saria.dataplane.cluster.connection import Connection
 from saria.dataplane.cluster.counters import ClusterCounters
 from saria.dataplane.cluster.errors import ClusterClosed, ClusterOff
 from saria.dataplane.cluster.jobs import Batch, Watchdog
-from saria.dataplane.cluster.layout import Layout, Meta, meta_bytes
+from saria.dataplane.cluster.layout import Layout, meta_bytes
 from saria.dataplane.cluster.memory import Registered, memory_ranges
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.keys import parse_object_key
@@ -58,6 +59,9 @@ class ClusterStore:
             for an unreachable master: the tier starts off and reconnects in the background).
         retry_min_s, retry_max_s: the reconnect backoff.
         protocol: Mooncake's transport, ``"tcp"`` (or ``"rdma"`` where the hosts have it).
+        arena_bytes: each worker's registered buffer for metadata values (bounds a batch's parts).
+        pipeline_bytes: a get fetches its parts in runs of about this many bytes, verifying one run
+            (on a verifier thread) while the next is on the wire.
 
     Raises ``ImportError`` (saying what to install) when Mooncake is not importable.
     """
@@ -65,7 +69,8 @@ class ClusterStore:
     def __init__(self, master: str, identity: str, memory: HostPool | Sequence[torch.Tensor], *,
                  local_hostname: str = "127.0.0.1", max_part_bytes: int | None = None, threads: int = 2,
                  timeout_s: float = 5.0, setup_wait_s: float = 10.0, retry_min_s: float = 0.5,
-                 retry_max_s: float = 10.0, protocol: str = "tcp", arena_bytes: int = 1 << 20):
+                 retry_max_s: float = 10.0, protocol: str = "tcp", arena_bytes: int = 1 << 20,
+                 pipeline_bytes: int = 32 << 20):
         if threads < 1 or timeout_s <= 0 or arena_bytes < meta_bytes(1):
             raise ValueError("threads must be >= 1, timeout_s > 0, arena_bytes >= one metadata value")
         if isinstance(memory, HostPool):
@@ -85,7 +90,9 @@ class ClusterStore:
         self._lock = threading.Lock()
         self._inflight: set[Batch] = set()
         self._closed = False
+        self._pipeline_bytes = int(pipeline_bytes)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster")
+        self._verifier = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster-verify")
         self._watchdog = Watchdog()
         ranges = self._registered.ranges + [(a.data_ptr(), a.numel()) for a in arenas]
         self._conn = Connection(master, local_hostname, ranges, self._counters, setup_wait_s,
@@ -152,7 +159,7 @@ class ClusterStore:
             self._counters.add(off_calls=1)
             return [False] * len(keys)
         self._counters.add(exists_calls=1)
-        fut = self._pool.submit(self._exists, list(keys))
+        fut = self._pool.submit(queries.exists, self, list(keys))
         try:
             return fut.result(timeout=self._timeout)
         except FutureTimeout:
@@ -170,7 +177,7 @@ class ClusterStore:
         client = self._conn.client()
         if client is None or not keys:
             return 0
-        return self._pool.submit(self._drop, client, [(k, None) for k in keys]).result(self._timeout)
+        return self._pool.submit(queries.drop, self, client, [(k, None) for k in keys]).result(self._timeout)
 
     def wait_released(self, timeout: float | None = None) -> bool:
         """Wait until no batch submitted so far is still inside a Mooncake call (so the memory of
@@ -186,6 +193,7 @@ class ClusterStore:
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+        self._verifier.shutdown(wait=True)
         self._watchdog.close()
         self._conn.close()
 
@@ -252,49 +260,3 @@ class ClusterStore:
     def _unwatch(self, batch: Batch) -> None:
         with self._lock:
             self._inflight.discard(batch)
-
-    def _exists(self, keys: list[bytes]) -> list[bool]:
-        client, layout = self._conn.client(), self._layout
-        if client is None:
-            raise ClusterOff("cluster tier off")
-        codes = client.batch_is_exist([layout.meta_key(k) for k in keys])
-        if self._conn.check(codes, "batch_is_exist"):
-            raise ClusterOff("master unreachable")
-        found = [i for i, c in enumerate(codes) if c == 1]
-        values = client.get_batch([layout.meta_key(keys[i]) for i in found]) if found else []
-        parts: list[tuple[int, str]] = []
-        for i, value in zip(found, values):
-            try:
-                meta = layout.decode(keys[i], value)
-            except ValueError:
-                continue  # an unreadable metadata value: not an object (a get drops it)
-            parts += [(i, pk) for pk in layout.part_keys(keys[i], meta)]
-        present = {i for i, _ in parts}
-        codes = client.batch_is_exist([pk for _, pk in parts]) if parts else []
-        if self._conn.check(codes, "batch_is_exist"):
-            raise ClusterOff("master unreachable")
-        for (i, _), c in zip(parts, codes):
-            if c != 1:
-                present.discard(i)
-        return [i in present for i in range(len(keys))]
-
-    def _drop(self, client: Any, objects: list[tuple[bytes, Meta | None]]) -> int:
-        """Remove objects from Mooncake, forced (a reader's lease does not stop it): their metadata
-        and the parts it names (read here when not given). How many metadata values were there."""
-        layout = self._layout
-        need = [k for k, m in objects if m is None]
-        metas = dict(objects)
-        if need:
-            for k, value in zip(need, client.get_batch([layout.meta_key(k) for k in need])):
-                try:
-                    metas[k] = layout.decode(k, value)
-                except ValueError:
-                    pass
-        keys = [layout.meta_key(k) for k, _ in objects]
-        for k, m in metas.items():
-            if m is not None:
-                keys += layout.part_keys(k, m)
-        codes = client.batch_remove(keys, True)
-        removed = sum(1 for c in codes[:len(objects)] if c == 0)
-        self._counters.add(dropped=removed)
-        return removed
