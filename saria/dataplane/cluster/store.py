@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from saria.dataplane.cluster import queries
-from saria.dataplane.cluster.connection import Connection
+from saria.dataplane.cluster.connection import Connection, import_store_class
 from saria.dataplane.cluster.counters import ClusterCounters
 from saria.dataplane.cluster.errors import ClusterClosed, ClusterOff
 from saria.dataplane.cluster.jobs import Batch, Watchdog
@@ -71,6 +71,7 @@ class ClusterStore:
                  timeout_s: float = 5.0, setup_wait_s: float = 10.0, retry_min_s: float = 0.5,
                  retry_max_s: float = 10.0, protocol: str = "tcp", arena_bytes: int = 1 << 20,
                  pipeline_bytes: int = 32 << 20):
+        import_store_class()  # ImportError (what to install) before anything is started
         if threads < 1 or timeout_s <= 0 or arena_bytes < meta_bytes(1):
             raise ValueError("threads must be >= 1, timeout_s > 0, arena_bytes >= one metadata value")
         if isinstance(memory, HostPool):
