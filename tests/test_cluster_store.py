@@ -50,6 +50,9 @@ def pool():
         yield p
 
 
+LAYOUT = f"{IDENTITY}|cluster parts of {SLOT} bytes"  # the identity the store's layout is made of
+
+
 def new_store(cluster, pool, identity=IDENTITY, **kw):
     kw.setdefault("timeout_s", 10.0)
     return ClusterStore(cluster.master, identity, pool, retry_min_s=0.2, retry_max_s=1.0, **kw)
@@ -173,6 +176,39 @@ def test_identity_isolation(cluster, pool):
         assert other.exists_many(list(a)) == [False] * 4
         assert all(isinstance(v, ObjectAbsent) for v in get(other, pool, a).values())
         assert all(v is True for v in get(store, pool, a).values())
+    with new_store(cluster, pool, max_part_bytes=SLOT // 2) as half:  # other part size: other layout
+        assert half.exists_many(list(a)) == [False] * 4
+
+
+def test_many_batches_in_flight(cluster, pool):
+    """Batches submitted together (more than the workers) all complete, each with its own bytes."""
+    batches = [objs(3, base=1500 + 3 * b, sizes=[SLOT + 3, 70_000]) for b in range(6)]
+    with new_store(cluster, pool) as store:
+        held, futures = [], []
+        for b in batches:
+            views = []
+            for nbytes, seed in b.values():
+                slots, v = alloc(pool, nbytes)
+                fill(v, seed)
+                held.append(slots)
+                views.append(v)
+            futures += store.put_many(list(b), views)
+        assert [f.result(timeout=30) for f in futures] == [n for b in batches for n, _ in b.values()]
+        for s in held:
+            pool.free(s)
+        held, futures, checks = [], [], []
+        for b in batches:
+            views = []
+            for nbytes, seed in b.values():
+                slots, v = alloc(pool, nbytes)
+                held.append(slots)
+                views.append(v)
+                checks.append((v, seed))
+            futures += store.get_many(list(b), views)
+        assert all(f.exception(timeout=30) is None for f in futures)
+        assert all(matches(v, seed) for v, seed in checks)
+        for s in held:
+            pool.free(s)
 
 
 def test_pool_full_evicts_the_oldest_as_misses(own_cluster, pool):
@@ -200,7 +236,7 @@ def test_pool_full_evicts_the_oldest_as_misses(own_cluster, pool):
 
 def test_removed_between_exists_and_get_is_a_miss(cluster, pool):
     a = objs(3, base=800)
-    layout = Layout(IDENTITY)
+    layout = Layout(LAYOUT)
     raw = raw_client(cluster)
     with new_store(cluster, pool) as store:
         put(store, pool, a)
@@ -221,7 +257,7 @@ def test_wrong_size_values_are_corrupt_misses(cluster, pool):
     a = {object_key(900, "kv"): (3 * SLOT + 5, 900), object_key(901, "kv"): (SLOT, 901),
          object_key(902, "kv"): (5000, 902)}
     k0, k1, k2 = a
-    layout = Layout(IDENTITY)
+    layout = Layout(LAYOUT)
     raw = raw_client(cluster)
     with new_store(cluster, pool) as store:
         put(store, pool, a)
@@ -242,7 +278,7 @@ def test_wrong_size_values_are_corrupt_misses(cluster, pool):
 def test_flipped_byte_is_a_checksum_miss(cluster, pool):
     a = {object_key(950, "kv"): (2 * SLOT + 77, 950)}
     (key,) = a
-    layout = Layout(IDENTITY)
+    layout = Layout(LAYOUT)
     raw = raw_client(cluster)
     with new_store(cluster, pool) as store:
         put(store, pool, a)

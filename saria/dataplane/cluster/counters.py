@@ -20,6 +20,7 @@ class ClusterCounters:
     get_bytes: int = 0
     get_seconds: float = 0.0  # time in Mooncake's get calls and verification
     exists_calls: int = 0
+    exists_timeouts: int = 0  # exists_many calls that timed out (answered all False)
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))
     timeouts: int = 0  # objects whose batch timed out (also in misses["timeout"])
     corrupt: int = 0  # objects found corrupt and dropped (also in misses["corrupt"])

@@ -49,6 +49,7 @@ class ClusterStore:
         master: the Mooncake master's RPC address, ``host:port``.
         identity: what the objects are written for (model, dtype, page geometry, parallel layout,
             rank and stage, as the SSD store's identity); objects of another identity are never seen.
+            ``max_part_bytes`` is added to it: stores with other part sizes do not see each other's objects.
         memory: the :class:`HostPool` whose slots the objects move from and into (or a list of
             contiguous uint8 CPU tensors); registered with Mooncake once per client, at open.
         local_hostname: this host's address as the storage nodes reach it.
@@ -78,7 +79,10 @@ class ClusterStore:
             max_part_bytes = max_part_bytes or memory.slot_bytes
         if not max_part_bytes or max_part_bytes < 1:
             raise ValueError("max_part_bytes is needed (>= 1) when memory is not a HostPool")
-        self._layout = Layout(identity)
+        # The part size is part of the layout: a host whose slots differ would see another part
+        # structure (each part is one slot); it sees no object instead of corrupt ones.
+        self._identity = identity
+        self._layout = Layout(f"{identity}|cluster parts of {max_part_bytes} bytes")
         self._registered = Registered(memory_ranges(memory))
         self._max_part = int(max_part_bytes)
         self._timeout = float(timeout_s)
@@ -103,7 +107,7 @@ class ClusterStore:
 
     @property
     def identity(self) -> str:
-        return self._layout.identity
+        return self._identity
 
     @property
     def on(self) -> bool:
@@ -164,7 +168,7 @@ class ClusterStore:
         try:
             return fut.result(timeout=self._timeout)
         except FutureTimeout:
-            self._counters.add(timeouts=1)
+            self._counters.add(exists_timeouts=1)
             return [False] * len(keys)
         except ClusterOff:
             return [False] * len(keys)
