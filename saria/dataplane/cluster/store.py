@@ -98,6 +98,7 @@ class ClusterStore:
         self._pipeline_bytes = int(pipeline_bytes)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster")
         self._verifier = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster-verify")
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="saria-cluster-lookup")
         self._watchdog = Watchdog()
         ranges = self._registered.ranges + [(a.data_ptr(), a.numel()) for a in arenas]
         self._conn = Connection(master, local_hostname, ranges, self._counters, setup_wait_s,
@@ -151,10 +152,11 @@ class ClusterStore:
         self._check("get", keys, outs, None)
         return self._submit("get", keys, outs, [None] * len(keys))
 
-    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+    def exists_many(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool]:
         """Whether each object is complete in the cluster now (its metadata and every part), within
-        ``timeout_s``; all ``False`` when the tier is off or the check timed out. A hint: an object
-        may be evicted before a get reaches it (the get is then a miss)."""
+        ``timeout_s`` (default: the store's); all ``False`` when the tier is off, the check failed or
+        timed out. A hint: an object may be evicted before a get reaches it (the get is then a miss).
+        Runs on the store's lookup thread, so batches in flight do not delay it."""
         for k in keys:
             parse_object_key(k)
         self._check_open()
@@ -164,14 +166,16 @@ class ClusterStore:
             self._counters.add(off_calls=1)
             return [False] * len(keys)
         self._counters.add(exists_calls=1)
-        fut = self._pool.submit(queries.exists, self, list(keys))
+        fut = self._lookups.submit(queries.exists, self, list(keys))
         try:
-            return fut.result(timeout=self._timeout)
+            return fut.result(timeout=self._timeout if timeout_s is None else timeout_s)
         except FutureTimeout:
             self._counters.add(exists_timeouts=1)
-            return [False] * len(keys)
         except ClusterOff:
-            return [False] * len(keys)
+            pass
+        except Exception:  # noqa: BLE001 - a lookup that failed answers "not there", never raises
+            log.debug("cluster exists_many failed", exc_info=True)
+        return [False] * len(keys)
 
     def remove_many(self, keys: Sequence[bytes]) -> int:
         """Remove objects (their metadata and parts), even while being read; how many were there.
@@ -182,7 +186,12 @@ class ClusterStore:
         client = self._conn.client()
         if client is None or not keys:
             return 0
-        return self._pool.submit(queries.drop, self, client, [(k, None) for k in keys]).result(self._timeout)
+        fut = self._lookups.submit(queries.drop, self, client, [(k, None) for k in keys])
+        try:
+            return fut.result(timeout=self._timeout)
+        except Exception:  # noqa: BLE001 - a removal that failed or timed out removed nothing known
+            log.debug("cluster remove_many failed", exc_info=True)
+            return 0
 
     def wait_released(self, timeout: float | None = None) -> bool:
         """Wait until no batch submitted so far is still inside a Mooncake call (so the memory of
@@ -199,6 +208,7 @@ class ClusterStore:
             self._closed = True
         self._pool.shutdown(wait=True)
         self._verifier.shutdown(wait=True)
+        self._lookups.shutdown(wait=True)
         self._watchdog.close()
         self._conn.close()
 
