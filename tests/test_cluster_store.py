@@ -295,22 +295,26 @@ def test_flipped_byte_is_a_checksum_miss(cluster, pool):
 
 
 def test_timeout_is_a_miss_and_memory_is_released_later(own_cluster, pool):
-    a = objs(4, base=1200)
+    a, b = objs(4, base=1200), objs(2, base=1250)
     with new_store(own_cluster, pool, timeout_s=1.0) as store:
         put(store, pool, a)
         own_cluster.pause_node()
         try:
             t0 = time.monotonic()
             got = get(store, pool, a)  # frees its slots at once: fine here, nobody else uses them
+            put_late = put(store, pool, b)
             took = time.monotonic() - t0
         finally:
             time.sleep(1.0)
             own_cluster.resume_node()
         assert all(isinstance(v, ClusterTimeout) for v in got.values()), got
-        assert took < 3.0
+        assert all(isinstance(r, ClusterTimeout) for r in put_late), put_late
+        assert took < 4.0
         assert store.wait_released(timeout=30)
-        assert store.counters()["timeouts"] == 4
+        assert store.counters()["timeouts"] == 6
         assert all(v is True for v in get(store, pool, a).values())
+        # the timed-out put committed no metadata: its objects are not served
+        assert all(isinstance(v, ObjectAbsent) for v in get(store, pool, b).values())
 
 
 def test_master_killed_then_back(own_cluster, pool, caplog):
