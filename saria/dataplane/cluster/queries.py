@@ -1,0 +1,62 @@
+"""The cluster store's lookups beyond a batch: whether objects are complete, and dropping them.
+
+Both run on the store's thread pool (:class:`~saria.dataplane.cluster.store.ClusterStore` waits for
+them with its timeout). Metadata values are fetched with ``get_batch`` (a copy through the client's
+local buffer: their size is not known here), parts only checked or removed, never read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from saria.dataplane.cluster.errors import ClusterOff
+from saria.dataplane.cluster.layout import Meta
+
+
+def exists(store: Any, keys: list[bytes]) -> list[bool]:
+    """Whether each object is complete now: its metadata exists and parses, and every part it names
+    exists (three calls: metadata existence, metadata values, part existence)."""
+    client, layout = store._conn.client(), store._layout
+    if client is None:
+        raise ClusterOff("cluster tier off")
+    codes = client.batch_is_exist([layout.meta_key(k) for k in keys])
+    if store._conn.check(codes, "batch_is_exist"):
+        raise ClusterOff("master unreachable")
+    found = [i for i, c in enumerate(codes) if c == 1]
+    values = client.get_batch([layout.meta_key(keys[i]) for i in found]) if found else []
+    parts: list[tuple[int, str]] = []
+    for i, value in zip(found, values):
+        try:
+            meta = layout.decode(keys[i], value)
+        except ValueError:
+            continue  # an unreadable metadata value: not an object (a get drops it)
+        parts += [(i, pk) for pk in layout.part_keys(keys[i], meta)]
+    present = {i for i, _ in parts}
+    codes = client.batch_is_exist([pk for _, pk in parts]) if parts else []
+    if store._conn.check(codes, "batch_is_exist"):
+        raise ClusterOff("master unreachable")
+    for (i, _), c in zip(parts, codes):
+        if c != 1:
+            present.discard(i)
+    return [i in present for i in range(len(keys))]
+
+def drop(store: Any, client: Any, objects: list[tuple[bytes, Meta | None]]) -> int:
+    """Remove objects from Mooncake, forced (a reader's lease does not stop it): their metadata
+    and the parts it names (read here when not given). How many metadata values were there."""
+    layout = store._layout
+    need = [k for k, m in objects if m is None]
+    metas = dict(objects)
+    if need:
+        for k, value in zip(need, client.get_batch([layout.meta_key(k) for k in need])):
+            try:
+                metas[k] = layout.decode(k, value)
+            except ValueError:
+                pass
+    keys = [layout.meta_key(k) for k, _ in objects]
+    for k, m in metas.items():
+        if m is not None:
+            keys += layout.part_keys(k, m)
+    codes = client.batch_remove(keys, True)
+    removed = sum(1 for c in codes[:len(objects)] if c == 0)
+    store._counters.add(dropped=removed)
+    return removed
