@@ -30,12 +30,19 @@ keeps ``[HV, K, V]``). A tensor whose element count is not a multiple of 128 has
 padded with zeros (zeros leave a group's amax, so its scale, unchanged); the small model's and
 Qwen3-Next-80B's states fill whole groups, so no padding happens there.
 
+transformers initializes the GDN decay so that the random model forgets a state within a few tokens
+(``A`` in [0, 16]); ``--decay long`` sets ``A`` in [0.001, 0.1] (half-lives of ~5 to ~500 tokens), so
+that the checkpointed state still matters when the generated tokens are computed, as in a trained
+model's slow heads. Either way a state's error also reaches later tokens through the full-attention
+KV computed from it.
+
 The bytes table gives, per model of :mod:`saria.models` with GDN layers, a checkpoint's state bytes as
 stored (bf16 conv, fp32 recurrent) and in FP8 (:func:`saria.ssd_dtype.fp8_bytes`), and the share of
 SSD bytes the state objects are with a checkpoint every ``--checkpoint-tokens``, with kv in bf16 or FP8.
 
     python bench/bench_fp8_states.py                  # 24 prompts of 256-1024 tokens (~10 min on 2 cores)
     python bench/bench_fp8_states.py --quick          # 2 short prompts, 4 tokens (a smoke run, ~30 s)
+    python bench/bench_fp8_states.py --decay long     # GDN heads with long memories
     python bench/bench_fp8_states.py --json out.json  # every record
 """
 
@@ -158,6 +165,20 @@ def compare(ref: tuple[list[int], list[float]], got: tuple[list[int], list[float
     return {"agree_tokens": agree, "gen": len(rt), "dlogprob": [abs(a - b) for a, b in zip(rl[:agree], gl[:agree])]}
 
 
+def long_memory(model, seed: int) -> None:
+    """Give every GDN head a long memory: ``A_log = log(A)``, ``A`` uniform in [0.001, 0.1], so the
+    per-token decay ``exp(-A * softplus(a + dt_bias))`` keeps a state for ~5 to ~500 tokens (half-life).
+    transformers initializes ``A`` in [0, 16], so that the random model forgets its state within a
+    few tokens; trained models keep slow heads, which is where a state's error lives longest."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = getattr(layer, "linear_attn", None)
+            if attn is not None:
+                a = torch.empty(attn.A_log.shape).uniform_(0.001, 0.1, generator=gen)
+                attn.A_log.copy_(a.log().to(attn.A_log.dtype))
+
+
 def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     """``n`` prompts of random token ids below ``VOCAB``, lengths uniform in [lo, hi]."""
     rng = random.Random(seed)
@@ -173,6 +194,8 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "hybrid", "hybrid", seed=args.seed, layers=args.layers)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    if args.decay == "long":
+        long_memory(model, args.seed)
     kernel = model.config.linear_conv_kernel_dim
     trips = {case: RoundTrip() for case in args.cases}
     records = []
@@ -301,6 +324,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4, help="model layers (GDN and full attention alternate)")
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="cases ('exact' is always run)")
     p.add_argument("--checkpoint-tokens", type=int, default=16_384, help="tokens per GDN checkpoint (bytes table)")
+    p.add_argument("--decay", choices=("init", "long"), default="init",
+                   help="GDN decay: transformers' init (A in [0, 16]: a state is forgotten within a few tokens) or "
+                        "'long' (A in [0.001, 0.1]: half-lives of ~5-500 tokens, closer to a trained model's slow heads)")
     p.add_argument("--seed", type=int, default=0, help="model weights and prompts")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="2 prompts of 32-64 tokens, 4 generated (a smoke run)")
@@ -318,7 +344,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
     result["bytes"] = bytes_rows(args.checkpoint_tokens)
-    print(f"\n{args.prompts} prompts of {args.min_tokens}-{args.max_tokens} tokens, FP8 round trip at 3/4, "
+    print(f"\n{args.prompts} prompts of {args.min_tokens}-{args.max_tokens} tokens, GDN decay '{args.decay}', "
+          f"FP8 round trip at 3/4, "
           f"{args.gen} tokens generated greedily; against 'exact':\n")
     print(table(result["summary"], args.gen))
     print(f"\nGDN checkpoint bytes (a checkpoint every {args.checkpoint_tokens:,} tokens):\n")
