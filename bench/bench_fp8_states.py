@@ -40,7 +40,7 @@ The bytes table gives, per model of :mod:`saria.models` with GDN layers, a check
 stored (bf16 conv, fp32 recurrent) and in FP8 (:func:`saria.ssd_dtype.fp8_bytes`), and the share of
 SSD bytes the state objects are with a checkpoint every ``--checkpoint-tokens``, with kv in bf16 or FP8.
 
-    python bench/bench_fp8_states.py                  # 24 prompts of 256-1024 tokens (~10 min on 2 cores)
+    python bench/bench_fp8_states.py                  # 24 prompts of 256-1024 tokens (~30 s on 2 idle cores)
     python bench/bench_fp8_states.py --quick          # 2 short prompts, 4 tokens (a smoke run, ~30 s)
     python bench/bench_fp8_states.py --decay long     # GDN heads with long memories
     python bench/bench_fp8_states.py --json out.json  # every record
