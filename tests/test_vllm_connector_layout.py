@@ -309,6 +309,37 @@ def test_a_restarted_rank_reports_its_objects_once_and_serves_them(tmp_path):
         worker.shutdown()
 
 
+def test_an_fp8_store_is_served_after_a_restart_and_wiped_by_a_bf16_one(tmp_path):
+    """``ssd_dtype=fp8``: a restarted rank of the same form finds its FP8 objects (same identity)
+    and reloads them as their round trip; a rank that stores bf16 wipes them (another identity,
+    other parts) rather than read FP8 bytes as bf16."""
+    from saria.integrations.vllm.audit import fp8_round_trip
+
+    root, layout = tmp_path / "nvme0", ParallelLayout()
+    worker = rank_worker(root, layout, ssd_dtype="fp8")
+    assert inventory_of(worker) == {}
+    store_and_write(worker, "c0", (2, 3))
+    worker.shutdown()
+
+    kv = pages(0)
+    kv[8:].zero_()
+    worker = rank_worker(root, layout, kv=kv, ssd_dtype="fp8")
+    assert inventory_of(worker) == {ObjectKey("c0", "kv"): 1}
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(1, ["c0"], Tier.SSD), ((8, 9),))]))
+    assert worker.get_finished(set()) == (set(), {"r"}) and worker.build_worker_meta().loads[0].failed == ()
+    assert all(torch.equal(kv[8 + i], fp8_round_trip(pages(0)[2 + i])) for i in range(2))
+    assert not torch.equal(kv[8:10], pages(0)[2:4])  # the round trip is not the identity on these pages
+    worker.shutdown()
+
+    worker = rank_worker(root, layout)  # bf16
+    try:
+        assert inventory_of(worker) == {}
+        ssd = worker.data.ssd.counters()
+        assert (ssd["wiped_files"], ssd["wiped_at_open"]) == (1, 1)
+    finally:
+        worker.shutdown()
+
+
 def test_the_inventory_goes_with_a_new_epoch(tmp_path):
     worker = rank_worker(tmp_path, TP2[0])
     store_and_write(worker, "h0")
