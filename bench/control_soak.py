@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from saria.config import POLICY_PRESETS  # noqa: E402
+from saria.ssd_dtype import SSD_DTYPES  # noqa: E402
 from saria.replay.experiment import Experiment, open_trace  # noqa: E402
 from saria.replay.policies import BaseSettings, build_config, parse_policy  # noqa: E402
 from saria.replay.replay import ReplaySettings, replay  # noqa: E402
@@ -93,17 +94,17 @@ def experiment(source: Source) -> Experiment:
     return _EXPERIMENTS[source.name]
 
 
-def run_one(job: tuple[Source, str, str, float | None, int]) -> dict:
-    source, preset, level, window_s, audit_every = job
+def run_one(job: tuple[Source, str, str, float | None, int, str]) -> dict:
+    source, preset, level, window_s, audit_every, ssd_dtype = job
     record = {"trace": source.name, "model": source.model, "policy": preset, "capacity": level,
-              "window_s": window_s, "ok": False}
+              "window_s": window_s, "ssd_dtype": ssd_dtype, "ok": False}
     started = time.perf_counter()
     try:
         exp = experiment(source)
         chunk_tokens = exp.chunk_tokens
         working = len({key for keys in exp.chunks for key in keys}) * chunk_tokens
         dram, ssd = capacities(level, working, chunk_tokens)
-        base = BaseSettings(model=source.model, dram_tokens=dram, ssd_tokens=ssd)
+        base = BaseSettings(model=source.model, dram_tokens=dram, ssd_tokens=ssd, ssd_dtype=ssd_dtype)
         spec = preset if window_s is None else f"{preset}{',' if ':' in preset else ':'}metadata_window_s={window_s:g}"
         config = build_config(parse_policy(spec), base)
         run = replay(spec, exp.trace, exp.chunks, exp.schedule(None), config, exp.settings, audit=True,
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="audit after every this many requests (default 100; --quick: 50)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs this process may use)")
     parser.add_argument("--json", metavar="PATH", help="also write every replay's record as JSON")
+    parser.add_argument("--ssd-dtype", choices=SSD_DTYPES, default="auto",
+                        help="the SSD tier's format (fp8: the control plane counts FP8 sizes on the SSD side)")
     args = parser.parse_args(argv)
     try:
         seeds = [int(s) for s in (args.seeds or ("1,2" if args.quick else "1,2,3")).split(",") if s.strip()]
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if not target.is_dir():
             parser.error(f"--json: no such directory {target}")
 
-    jobs = [(source, preset, level, window, audit_every)
+    jobs = [(source, preset, level, window, audit_every, args.ssd_dtype)
             for source in sources(args.quick, seeds)
             for level in CAPACITIES
             for window in (SHORT_WINDOW_S, None)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from saria.orders import PromoteOrder, Tier
 import torch
 
+from saria.orders import ObjectKey, PromoteOrder, Tier
 from saria.kernels import checksum, dequantize_staging
 
 from saria.dataplane import nvtx
@@ -87,7 +87,7 @@ class Prewarms:
         ok = len(failed) < len(keys) or not keys
         return Completion(order.order_id, ok, tuple(failed) if ok else ())
 
-    def _read_recoded(self, key, ssd_key: bytes, length: int, views: list[torch.Tensor]) -> None:
+    def _read_recoded(self, key: ObjectKey, ssd_key: bytes, length: int, views: list[torch.Tensor]) -> None:
         """Read an object whose SSD parts are not host slots (its FP8 form, or parts of another
         size) into a buffer of its own, verified by the store, then into ``views`` (dequantized)."""
         stored = torch.empty(length, dtype=torch.uint8)

@@ -41,7 +41,7 @@ class Tables:
         self.kv_bytes = kv_table.staging_bytes(pages_per_chunk)
         self.state_bytes = state_table.staging_bytes(state_pages) if state_table is not None else 0
         self.ssd_dtype = check_ssd_dtype(ssd_dtype)
-        self.kv_dtype = kv_table.tensors[0].dtype
+        self.kv_dtype = kv_table.element_dtype  # None for mixed dtypes, which fp8 refuses
         self.kv_ssd_bytes = fp8_staging_bytes(kv_table, pages_per_chunk) if ssd_dtype == "fp8" else self.kv_bytes
 
     def table(self, kind: str) -> tuple[PageTable, int, int]:
@@ -97,8 +97,8 @@ def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
 def unpack_run(job: LoadJob, items: list[LoadItem], staging: torch.Tensor, path: str, streams: Streams,
                counters: TransferCounters) -> None:
     """Unpack ``items`` (one page table, all quantized or none; ``staging`` their packed bytes
-    back to back) with one launch on ``path``'s stream, and finish them on ``job`` (with an event on that stream). Never
-    raises (its callers are the paths' threads, which must neither die nor leave a job waiting):
+    back to back) with one launch on ``path``'s stream, and finish them on ``job`` (with an event
+    on that stream). Never raises (its callers are the paths' threads, which must neither die nor leave a job waiting):
     if the launch is refused (e.g. two objects naming the same page), each object is unpacked
     alone and only those that fail alone fail."""
     try:

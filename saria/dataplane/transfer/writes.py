@@ -48,11 +48,10 @@ class Writes:
         keys = order.keys()
         if order.source is Tier.DRAM:
             released.set()
-            if self._recode:
-                self.packer.pool.submit(self._recode_and_write, order, keys, result)
+            if self._recode:  # quantizing or copying takes time: on the offload thread
+                self.packer.pool.submit(self._write_all_from_dram, order, keys, result)
             else:
-                futures = [self._write_from_dram(key) for key in keys]
-                self._gather_writes(order, keys, futures, result)
+                self._write_all_from_dram(order, keys, result)
         elif order.source is Tier.GPU:
             objects = self.packer.resolve(order, kv_blocks, state_blocks, prepacked)
             self.packer.submit(self._pack_and_write, order, objects, released, keys, result)
@@ -80,41 +79,33 @@ class Writes:
         finally:
             released.set()
 
+    def _write_all_from_dram(self, order: WriteOrder, keys: list[ObjectKey], result: Future) -> None:
+        """Write each object of the order from its DRAM copy (the control plane keeps the copies
+        until the order completes)."""
+        try:
+            self._gather_writes(order, keys, [self._write_from_dram(key) for key in keys], result)
+        except BaseException as exc:
+            if not result.done():
+                result.set_exception(exc)
+            raise
+
     def _write_from_dram(self, key: ObjectKey) -> Future | BaseException:
+        """One object from its DRAM copy: straight from its slots, or, when SSD parts are not host
+        slots, from one buffer of the form the SSD stores (a kv object quantized)."""
         obj = self.dram.get(key)
         if obj is None:
             self.counters.add(missing_dram_objects=1)
             return LookupError(f"{key} is not in DRAM")
         try:
-            return self.ssd.write(object_key(key.chunk, key.kind), self.dram.views(obj), obj.checksums)
+            if not self._recode:
+                return self.ssd.write(object_key(key.chunk, key.kind), self.dram.views(obj), obj.checksums)
+            raw = self.dram.contiguous(obj)
+            if raw is None:
+                raw = torch.cat(self.dram.views(obj))
+            data = self._quantized(raw) if self.tables.quantized(key.kind) else raw
         except Exception as exc:  # store full, closed
             return exc
-
-    def _recode_and_write(self, order: WriteOrder, keys: list[ObjectKey], result: Future) -> None:
-        """On the offload thread: each object's DRAM copy in the form the SSD stores (a kv object
-        quantized), then written. The control plane keeps the DRAM copies until the order completes."""
-        try:
-            futures = []
-            for key in keys:
-                obj = self.dram.get(key)
-                if obj is None:
-                    self.counters.add(missing_dram_objects=1)
-                    futures.append(LookupError(f"{key} is not in DRAM"))
-                    continue
-                try:
-                    raw = self.dram.contiguous(obj)
-                    if raw is None:
-                        raw = torch.cat(self.dram.views(obj))
-                    data = self._quantized(raw) if self.tables.quantized(key.kind) else raw
-                except Exception as exc:
-                    futures.append(exc)
-                    continue
-                futures.append(self._write_staging(key, data))
-            self._gather_writes(order, keys, futures, result)
-        except BaseException as exc:
-            if not result.done():
-                result.set_exception(exc)
-            raise
+        return self._write_staging(key, data)
 
     def _quantized(self, raw: torch.Tensor) -> torch.Tensor:
         """A DRAM copy's FP8 form, encoded on the engine's device: on a GPU one copy up from the

@@ -71,7 +71,7 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
                              f"says {g.state_bytes}")
     config = settings.saria_config(block_size=block_size, kv_bytes_per_token=g.kv_bytes_per_token,
                                    state_bytes=g.state_bytes, shards=layout.shards,
-                                   kv_element_bytes=table.tensors[0].element_size())
+                                   kv_element_bytes=g.kv_element_bytes)
     # an FP8 store's objects are not a bf16 store's: the identity says so (and a store written in
     # the other form is wiped at open, with a log line); "auto" keeps the identity of earlier runs
     stored = {"ssd_format": FP8_FORMAT} if config.ssd_dtype == "fp8" else {}
