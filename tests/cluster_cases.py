@@ -34,6 +34,14 @@ def start_cluster(tmp_path_factory, node_bytes: int = 256 << 20) -> LocalCluster
     return LocalCluster(tmp_path_factory.mktemp("mooncake"), node_bytes).start()
 
 
+def raw_client(cluster):
+    """A plain Mooncake client of ``cluster`` (to tamper with values as no saria store would)."""
+    from mooncake.store import MooncakeDistributedStore
+    c = MooncakeDistributedStore()
+    assert c.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
+    return c
+
+
 @functools.lru_cache(maxsize=1)
 def _noise() -> torch.Tensor:
     g = torch.Generator().manual_seed(20261205)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from cluster_cases import fill, matches, mooncake_available, start_cluster, SKIP_REASON
+from cluster_cases import fill, matches, mooncake_available, raw_client, start_cluster, SKIP_REASON
 from saria.dataplane.cluster import (ClusterMiss, ClusterOff, ClusterStore, ClusterTimeout, Layout,
                                      ObjectAbsent, ObjectCorrupt)
 from saria.dataplane.cluster.local import free_ports
@@ -102,13 +102,6 @@ def get(store, pool, objects):
 
 def objs(n, base=0, sizes=SIZES):
     return {object_key(base + i, "kv" if i % 2 else "state"): (sizes[i % len(sizes)], base + i) for i in range(n)}
-
-
-def raw_client(cluster):
-    from mooncake.store import MooncakeDistributedStore
-    c = MooncakeDistributedStore()
-    assert c.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", cluster.master) == 0
-    return c
 
 
 def test_round_trip_many_sizes(cluster, pool):

@@ -63,7 +63,8 @@ class DataPlaneParts:
 def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: int,
                     state_table: PageTable | None = None, state_pages: int = 1,
                     ssd_paths: Sequence[str] | None = None, coordinator_mode: str = "coordinated",
-                    durable: bool = True, direct: bool | str = "auto", ssd_identity: str = "") -> DataPlaneParts:
+                    durable: bool = True, direct: bool | str = "auto", ssd_identity: str = "",
+                    staging_bytes: int = 0) -> DataPlaneParts:
     """A data plane whose host pool and SSD store hold what ``config``'s control plane may place
     there. ``config`` must already carry the tables' object sizes (:func:`sized_config`).
 
@@ -71,6 +72,8 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
     plane's byte capacity admits. ``ssd_paths`` defaults to ``config.ssd_paths``; a policy that
     uses SSD needs at least one. ``ssd_identity`` is what the SSD store's objects are written for
     (see :class:`SSDStore`): drive files written for another identity are wiped at open.
+    ``staging_bytes``: host slots beyond the DRAM tier's, which the control plane never places
+    objects in (the cluster tier's reloads land there before they go to the GPU).
     """
     chunk = config.chunk
     expected = sized_config(config, kv_table, block_tokens, state_table, state_pages).chunk
@@ -88,7 +91,9 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
     ssd_sizes = [config.ssd_kv_bytes] + sizes[1:]
     part = slot if config.ssd_dtype == "auto" else slot_bytes_for(ssd_sizes)
     parts_per = [-(-s // part) for s in ssd_sizes]
-    host_pool = HostPool(dram_slots * slot, slot)
+    if staging_bytes < 0:
+        raise ValueError(f"staging_bytes must be >= 0, got {staging_bytes}")
+    host_pool = HostPool((dram_slots + -(-staging_bytes // slot)) * slot, slot)
     paths = list(config.ssd_paths if ssd_paths is None else ssd_paths)
     ssd = None
     try:

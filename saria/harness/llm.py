@@ -18,6 +18,7 @@ class TurnResult:
     logprobs: list[float]
     ttft_s: float
     ranks: list[dict[str, int]] = field(default_factory=list)  # per worker rank: bytes loaded per tier this turn
+    cluster_tokens: int = 0  # of the reused tokens, loaded from the cluster tier
 
 
 def rank_snapshot(worker: Any = None) -> dict[str, Any]:
@@ -92,14 +93,14 @@ def primed_turn(llm: Any, prompt: list[int], count: int, params: Any) -> TurnRes
 
 
 def turn_result(out: Any, prompt_tokens: int, wall: float, dram: int = 0, ssd: int = 0,
-                 ranks: list[dict[str, int]] | None = None) -> TurnResult:
+                 ranks: list[dict[str, int]] | None = None, cluster: int = 0) -> TurnResult:
     """One request's ``TurnResult`` from vLLM's ``RequestOutput`` (``wall``: the time to first token
     when vLLM reports none)."""
     completion = out.outputs[0]
     ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
     return TurnResult(prompt_tokens, out.num_cached_tokens or 0, dram, ssd, list(completion.token_ids),
                       [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
-                      ttft if ttft > 0 else wall, list(ranks or []))
+                      ttft if ttft > 0 else wall, list(ranks or []), cluster)
 
 
 def empty_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:

@@ -175,11 +175,12 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         else:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in group], params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        dram = ssd = 0
+        dram = ssd = cluster = 0
         if guard is not None:  # tokens the loads delivered (SchedulerGuard.totals: over rebuilds too)
             after = guard.totals()
             dram = after["hit_tokens_dram"] - before.get("hit_tokens_dram", 0)
             ssd = after["hit_tokens_ssd"] - before.get("hit_tokens_ssd", 0)
+            cluster = after.get("hit_tokens_cluster", 0) - before.get("hit_tokens_cluster", 0)
         per_rank = []
         if loaded is not None:  # the tier split from rank 0's byte counters (GDN state bytes count as tokens)
             per_rank = [{tier: now[tier] - was[tier] for tier in ("dram", "ssd")}
@@ -189,13 +190,14 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         for n, (prompt, out) in enumerate(zip(group, outs)):
             lead = n == 0  # a batch's reused tokens by tier count on its first turn
             result.turns.append(turn_result(out, len(prompt), wall, dram if lead else 0, ssd if lead else 0,
-                                             per_rank if lead else None))
+                                             per_rank if lead else None, cluster if lead else 0))
             if variants is not None:
                 result.variants[turn][variants[turn][0]] = result.turns[-1]
             if progress:
                 t = result.turns[-1]
                 print(f"  turn {turn + n + 1:>2}/{len(prompts)}: {t.prompt_tokens:>5} prompt tokens, "
-                      f"{t.cached_tokens:>5} reused (DRAM {t.dram_tokens}, SSD {t.ssd_tokens}), "
+                      f"{t.cached_tokens:>5} reused (DRAM {t.dram_tokens}, SSD {t.ssd_tokens}"
+                      f"{f', cluster {t.cluster_tokens}' if t.cluster_tokens else ''}), "
                       f"TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
         if gap_s and first < len(prompts):
             idle(llm, guard, gap_s)

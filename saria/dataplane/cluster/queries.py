@@ -10,35 +10,38 @@ from __future__ import annotations
 from typing import Any
 
 from saria.dataplane.cluster.errors import ClusterOff
-from saria.dataplane.cluster.layout import Meta
+from saria.dataplane.cluster.layout import Layout, Meta
 
 
-def exists(store: Any, keys: list[bytes]) -> list[bool]:
-    """Whether each object is complete now: its metadata exists and parses, and every part it names
-    exists (three calls: metadata existence, metadata values, part existence)."""
-    client, layout = store._conn.client(), store._layout
+def exists(conn: Any, objects: list[tuple[Layout, bytes]]) -> list[bool]:
+    """Whether each object (a layout, i.e. an identity's keys, and an object key) is complete now:
+    its metadata exists and parses, and every part it names exists (three calls: metadata
+    existence, metadata values, part existence, each one batch over every object)."""
+    client = conn.client()
     if client is None:
         raise ClusterOff("cluster tier off")
-    codes = client.batch_is_exist([layout.meta_key(k) for k in keys])
-    if store._conn.check(codes, "batch_is_exist"):
+    codes = client.batch_is_exist([layout.meta_key(k) for layout, k in objects])
+    if conn.check(codes, "batch_is_exist"):
         raise ClusterOff("master unreachable")
     found = [i for i, c in enumerate(codes) if c == 1]
-    values = client.get_batch([layout.meta_key(keys[i]) for i in found]) if found else []
+    values = client.get_batch([objects[i][0].meta_key(objects[i][1]) for i in found]) if found else []
     parts: list[tuple[int, str]] = []
     for i, value in zip(found, values):
+        layout, key = objects[i]
         try:
-            meta = layout.decode(keys[i], value)
+            meta = layout.decode(key, value)
         except ValueError:
             continue  # an unreadable metadata value: not an object (a get drops it)
-        parts += [(i, pk) for pk in layout.part_keys(keys[i], meta)]
+        parts += [(i, pk) for pk in layout.part_keys(key, meta)]
     present = {i for i, _ in parts}
     codes = client.batch_is_exist([pk for _, pk in parts]) if parts else []
-    if store._conn.check(codes, "batch_is_exist"):
+    if conn.check(codes, "batch_is_exist"):
         raise ClusterOff("master unreachable")
     for (i, _), c in zip(parts, codes):
         if c != 1:
             present.discard(i)
-    return [i in present for i in range(len(keys))]
+    return [i in present for i in range(len(objects))]
+
 
 def drop(store: Any, client: Any, objects: list[tuple[bytes, Meta | None]]) -> int:
     """Remove objects from Mooncake, forced (a reader's lease does not stop it): their metadata

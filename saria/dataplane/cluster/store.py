@@ -116,6 +116,13 @@ class ClusterStore:
         return self._conn.on
 
     @property
+    def layout_identity(self) -> str:
+        """What the objects' keys are derived from: the identity and the part size. A reader
+        elsewhere (:class:`~saria.dataplane.cluster.index.ClusterIndex`) finds this store's
+        objects from it."""
+        return self._layout.identity
+
+    @property
     def max_part_bytes(self) -> int:
         return self._max_part
 
@@ -166,7 +173,7 @@ class ClusterStore:
             self._counters.add(off_calls=1)
             return [False] * len(keys)
         self._counters.add(exists_calls=1)
-        fut = self._lookups.submit(queries.exists, self, list(keys))
+        fut = self._lookups.submit(queries.exists, self._conn, [(self._layout, k) for k in keys])
         try:
             return fut.result(timeout=self._timeout if timeout_s is None else timeout_s)
         except FutureTimeout:

@@ -30,12 +30,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from saria.dataplane.cluster.index import ClusterIndex
+
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
 from .layout import ParallelLayout, model_identity
 from .logs import route_to_vllm
 from .metrics import Deltas, SariaPromMetrics, SariaStats, worker_stats
-from .scheduler import SariaScheduler
+from .scheduler import SariaScheduler, open_cluster_index
 from .settings import ConnectorSettings
 from .worker import SariaWorker
 
@@ -61,14 +63,17 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
         self._scheduler: SchedulerGuard | None = None
         self._worker: SariaWorker | None = None
+        self._cluster: ClusterIndex | None = None
         if role == KVConnectorRole.SCHEDULER:
             # A cache miss must never fail a request: vLLM reads this right after building us.
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
             workers = ParallelLayout.of_server(vllm_config.parallel_config).shards
             builds = itertools.count()  # the first control plane takes over the SSD objects of a previous run
+            self._cluster = open_cluster_index(self.settings, workers)  # outlives rebuilt control planes
             self._scheduler = SchedulerGuard(
                 lambda: SariaScheduler(self.settings, geometry, workers=workers,
-                                       recover=next(builds) == 0 and bool(self.settings.ssd_paths)),
+                                       recover=next(builds) == 0 and bool(self.settings.ssd_paths),
+                                       cluster=self._cluster),
                 log_interval_s=self.settings.log_interval_s)
         else:
             self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks,
@@ -147,6 +152,8 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._cluster is not None:
+            self._cluster.close()
 
     # --- scheduler side (through SchedulerGuard, which never raises) ------------------------------
 
@@ -157,7 +164,8 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        tiers = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK}
+        tiers = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK,
+                 "cluster": CacheHitSource.EXTERNAL_UNSPECIFIED}  # a remote store: vLLM's name for it
         return {tiers[t]: n for t, n in self._scheduler.hit_sources(request, num_external_tokens).items()}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:

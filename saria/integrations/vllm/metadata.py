@@ -21,24 +21,30 @@ from saria.orders import ObjectKey, Order, ReloadPlan
 class LoadSpec:
     """Reload ``plan`` into a request's pages: ``kv_blocks[i]`` are chunk ``i``'s block ids,
     ``skip_pages`` leading pages of chunk 0 are the engine's own (already computed) and are left
-    alone; ``state_blocks``: where a hybrid plan's GDN state object goes."""
+    alone; ``state_blocks``: where a hybrid plan's GDN state object goes. ``cluster``: chunks
+    after the plan's, read from the cluster tier (their blocks are the last ``len(cluster)`` of
+    ``kv_blocks``; the control plane knows nothing of them)."""
 
     req_id: str
     plan: ReloadPlan
     kv_blocks: tuple[tuple[int, ...], ...]
     skip_pages: int = 0
     state_blocks: tuple[int, ...] | None = None
+    cluster: tuple[Hashable, ...] = ()
 
 
 @dataclass(frozen=True)
 class RequestOrders:
     """Orders the control plane returned for one request (or completions' follow-ups, ``req_id``
     None), with the pages of the chunks they read from HBM. A request's state objects come from
-    the GDN states the worker captured for it (:class:`StateCapture`)."""
+    the GDN states the worker captured for it (:class:`StateCapture`). ``share``: chunks whose kv
+    objects go to the cluster tier: put once a store of them lands in DRAM, or before a DRAM drop
+    frees them (``cluster_admission``)."""
 
     req_id: str | None
     orders: tuple[Order, ...]
     kv_blocks: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)
+    share: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -72,18 +78,28 @@ class SariaConnectorMetadata(KVConnectorMetadata):
 
 @dataclass(frozen=True)
 class LoadReport:
-    """A reload ended on ``reports`` workers (tensor parallelism: each holds a shard)."""
+    """A reload ended on ``reports`` workers (tensor parallelism: each holds a shard).
+    ``failed``: the plan's objects that failed (for the control plane); ``cluster_failed``: how many
+    of the load's cluster chunks were misses (the control plane never hears of them);
+    ``valid_chunks``: the leading chunks of the whole load that arrived."""
 
     req_id: str
     plan_id: int
     failed: tuple[ObjectKey, ...]
     valid_chunks: int
     reports: int = 1
+    cluster_failed: int = 0
+
+    @property
+    def short(self) -> bool:
+        """Whether anything of the load failed (vLLM recomputes from ``valid_chunks`` on)."""
+        return bool(self.failed or self.cluster_failed)
 
     def merge(self, other: "LoadReport") -> "LoadReport":
         """Two workers' reports of one load: it failed where either failed."""
         return LoadReport(self.req_id, self.plan_id, tuple(dict.fromkeys(self.failed + other.failed)),
-                          min(self.valid_chunks, other.valid_chunks), self.reports + other.reports)
+                          min(self.valid_chunks, other.valid_chunks), self.reports + other.reports,
+                          max(self.cluster_failed, other.cluster_failed))
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,8 @@ class CompletionReport:
 class SariaWorkerMetadata(KVConnectorWorkerMetadata):
     """One step's report of the workers. ``inventory`` (sent once, after a worker's data plane
     opened): the SSD objects a previous run left, each with the number of ranks whose store holds
-    its shard, merged over ``inventory_reports`` ranks."""
+    its shard, merged over ``inventory_reports`` ranks. ``cluster_layouts`` (sent once, after a
+    worker's cluster store opened): the layout each rank's cluster objects are keyed by."""
 
     loads: list[LoadReport] = field(default_factory=list)
     completions: list[CompletionReport] = field(default_factory=list)
@@ -113,6 +130,7 @@ class SariaWorkerMetadata(KVConnectorWorkerMetadata):
     off: bool = False
     inventory: dict[ObjectKey, int] | None = None
     inventory_reports: int = 0
+    cluster_layouts: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel workers each hold a shard of every object: a load or order failed if it
@@ -123,7 +141,8 @@ class SariaWorkerMetadata(KVConnectorWorkerMetadata):
         if self.epoch != other.epoch:
             newer = self if self.epoch > other.epoch else other
             return SariaWorkerMetadata(newer.loads, newer.completions, newer.epoch, self.off or other.off,
-                                       newer.inventory, newer.inventory_reports)
+                                       newer.inventory, newer.inventory_reports,
+                                       self.cluster_layouts + other.cluster_layouts)
         loads = {r.req_id: r for r in self.loads}
         for r in other.loads:
             loads[r.req_id] = loads[r.req_id].merge(r) if r.req_id in loads else r
@@ -131,7 +150,8 @@ class SariaWorkerMetadata(KVConnectorWorkerMetadata):
         for c in other.completions:
             done[c.order_id] = done[c.order_id].merge(c) if c.order_id in done else c
         return SariaWorkerMetadata(list(loads.values()), list(done.values()), self.epoch, self.off or other.off,
-                                   *merge_inventories(self, other))
+                                   *merge_inventories(self, other),
+                                   cluster_layouts=self.cluster_layouts + other.cluster_layouts)
 
 
 def merge_inventories(a: "SariaWorkerMetadata", b: "SariaWorkerMetadata"

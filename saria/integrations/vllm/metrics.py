@@ -19,7 +19,12 @@ counter                                        what it counts
 =============================================  ===================================================
 ``vllm:saria_requests``                        requests saria's control plane looked up
 ``vllm:saria_hit_tokens{tier}``                prompt tokens loaded from saria's tier (``dram``,
-                                               ``ssd``) into vLLM's blocks instead of computed
+                                               ``ssd``, ``cluster``) into vLLM's blocks instead of
+                                               computed
+``vllm:saria_cluster_chunks_missed``           cluster chunks a lookup found that did not arrive
+                                               (evicted, timed out, ...; vLLM recomputed them)
+``vllm:saria_cluster_puts{result}``            objects put into the cluster tier (``ok``,
+                                               ``failed``), summed over the worker ranks
 ``vllm:saria_loads``, ``..._loads_failed``     loads sent to the workers; of those, failed (vLLM
                                                recomputed their tokens)
 ``vllm:saria_admissions{reason}``              chunks admitted to SSD (``eviction``: E_b >= theta_E,
@@ -65,7 +70,12 @@ class Metric:
 METRICS: tuple[Metric, ...] = (
     Metric("vllm:saria_requests", "Requests saria's control plane looked up.", None, {"requests": None}),
     Metric("vllm:saria_hit_tokens", "Prompt tokens loaded from saria's tier into vLLM's KV blocks instead of "
-           "computed, by tier (dram, ssd).", "tier", {"hit_tokens_dram": "dram", "hit_tokens_ssd": "ssd"}),
+           "computed, by tier (dram, ssd, cluster).", "tier",
+           {"hit_tokens_dram": "dram", "hit_tokens_ssd": "ssd", "hit_tokens_cluster": "cluster"}),
+    Metric("vllm:saria_cluster_chunks_missed", "Cluster chunks a lookup found that did not arrive (evicted, timed "
+           "out, ...; vLLM recomputed them).", None, {"cluster_chunks_missed": None}),
+    Metric("vllm:saria_cluster_puts", "Objects put into saria's cluster tier, by result, summed over worker ranks.",
+           "result", {"cluster_shared": "ok", "cluster_share_failed": "failed"}),
     Metric("vllm:saria_loads", "Loads saria sent to the workers.", None, {"loads": None}),
     Metric("vllm:saria_loads_failed", "Loads that failed (vLLM recomputed their tokens).", None,
            {"loads_failed": None}),

@@ -24,6 +24,8 @@ class LoadCounters:
     loads_failed: int = 0
     hit_tokens_dram: int = 0
     hit_tokens_ssd: int = 0
+    hit_tokens_cluster: int = 0
+    cluster_chunks_missed: int = 0
 
     def count(self, chunks: tuple[tuple[str, int], ...], report: LoadReport, *, hybrid: bool) -> None:
         """One load ended (every rank's report merged): ``chunks`` is its ``(tier, tokens)`` per
@@ -31,14 +33,17 @@ class LoadCounters:
         there on); a hybrid model's failed load delivered nothing (vLLM recomputes the request)."""
         self.loads += 1
         delivered = len(chunks)
-        if report.failed:
-            self.loads_failed += 1
+        if report.short:
+            self.loads_failed += bool(report.failed)  # a cluster miss is not a failure
+            self.cluster_chunks_missed += report.cluster_failed
             delivered = 0 if hybrid else min(report.valid_chunks, len(chunks))
         for tier, tokens in chunks[:delivered]:
             if tier == Tier.DRAM.value:
                 self.hit_tokens_dram += tokens
-            else:
+            elif tier == Tier.SSD.value:
                 self.hit_tokens_ssd += tokens
+            else:
+                self.hit_tokens_cluster += tokens
 
 
 @dataclass
@@ -57,6 +62,18 @@ class RequestState:
     committed: bool = False
     load_tokens: tuple[tuple[str, int], ...] = ()  # (tier, tokens) per chunk of the load, as sent
     reads_pages: bool = False  # its commit sent orders that read its blocks after the step (stores, GPU writes)
+    cluster: tuple = ()  # chunks after the plan found in the cluster tier (chunk cluster_start on)
+    cluster_start: int = 0
+    load_end: int = 0  # tokens: where the planned load ends (the plan's end, or its cluster chunks')
+    load_first: int = 0  # the load's first chunk (vLLM holds the ones before)
+
+    def cluster_loaded(self) -> tuple:
+        """The cluster chunks the load delivered into the request's blocks."""
+        if self.load_report is None or not self.cluster:
+            return ()
+        if not self.load_report.short:
+            return self.cluster
+        return self.cluster[:max(0, self.load_first + self.load_report.valid_chunks - self.cluster_start)]
 
     @property
     def failed(self) -> tuple[ObjectKey, ...]:

@@ -40,7 +40,9 @@ import logging
 import time
 from typing import Any, Callable
 
-from saria.control import ControlPlane, Order, ReloadPlan, Tier
+from saria.control import ControlPlane, DropOrder, Order, Tier
+from saria.dataplane.cluster.index import ClusterIndex
+from saria.dataplane.ssd.keys import object_key
 
 from .geometry import EngineGeometry
 from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata,
@@ -53,6 +55,7 @@ from .settings import ConnectorSettings
 log = logging.getLogger("saria.vllm")
 
 RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories at start
+LAYOUT_WAIT_S = 30.0  # longest a lookup waits for the ranks' cluster layouts at start
 
 
 class SariaScheduler:
@@ -60,8 +63,13 @@ class SariaScheduler:
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, workers: int = 1,
                  recover: bool = False, recover_wait_s: float = RECOVER_WAIT_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, cluster: ClusterIndex | None = None):
+        if cluster is not None and geometry.hybrid:
+            raise ValueError("saria: the cluster tier serves dense (attention-only) models; this one is hybrid "
+                             "(GDN states): drop the cluster option")
         self.settings = settings
+        self.cluster = cluster  # the cluster tier's lookups (shared by every control plane of this server)
+        self._layouts_since: float | bool | None = None  # when lookups began waiting for the ranks' layouts (False: done)
         self.geometry = geometry
         block_size = geometry.block_size
         self.config = settings.saria_config(block_size=block_size, kv_bytes_per_token=geometry.kv_bytes_per_token,
@@ -98,7 +106,7 @@ class SariaScheduler:
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.takeover.waiting():
+        if self.takeover.waiting() or self._awaiting_layouts():
             return None, False  # vLLM asks again next step
         self._drop_plan(request.request_id)  # a re-query (e.g. after preemption) plans afresh
         state = self._requests[request.request_id] = RequestState(request)
@@ -110,11 +118,20 @@ class SariaScheduler:
         if not hashes:
             return 0, False
         plan = self.control.plan(hashes, self.clock())
-        if plan.tokens <= num_computed_tokens:
+        tokens = plan.tokens
+        if self.cluster is not None and plan.num_chunks < len(hashes):
+            start = max(plan.num_chunks, num_computed_tokens // self.config.chunk.chunk_tokens)
+            room = self.settings.cluster_staging_bytes // self.config.chunk.kv_bytes  # one load's staging holds
+            found = self.cluster.leading([object_key(h, "kv") for h in hashes[start:start + room]])
+            if found:
+                state.cluster, state.cluster_start = tuple(hashes[start:start + found]), start
+                tokens = (start + found) * self.config.chunk.chunk_tokens
+        if tokens <= num_computed_tokens:
             self._follow_ups += self.control.release(plan, self.clock())
+            state.cluster = ()
             return 0, False
-        state.plan = plan
-        return plan.tokens - num_computed_tokens, True
+        state.plan, state.load_end = plan, tokens
+        return tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -125,39 +142,46 @@ class SariaScheduler:
             return
         plan = state.plan
         chunk_tokens = self.config.chunk.chunk_tokens
-        start = plan.tokens - num_external_tokens  # tokens vLLM holds already
-        first = start // chunk_tokens
+        end = state.load_end
+        start = end - num_external_tokens  # tokens vLLM holds already
+        first = state.load_first = start // chunk_tokens
         skip = (start % chunk_tokens) // self.block_size
         groups = blocks.get_block_ids()
         ids = list(groups[self.geometry.attention_group])
         k = self.blocks_per_chunk
-        sub = self.control.plan_from(plan, first)  # the chunks vLLM does not hold, with their totals
+        if first < plan.num_chunks:  # the chunks vLLM does not hold, with their totals
+            sub = self.control.plan_from(plan, first)
+        else:  # vLLM holds the whole local plan: the load is cluster chunks only
+            sub = dataclasses.replace(plan, chunk_hashes=(), kv_sources=(), tokens=0, dram_bytes=0, ssd_bytes=0)
         state_blocks = None
         if plan.state_chunk is not None:
             # vLLM resumes a GDN layer from the state in the block of the last block boundary reached.
             state_blocks = (groups[self.geometry.state_group][plan.tokens // self.block_size - 1],)
             state.captured.add(plan.num_chunks - 1)  # the worker keeps the loaded state for promotion
-        state.load_tokens = self._load_tokens(plan, num_external_tokens)
+        cluster = state.cluster[max(0, first - state.cluster_start):]
+        state.load_tokens = self._load_tokens(state, num_external_tokens)
         state.load = LoadSpec(request.request_id, sub,
-                              tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, plan.num_chunks)), skip,
-                              state_blocks)
+                              tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, end // chunk_tokens)), skip,
+                              state_blocks, cluster)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
-        """Tokens of the load by tier (``"dram"`` / ``"ssd"``), for vLLM's hit-source stats."""
+        """Tokens of the load by tier (``"dram"`` / ``"ssd"`` / ``"cluster"``), for vLLM's hit-source stats."""
         state = self._requests.get(request.request_id)
         if state is None or state.plan is None or num_external_tokens <= 0:
             return {}
         out: dict[str, int] = {}
-        for tier, tokens in self._load_tokens(state.plan, num_external_tokens):
+        for tier, tokens in self._load_tokens(state, num_external_tokens):
             out[tier] = out.get(tier, 0) + tokens
         return out
 
-    def _load_tokens(self, plan: ReloadPlan, num_external_tokens: int) -> tuple[tuple[str, int], ...]:
-        """``(tier, tokens)`` per chunk of ``plan`` that the load fills: its last
-        ``num_external_tokens`` tokens (vLLM holds the ones before)."""
-        chunk_tokens, start = self.config.chunk.chunk_tokens, plan.tokens - num_external_tokens
-        spans = ((tier.value, min((i + 1) * chunk_tokens, plan.tokens) - max(i * chunk_tokens, start))
-                 for i, tier in enumerate(plan.kv_sources))
+    def _load_tokens(self, state: RequestState, num_external_tokens: int) -> tuple[tuple[str, int], ...]:
+        """``(tier, tokens)`` per chunk that the load fills: the request's last ``num_external_tokens``
+        tokens up to the end of its plan and cluster chunks (vLLM holds the ones before)."""
+        chunk_tokens, end = self.config.chunk.chunk_tokens, state.load_end
+        start = end - num_external_tokens
+        tiers = [tier.value for tier in state.plan.kv_sources]
+        tiers += ["vllm"] * (state.cluster_start - len(tiers)) + ["cluster"] * len(state.cluster)
+        spans = ((tier, min((i + 1) * chunk_tokens, end) - max(i * chunk_tokens, start)) for i, tier in enumerate(tiers))
         return tuple((tier, tokens) for tier, tokens in spans if tokens > 0)
 
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
@@ -176,7 +200,7 @@ class SariaScheduler:
             if self._ready_to_commit(state):
                 meta.orders.append(self._commit(req_id, state))
         if self._follow_ups:
-            meta.orders.append(RequestOrders(None, tuple(self._follow_ups)))
+            meta.orders.append(RequestOrders(None, tuple(self._follow_ups), share=self._shares(self._follow_ups)))
             self._follow_ups = []
         if self.prewarm.enabled:
             warm = self.prewarm.due(self.clock())
@@ -192,6 +216,8 @@ class SariaScheduler:
             return
         if report.inventory is not None:
             self._first += self.takeover.add(report.inventory, report.inventory_reports)
+        if report.cluster_layouts and self.cluster is not None:
+            self.cluster.add_layouts(report.cluster_layouts)
         lost = {}
         for load in report.loads:
             load = self._merge(self._partial_loads, load.req_id, load)
@@ -207,6 +233,9 @@ class SariaScheduler:
                 if load.failed:
                     log.warning("saria: reload for request %s failed for %d object(s); vLLM recomputes them",
                                 load.req_id, len(load.failed))
+                elif load.cluster_failed:  # evicted, timed out, ...: a miss, not a fault
+                    log.info("saria: %d cluster chunk(s) of request %s missed; vLLM recomputes them",
+                             load.cluster_failed, load.req_id)
         for done in report.completions:
             done = self._merge(self._partial_orders, done.order_id, done)
             if done is not None:
@@ -241,9 +270,25 @@ class SariaScheduler:
         ``recover_wait_s``: an idle engine steps to fetch them, and stops stepping if they never
         come), or a prewarm due now: the engine should keep stepping."""
         return bool(self._follow_ups or self._first or self._in_flight or self.takeover.waiting()
+                    or self._awaiting_layouts()
                     or (self.prewarm.enabled and self.prewarm.pending(self.clock())))
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _awaiting_layouts(self) -> bool:
+        """Whether lookups should wait for the ranks' cluster layouts (their first report, one step
+        after start), for at most ``LAYOUT_WAIT_S``: without them no cluster object can be found."""
+        if self.cluster is None or self.cluster.ready or self._layouts_since is False:
+            return False
+        now = self.clock()
+        if self._layouts_since is None:
+            self._layouts_since = now
+        if now - self._layouts_since < LAYOUT_WAIT_S:
+            return True
+        self._layouts_since = False  # waited long enough: serve, and say so once
+        log.warning("saria: cluster layouts came from %d of %d worker rank(s) within %g s; cluster lookups find "
+                    "nothing until the rest arrive", self.cluster.layouts, self.workers, LAYOUT_WAIT_S)
+        return False
 
     def _captures(self, out: Any) -> list[StateCapture]:
         """GDN states to copy aside after this step: where a request's step ends on a chunk
@@ -282,12 +327,24 @@ class SariaScheduler:
         request = state.request
         hashes = self.chunk_hashes(request, request.num_prompt_tokens)
         states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
+        local = state.plan.num_chunks if state.plan is not None else 0
         orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states)
         state.plan, state.committed = None, True
         state.reads_pages = any(reads_pages(o) for o in orders)
         k = self.blocks_per_chunk
         blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
-        return RequestOrders(req_id, tuple(orders), blocks)
+        computed = set(hashes[local:]) - set(state.cluster_loaded())
+        return RequestOrders(req_id, tuple(orders), blocks, self._shares(orders, computed))
+
+    def _shares(self, orders: list[Order], computed: set = frozenset()) -> frozenset:
+        """The chunks of ``orders`` to put into the cluster tier (``cluster_admission``): ``all``, the
+        ``computed`` ones (their stores put them once landed); ``evicted``, those whose DRAM copy a
+        drop of ``orders`` frees (put before the drop)."""
+        if self.cluster is None:
+            return frozenset()
+        if self.settings.cluster_admission == "all":
+            return frozenset(computed)
+        return frozenset(c for o in orders if isinstance(o, DropOrder) and o.tier is Tier.DRAM for c in o.kv)
 
     def _drop_plan(self, req_id: str) -> None:
         state = self._requests.get(req_id)
@@ -303,3 +360,12 @@ class SariaScheduler:
             return report
         partial[key] = report
         return None
+
+
+def open_cluster_index(settings: ConnectorSettings, workers: int) -> ClusterIndex | None:
+    """The scheduler's cluster lookups when the settings name a master (never blocks long: an
+    unreachable master leaves the tier off, reconnecting in the background)."""
+    if not settings.cluster:
+        return None
+    return ClusterIndex(settings.cluster, workers, local_hostname=settings.cluster_host,
+                        timeout_s=settings.cluster_lookup_timeout_s)

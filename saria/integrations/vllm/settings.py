@@ -34,6 +34,16 @@ key                           meaning (default)
 ``audit_kv``                  check every reloaded page bit for bit against the KV vLLM computed
                               (:mod:`~saria.integrations.vllm.audit`; a copy and a hash per page:
                               tests, the demo, debugging) (``false``)
+``cluster``                   the Mooncake master (``host:port``) of a cluster tier shared by every replica
+                              (docs/cluster.md); empty: none (``""``). Dense (attention-only) models
+``cluster_host``              this host's address as the Mooncake storage nodes reach it (``127.0.0.1``)
+``cluster_admission``         what a replica puts into the cluster: ``all`` (every chunk it computes,
+                              once its DRAM copy is stored) or ``evicted`` (a chunk when its DRAM copy
+                              is dropped) (``all``)
+``cluster_timeout_s``         deadline of a cluster get or put batch; past it, a miss (5)
+``cluster_lookup_timeout_s``  the longest the scheduler waits for a cluster lookup (0.5)
+``cluster_staging_gb`` /      host memory beside the DRAM tier that cluster reloads land in before they
+``cluster_staging_bytes``     go to the GPU (256 MiB per rank)
 ``on_load_failure``           ``recompute``: a reload that fails (corrupt SSD object, I/O error)
                               makes vLLM recompute those tokens; ``fail``: the request fails.
                               Sets vLLM's ``kv_load_failure_policy`` (``recompute``)
@@ -54,7 +64,9 @@ DEFAULT_CHECKPOINT_TOKENS = 16_384
 _POLICY_FIELDS = {f.name for f in dataclasses.fields(Policy)} - {"name"}
 _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", "chunk_tokens",
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
-         "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype"} | _POLICY_FIELDS
+         "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
+         "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes"} | _POLICY_FIELDS
+CLUSTER_ADMISSIONS = ("all", "evicted")
 
 
 MAX_BYTES = 1 << 60  # an exabyte: beyond any tier a machine could give
@@ -100,6 +112,33 @@ def _size(extra: Mapping[str, Any], name: str, default: int) -> int:
     return value
 
 
+def _address(extra: Mapping[str, Any], key: str) -> str:
+    """``host:port`` (a port in 1..65535), or ``""`` when absent."""
+    value = extra.get(key, "")
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be host:port, got {value!r:.60}")
+    if value:
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{key} must be host:port (the Mooncake master's RPC address), got {value!r:.60}")
+    return value
+
+
+def _cluster_options(extra: Mapping[str, Any]) -> dict[str, Any]:
+    host = extra.get("cluster_host", "127.0.0.1")
+    if not isinstance(host, str) or not host or ":" in host:
+        raise ValueError(f"cluster_host must be this host's address (no port), got {host!r:.60}")
+    out = dict(cluster=_address(extra, "cluster"), cluster_host=host,
+               cluster_admission=_choice(extra, "cluster_admission", "all", CLUSTER_ADMISSIONS),
+               cluster_timeout_s=_number(extra, "cluster_timeout_s", 5.0, 0.0, 3600.0, strict=True),
+               cluster_lookup_timeout_s=_number(extra, "cluster_lookup_timeout_s", 0.5, 0.0, 60.0, strict=True),
+               cluster_staging_bytes=_size(extra, "cluster_staging", 256 << 20))
+    if not out["cluster"] and any(k.startswith("cluster_") for k in extra):
+        raise ValueError(f"{sorted(k for k in extra if k.startswith('cluster_'))[0]} is set but cluster (the Mooncake "
+                         "master's address) is not")
+    return out
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     policy: str = "saria"
@@ -116,6 +155,12 @@ class ConnectorSettings:
     log_interval_s: float = 60.0
     on_load_failure: str = "recompute"
     audit_kv: bool = False
+    cluster: str = ""  # the Mooncake master, host:port; "" for no cluster tier
+    cluster_host: str = "127.0.0.1"
+    cluster_admission: str = "all"
+    cluster_timeout_s: float = 5.0
+    cluster_lookup_timeout_s: float = 0.5
+    cluster_staging_bytes: int = 256 << 20
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -156,7 +201,7 @@ class ConnectorSettings:
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
                    log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
                    on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")),
-                   audit_kv=audit_kv)
+                   audit_kv=audit_kv, **_cluster_options(extra))
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
         """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only

@@ -53,6 +53,7 @@ from saria.dataplane.transfer.engine import LoadJob, LoadResult
 from saria.kernels import PageTable
 
 from .audit import KVAudit
+from .cluster import CombinedLoad, WorkerCluster
 from .faults import Faults
 from .geometry import EngineGeometry
 from .layout import ParallelLayout
@@ -98,6 +99,8 @@ class SariaWorker:
         self._stats_seen: dict[str, float] = {}
         self._inventory: dict[ObjectKey, int] | None = None  # to report once: this rank's recovered SSD objects
         self.audit: KVAudit | None = None  # audit_kv: reloaded pages checked against what vLLM computed
+        self.cluster: WorkerCluster | None = None  # the cluster tier (settings.cluster)
+        self._cluster_layouts: tuple[str, ...] = ()  # to report once: this rank's cluster layout
 
     @property
     def engine(self) -> DataPlane:
@@ -115,6 +118,9 @@ class SariaWorker:
     def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
         rank = open_rank(self.settings, self.geometry, self.layout, self.model, self.num_blocks, kv_caches)
         self.data, self.state_table, self._inventory = rank.parts, rank.state_table, rank.inventory
+        self.cluster = rank.cluster
+        if rank.cluster is not None:
+            self._cluster_layouts = (rank.cluster.layout_identity,)
         if self.settings.audit_kv:
             self.audit = KVAudit(rank.kv_views, ssd_fp8=self.settings.ssd_dtype == "fp8")
 
@@ -145,13 +151,24 @@ class SariaWorker:
             self._fail_load(spec)
             return None
         try:
-            job = self.engine.load(spec.plan, spec.kv_blocks, spec.state_blocks, skip_pages=spec.skip_pages)
+            job = self._load(spec)
         except Exception as exc:  # the engine started nothing of it
             self._fail_load(spec)
             self._fault("load", exc)
             return None
         self._loads[spec.req_id] = (spec, job)
         return job
+
+    def _load(self, spec: LoadSpec):
+        """The engine's job for the plan, combined with a cluster load when the spec has cluster chunks."""
+        if not spec.cluster:
+            return self.engine.load(spec.plan, spec.kv_blocks, spec.state_blocks, skip_pages=spec.skip_pages)
+        if self.cluster is None:
+            raise ValueError("a load names cluster chunks but this worker has no cluster tier")
+        local = spec.plan.num_chunks
+        job = self.engine.load(spec.plan, spec.kv_blocks[:local], skip_pages=spec.skip_pages) if local else None
+        fetch = self.cluster.load(spec.cluster, spec.kv_blocks[local:], 0 if local else spec.skip_pages)
+        return CombinedLoad(job, local, fetch)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """``(sent, loaded)``: held requests whose blocks no order reads any more (vLLM frees them
@@ -198,12 +215,14 @@ class SariaWorker:
     def _finish_load(self, spec: LoadSpec, result: LoadResult) -> None:
         req_id = spec.req_id
         self._finished.add(req_id)
-        self._load_reports.append(LoadReport(req_id, spec.plan.plan_id, result.failed, result.valid_chunks))
+        missed = getattr(result, "cluster_failed", 0)
+        self._load_reports.append(LoadReport(req_id, spec.plan.plan_id, result.failed, result.valid_chunks,
+                                             cluster_failed=missed))
         if self.audit is not None:
-            for c in range(result.valid_chunks):
+            for c in range(min(result.valid_chunks, spec.plan.num_chunks)):
                 self.audit.check(spec.plan.chunk_hashes[c], spec.kv_blocks[c], spec.skip_pages if c == 0 else 0,
                                  from_ssd=spec.plan.kv_sources[c] is Tier.SSD)
-        if result.failed:
+        if result.failed or missed:
             if self.geometry.hybrid:  # block ids are per group: vLLM takes request-level failures
                 self._failed_requests.add(req_id)
                 return
@@ -224,7 +243,8 @@ class SariaWorker:
         read (they are not vouched for); its DRAM copies are not to blame."""
         self._fail_request(spec.req_id)
         plan = spec.plan
-        self._load_reports.append(LoadReport(spec.req_id, plan.plan_id, tuple(plan.keys_from(Tier.SSD)), 0))
+        self._load_reports.append(LoadReport(spec.req_id, plan.plan_id, tuple(plan.keys_from(Tier.SSD)), 0,
+                                             cluster_failed=len(spec.cluster)))
 
     def take_error_blocks(self) -> set[int]:
         blocks, self._error_blocks = self._error_blocks, set()
@@ -269,6 +289,10 @@ class SariaWorker:
             return
         if isinstance(order, (StoreOrder, PromoteOrder)):
             self._dram_keys.update(order.keys())  # before it can land
+        if drop and order.tier is Tier.DRAM and self.cluster is not None:
+            if batch.share and self.settings.cluster_admission == "evicted":
+                self.cluster.share_now([k for k in order.keys() if k.chunk in batch.share])
+            self.cluster.before_drop(order.keys())  # no put reads the slots the drop frees
         if self.audit is not None and not drop:
             for chunk in order.kv:
                 if chunk in batch.kv_blocks:  # this order reads the chunk from vLLM's blocks
@@ -286,6 +310,8 @@ class SariaWorker:
             self._reading.setdefault(batch.req_id, []).append(run.released)
         if run.completion is not None:
             self._orders.append((order.order_id, run.completion))
+            if batch.share and self.cluster is not None and isinstance(order, StoreOrder):
+                self.cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
 
     def build_worker_meta(self) -> SariaWorkerMetadata | None:
         loads: list[LoadReport] = []
@@ -302,10 +328,11 @@ class SariaWorker:
         except Exception as exc:
             self._give_up("build_connector_worker_meta", exc)
         inventory, self._inventory = self._inventory, None
-        if not loads and not completions and not self.off and inventory is None:
+        layouts, self._cluster_layouts = self._cluster_layouts, ()
+        if not loads and not completions and not self.off and inventory is None and not layouts:
             return None
         return SariaWorkerMetadata(loads, completions, self.epoch, self.off, inventory=inventory,
-                                   inventory_reports=0 if inventory is None else 1)
+                                   inventory_reports=0 if inventory is None else 1, cluster_layouts=layouts)
 
     def _completion(self, order_id: int, future: Future) -> CompletionReport:
         if not future.done():  # the data plane closed before it finished
@@ -352,6 +379,8 @@ class SariaWorker:
 
     def _drop_everything(self) -> None:
         engine = self.engine
+        if self.cluster is not None:
+            self.cluster.quiesce()  # no put reads a slot freed here
         keys, self._dram_keys = self._dram_keys, set()
         kv, state = split_keys(keys)
         if kv or state:
@@ -387,9 +416,12 @@ class SariaWorker:
         if data is not None:
             try:
                 self._final_counters = data.engine.counters()
+                if self.cluster is not None:
+                    self._final_counters["cluster"] = self.cluster.counters()
             except Exception as exc:
                 log.warning("saria worker: counters unavailable: %s", exc)
             try:
+                self._close_cluster()
                 data.close()
                 if data.engine.device.type == "cuda":
                     torch.cuda.synchronize(data.engine.device)
@@ -408,6 +440,8 @@ class SariaWorker:
         the data plane closed, and the connector's (``connector``: faults, epoch, off)."""
         try:
             out = self.data.engine.counters() if self.data is not None else dict(self._final_counters)
+            if self.data is not None and self.cluster is not None:
+                out["cluster"] = self.cluster.counters()
         except Exception as exc:
             log.warning("saria worker: counters unavailable: %s", exc)
             out = {}
@@ -419,8 +453,12 @@ class SariaWorker:
 
     def stats_delta(self) -> dict[str, int | float]:
         """What changed since the last call, for vLLM's connector stats: the engine's transfer
-        counters (bytes and seconds per path, failures) and ``faults``."""
-        totals = dict(self.snapshot().get("engine", {}), faults=self.faults.count)
+        counters (bytes and seconds per path, failures), the cluster tier's puts and ``faults``."""
+        snapshot = self.snapshot()
+        totals = dict(snapshot.get("engine", {}), faults=self.faults.count)
+        cluster = snapshot.get("cluster")
+        if cluster:
+            totals.update(cluster_shared=cluster["shared"], cluster_share_failed=cluster["share_failed"])
         delta = {k: v - self._stats_seen.get(k, 0) for k, v in totals.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self._stats_seen = totals
@@ -434,6 +472,13 @@ class SariaWorker:
             for _, job in self._loads.values():
                 job.wait()
             wait([future for _, future in self._orders])
+            self._close_cluster()
             data.close()
         except Exception as exc:
             log.warning("saria worker: shutdown: %s", exc)
+
+    def _close_cluster(self) -> None:
+        """Wait for the cluster puts in flight and close the store (before the host pool it reads)."""
+        cluster = self.cluster
+        if cluster is not None:
+            cluster.close()

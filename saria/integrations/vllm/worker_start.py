@@ -18,6 +18,7 @@ from saria.kernels import PageTable
 from saria.orders import ObjectKey
 from saria.ssd_dtype import FP8_FORMAT
 
+from .cluster import WorkerCluster
 from .geometry import EngineGeometry
 from .layout import ParallelLayout, page_format, rank_directories, store_identity
 from .settings import ConnectorSettings
@@ -43,12 +44,14 @@ def page_views(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.T
 class RankDataPlane:
     """A worker rank's open data plane: ``parts`` (close them), the pages it moves (``kv_views``:
     every full-attention layer's paged tensors; ``state_table`` for a hybrid model) and
-    ``inventory``: the objects its SSD store holds from a previous run (``{key: 1}``)."""
+    ``inventory``: the objects its SSD store holds from a previous run (``{key: 1}``); ``cluster``:
+    its cluster tier (close it before ``parts``), when the settings name a master."""
 
     parts: DataPlaneParts
     kv_views: list[torch.Tensor]
     state_table: PageTable | None
     inventory: dict[ObjectKey, int]
+    cluster: WorkerCluster | None = None
 
 
 def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: ParallelLayout, model: dict[str, Any],
@@ -75,19 +78,32 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
     # an FP8 store's objects are not a bf16 store's: the identity says so (and a store written in
     # the other form is wiped at open, with a log line); "auto" keeps the identity of earlier runs
     stored = {"ssd_format": FP8_FORMAT} if config.ssd_dtype == "fp8" else {}
-    identity = store_identity(model, layout, block_size=block_size, chunk_tokens=config.chunk.chunk_tokens,
-                              kv_bytes_per_token=g.kv_bytes_per_token, state_bytes=g.state_bytes,
-                              pages=page_format(views), **stored)
+    geometry = dict(block_size=block_size, chunk_tokens=config.chunk.chunk_tokens,
+                    kv_bytes_per_token=g.kv_bytes_per_token, state_bytes=g.state_bytes, pages=page_format(views))
+    identity = store_identity(model, layout, **geometry, **stored)
     directories = rank_directories(settings.ssd_paths, layout) if config.ssd_bytes else []
     parts = open_data_plane(config, table, block_tokens=block_size, state_table=state_table,
                             ssd_paths=directories, ssd_identity=identity, coordinator_mode=settings.coordinator,
-                            durable=settings.durable)
+                            durable=settings.durable,
+                            staging_bytes=settings.cluster_staging_bytes if settings.cluster else 0)
     inventory = _take_inventory(parts)
+    cluster = None
+    if settings.cluster:
+        if g.hybrid:
+            parts.close()
+            raise ValueError("saria: the cluster tier serves dense (attention-only) models; this one is hybrid")
+        try:  # cluster objects are the DRAM tier's exact bytes, whatever the SSD stores
+            cluster = WorkerCluster(parts.engine, settings.cluster, store_identity(model, layout, **geometry),
+                                    staging_bytes=settings.cluster_staging_bytes, local_hostname=settings.cluster_host,
+                                    timeout_s=settings.cluster_timeout_s)
+        except BaseException:
+            parts.close()
+            raise
     log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page, host pool %s, SSD %s",
              layout.rank, layout.shards, len(g.attention_layers), len(g.state_layers), table.bytes_per_page,
              parts.host_pool, f"{parts.ssd.backend_name} on {len(parts.ssd.paths)} drive(s), {len(inventory)} "
              "object(s) from a previous run" if parts.ssd else "off")
-    return RankDataPlane(parts, kv_views, state_table, inventory)
+    return RankDataPlane(parts, kv_views, state_table, inventory, cluster)
 
 
 def _views(layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor], num_blocks: int

@@ -1,0 +1,359 @@
+"""The connector's cluster tier on a worker rank: reloads from Mooncake Store and puts into it.
+
+The scheduler looks up the chunks after a request's local plan in the cluster
+(:class:`~saria.dataplane.cluster.index.ClusterIndex`) and sends them with the load
+(``LoadSpec.cluster``); it names the chunks to share with the orders (``RequestOrders.share``).
+This rank executes both with its :class:`~saria.dataplane.cluster.ClusterStore`, whose memory is
+the host pool (registered once):
+
+* **Reloads** (:class:`ClusterLoad`): each chunk's object is fetched into *staging* slots, host
+  slots beyond the DRAM tier's (``cluster_staging_bytes``) that the control plane never places
+  objects in, verified part by part, then published under a key of its own in the DRAM index and
+  reloaded by the DRAM path into the request's blocks, and dropped. The unpack starts from the
+  caller's thread (``ready`` / ``wait``, which vLLM's hooks call), so it queues behind the caller's
+  work like any reload. The leading chunks that arrived are valid; from the first miss on (absent,
+  evicted, corrupt, timed out, the tier off, no staging room) vLLM recomputes. A miss is never an
+  error: it is counted and reported as ``cluster_failed``, and the control plane never hears of it.
+* **Puts** (``all``): once a store lands a chunk's object in DRAM, it is put from its slots (no
+  copy, the store's per-slot checksums passed along). A DRAM drop of an object whose put is in
+  flight waits for the put first (:meth:`WorkerCluster.before_drop`), so Mooncake never reads a
+  freed slot. ``evicted``: a chunk is put when its DRAM copy is dropped, and the drop waits for it.
+* A failed put is counted and forgotten: the object is simply not in the cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any, Hashable, Sequence
+
+from saria.dataplane.cluster import ClusterStore, ClusterTimeout
+from saria.dataplane.dram.host_pool import HostPoolFull
+from saria.dataplane.dram.store import DramObject
+from saria.dataplane.ssd.keys import object_key
+from saria.dataplane.transfer.engine import TransferEngine
+from saria.orders import KV, ObjectKey, ReloadPlan, Tier
+
+log = logging.getLogger("saria.vllm")
+
+STAGED = "saria-cluster"  # staged objects live in the DRAM index as ObjectKey((STAGED, chunk), "kv")
+
+
+def staged_key(chunk: Hashable) -> ObjectKey:
+    return ObjectKey((STAGED, chunk), KV)
+
+
+class WorkerCluster:
+    """One rank's cluster tier (module docstring): its store, staging budget, puts in flight and
+    counters. ``identity``: what this rank's objects are written for (its SSD identity without the
+    SSD's storage form: cluster objects are the exact packed bytes of the DRAM tier)."""
+
+    def __init__(self, engine: TransferEngine, master: str, identity: str, *, staging_bytes: int,
+                 local_hostname: str = "127.0.0.1", timeout_s: float = 5.0, setup_wait_s: float = 10.0,
+                 store: ClusterStore | None = None):
+        self.engine = engine
+        pool = engine.host_pool
+        self.slots_per_object = pool.slots_for(engine.kv_bytes)
+        self.staging_slots = staging_bytes // pool.slot_bytes
+        self.timeout_s = timeout_s
+        self.store = store or ClusterStore(master, identity, pool, local_hostname=local_hostname, timeout_s=timeout_s,
+                                           setup_wait_s=setup_wait_s)
+        self._lock = threading.Lock()
+        self._staged = 0  # staging slots taken
+        self._puts: dict[ObjectKey, threading.Event] = {}  # objects whose put is in flight
+        self.counts = dict(loads=0, chunks_asked=0, chunks_loaded=0, chunks_missed=0, no_staging=0, shares=0,
+                           shared=0, share_failed=0, drop_waits=0)
+
+    @property
+    def layout_identity(self) -> str:
+        return self.store.layout_identity
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                self.counts[name] += n
+
+    # --- reloads ---------------------------------------------------------------------------------
+
+    def load(self, chunks: Sequence[Hashable], blocks: Sequence[Sequence[int]], skip_pages: int = 0) -> "ClusterLoad":
+        """Start fetching ``chunks`` (in request order) for the pages ``blocks``."""
+        return ClusterLoad(self, list(chunks), [tuple(b) for b in blocks], skip_pages)
+
+    def _take_staging(self, objects: int) -> int:
+        """Reserve staging for up to ``objects`` objects; how many it has room for."""
+        with self._lock:
+            n = min(objects, (self.staging_slots - self._staged) // self.slots_per_object)
+            self._staged += n * self.slots_per_object
+            return n
+
+    def _return_budget(self, objects: int) -> None:
+        with self._lock:
+            self._staged -= objects * self.slots_per_object
+
+    # --- puts ------------------------------------------------------------------------------------
+
+    def share_after(self, keys: Sequence[ObjectKey], completion: Future) -> None:
+        """Put ``keys`` once the store whose ``completion`` this is lands them in DRAM (objects it
+        failed are skipped). Registered now, so a drop issued later waits for the put."""
+        keys = [k for k in keys if k.kind == KV]
+        if not keys:
+            return
+        events = self._register(keys)
+        completion.add_done_callback(lambda f: self._put_landed(keys, events, f))
+
+    def share_now(self, keys: Sequence[ObjectKey]) -> None:
+        """Put the DRAM objects ``keys`` and wait until Mooncake no longer reads them (``evicted``:
+        their drop follows)."""
+        keys = [k for k in keys if k.kind == KV]
+        if keys:
+            events = self._register(keys)
+            self._put(keys, events)
+            for event in events.values():
+                event.wait()
+
+    def before_drop(self, keys: Sequence[ObjectKey]) -> None:
+        """Wait until no put reads these objects' slots (their drop frees them)."""
+        with self._lock:
+            pending = [self._puts[k] for k in keys if k in self._puts]
+        if pending:
+            self._count(drop_waits=1)
+        for event in pending:
+            event.wait()
+
+    def quiesce(self) -> None:
+        """Wait for every put in flight (before dropping everything, or closing)."""
+        with self._lock:
+            pending = list(self._puts.values())
+        for event in pending:
+            event.wait()
+
+    def _register(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, threading.Event]:
+        events = {key: threading.Event() for key in keys}
+        with self._lock:
+            self._puts.update(events)
+            self.counts["shares"] += len(keys)
+        return events
+
+    def _done(self, key: ObjectKey, event: threading.Event, ok: bool) -> None:
+        with self._lock:
+            if self._puts.get(key) is event:
+                del self._puts[key]
+            self.counts["shared" if ok else "share_failed"] += 1
+        event.set()
+
+    def _put_landed(self, keys: list[ObjectKey], events: dict[ObjectKey, threading.Event], done: Future) -> None:
+        try:
+            completion = done.result()
+            failed = set(completion.failed)
+            landed = [k for k in keys if k not in failed] if completion.ok or failed else []
+        except BaseException:  # noqa: BLE001 - the store failed: nothing to put
+            landed = []
+        for key in keys:
+            if key not in landed:
+                self._done(key, events[key], False)
+        if landed:
+            self._put(landed, events)
+
+    def _put(self, keys: list[ObjectKey], events: dict[ObjectKey, threading.Event]) -> None:
+        """Put the DRAM objects ``keys``; each event is set once Mooncake no longer reads its slots."""
+        dram = self.engine.dram
+        names, views, sums, sent = [], [], [], []
+        for key in keys:
+            obj = dram.get(key)
+            if obj is None:  # dropped already (by a drop that did not wait: never, but not served then)
+                self._done(key, events[key], False)
+                continue
+            parts = dram.views(obj)
+            names.append(object_key(key.chunk, key.kind))
+            views.append(parts)
+            sums.append(list(obj.checksums) if len(obj.checksums) == len(parts) else None)
+            sent.append(key)
+        if not sent:
+            return
+        try:
+            futures = self.store.put_many(names, views, sums)
+        except Exception as exc:  # noqa: BLE001 - a put that cannot start shares nothing
+            log.warning("saria: cluster put of %d object(s) not started: %s", len(sent), exc)
+            for key in sent:
+                self._done(key, events[key], False)
+            return
+        for key, future in zip(sent, futures):
+            future.add_done_callback(lambda f, key=key: self._put_ended(key, events[key], f))
+
+    def _put_ended(self, key: ObjectKey, event: threading.Event, future: Future) -> None:
+        exc = future.exception()
+        if isinstance(exc, ClusterTimeout):  # Mooncake may still read the slots: wait for its call
+            threading.Thread(target=lambda: (exc.released.wait(), self._done(key, event, False)),
+                             daemon=True, name="saria-cluster-released").start()
+            return
+        self._done(key, event, exc is None)
+
+    # --- counters, closing -----------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        with self._lock:
+            out = dict(self.counts, staged_slots=self._staged, puts_in_flight=len(self._puts))
+        out["store"] = self.store.counters()
+        out["on"] = self.store.on
+        return out
+
+    def close(self) -> None:
+        self.quiesce()
+        self.store.close()
+
+
+class ClusterLoad:
+    """The cluster chunks of one reload (module docstring): gets into staging slots, then one
+    DRAM-path reload of the leading chunks that arrived. ``ready()`` never blocks; ``wait()`` does.
+    Both give the result once known: ``(valid, missed)``, the leading chunks now in their pages and
+    how many of the chunks did not arrive."""
+
+    def __init__(self, tier: WorkerCluster, chunks: list[Hashable], blocks: list[tuple[int, ...]], skip: int):
+        if len(chunks) != len(blocks):
+            raise ValueError(f"{len(chunks)} cluster chunks but {len(blocks)} block lists")
+        self.tier = tier
+        self.chunks = chunks
+        self.blocks = blocks
+        self.skip = skip
+        self._slots: list[list[int]] = []
+        self._futures: list[Future] = []
+        self._job: Any = None
+        self._published: list[Hashable] = []
+        self._result: tuple[int, int] | None = None
+        tier._count(loads=1, chunks_asked=len(chunks))
+        self._start()
+
+    def _start(self) -> None:
+        tier, pool = self.tier, self.tier.engine.host_pool
+        room = tier._take_staging(len(self.chunks))
+        if room < len(self.chunks):
+            tier._count(no_staging=1)
+        try:
+            for _ in range(room):
+                self._slots.append(pool.allocate(tier.slots_per_object))
+        except HostPoolFull:
+            pass
+        tier._return_budget(room - len(self._slots))
+        if not self._slots:
+            return
+        nbytes = tier.engine.kv_bytes
+        keys = [object_key(chunk, KV) for chunk in self.chunks[:len(self._slots)]]
+        outs = [pool.views(slots, nbytes) for slots in self._slots]
+        try:
+            self._futures = tier.store.get_many(keys, outs)
+        except Exception as exc:  # noqa: BLE001 - a get that cannot start loads nothing
+            log.warning("saria: cluster get of %d object(s) not started: %s", len(keys), exc)
+            self._release(range(len(self._slots)))
+            self._slots = []
+
+    def ready(self) -> bool:
+        if self._result is not None:
+            return True
+        if not all(f.done() for f in self._futures):
+            return False
+        if self._job is None and not self._unpack():
+            return True
+        if not self._job.ready():
+            return False
+        self._finish()
+        return True
+
+    def wait(self) -> tuple[int, int]:
+        if self._result is None:
+            wait_futures(self._futures)
+            if self._job is not None or self._unpack():
+                self._job.wait()
+                self._finish()
+        return self._result
+
+    def _unpack(self) -> bool:
+        """Every get ended: reload the leading objects that arrived (from the caller's thread);
+        whether a reload started (else the result is known)."""
+        arrived = 0
+        while arrived < len(self._futures) and self._futures[arrived].exception() is None:
+            arrived += 1
+        self._release(range(arrived, len(self._futures)))
+        engine, dram = self.tier.engine, self.tier.engine.dram
+        if arrived:
+            for chunk, slots in zip(self.chunks, self._slots[:arrived]):
+                dram.put(staged_key(chunk), DramObject(slots, engine.kv_bytes, ()))
+                self._published.append(chunk)
+            staged = tuple(staged_key(c).chunk for c in self._published)
+            plan = ReloadPlan(-1, staged, (Tier.DRAM,) * arrived, None, None, 0, arrived * engine.kv_bytes, 0, False)
+            try:
+                self._job = engine.load(plan, self.blocks[:arrived], skip_pages=self.skip)
+                return True
+            except Exception as exc:  # noqa: BLE001 - the engine started nothing: every chunk is a miss
+                log.warning("saria: cluster reload not started: %s", exc)
+        self._end(0)
+        return False
+
+    def _finish(self) -> None:
+        result = self._job.wait()
+        self._end(result.valid_chunks if result.failed else len(self._published))
+
+    def _end(self, valid: int) -> None:
+        dram = self.tier.engine.dram
+        for chunk in self._published:
+            dram.drop(staged_key(chunk))
+        self.tier._return_budget(len(self._published))
+        self._published = []
+        missed = len(self.chunks) - valid
+        self.tier._count(chunks_loaded=valid, chunks_missed=missed)
+        self._result = (valid, missed)
+
+    def _release(self, indices) -> None:
+        """Give back the staging of objects that will not be reloaded (after a timed-out get, once
+        Mooncake's call returned: it may still write them until then)."""
+        for i in indices:
+            slots = self._slots[i]
+            exc = self._futures[i].exception() if i < len(self._futures) else None
+            if isinstance(exc, ClusterTimeout) and not exc.released.is_set():
+                threading.Thread(target=self._release_later, args=(exc.released, slots), daemon=True,
+                                 name="saria-cluster-released").start()
+            else:
+                self._free(slots)
+
+    def _release_later(self, released: threading.Event, slots: list[int]) -> None:
+        released.wait()
+        self._free(slots)
+
+    def _free(self, slots: list[int]) -> None:
+        self.tier.engine.host_pool.free(slots)
+        self.tier._return_budget(1)
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """How a reload with cluster chunks ended: the local plan's failed objects (for the control
+    plane), the leading chunks of the whole load in their pages, and the cluster chunks missed."""
+
+    failed: tuple[ObjectKey, ...]
+    valid_chunks: int
+    cluster_failed: int
+
+
+class CombinedLoad:
+    """A reload of a local plan's chunks (``local``: the engine's job, ``None`` when the plan names
+    none that vLLM lacks) followed by cluster chunks (``cluster``), as one job to wait on."""
+
+    def __init__(self, local: Any, local_chunks: int, cluster: ClusterLoad):
+        self.local = local
+        self.local_chunks = local_chunks
+        self.cluster = cluster
+
+    def ready(self) -> bool:
+        return (self.local is None or self.local.ready()) and self.cluster.ready()
+
+    def wait(self) -> LoadOutcome:
+        failed, valid = (), 0
+        if self.local is not None:
+            result = self.local.wait()
+            failed, valid = result.failed, result.valid_chunks
+        loaded, missed = self.cluster.wait()
+        if valid == self.local_chunks:  # the cluster chunks follow an intact local part
+            valid += loaded
+        return LoadOutcome(failed, valid, missed)

