@@ -24,7 +24,6 @@ from saria.dataplane.cluster import Layout
 from saria.dataplane.ssd.keys import object_key
 from saria.integrations.vllm.geometry import EngineGeometry
 from saria.integrations.vllm.layout import ParallelLayout
-from saria.integrations.vllm.metadata import SariaConnectorMetadata
 from saria.integrations.vllm.scheduler import SariaScheduler, open_cluster_index
 from saria.integrations.vllm.settings import ConnectorSettings
 from saria.integrations.vllm.worker import SariaWorker
