@@ -125,5 +125,6 @@ def idle(llm: Any, guard: Any, seconds: float) -> None:
     while time.monotonic() < deadline:
         if in_process and guard is not None and guard.has_pending_work():
             llm.llm_engine.step()
+            time.sleep(0.001)  # an empty step is pure Python: give saria's copy threads the GIL between steps
         else:
             time.sleep(0.01)

@@ -133,8 +133,9 @@ def summary_line(totals: dict[str, int], rebuilds: int = 0) -> str:
     """The periodic log line, from :meth:`SchedulerGuard.totals` (since start, over rebuilds): what
     the loads delivered (tokens vLLM did not compute), SSD traffic and admissions, faults."""
     t = totals
+    cluster = f" + {t['hit_tokens_cluster']} from the cluster" if t.get("hit_tokens_cluster") else ""
     return (f"{t['requests']} requests, loaded {t['hit_tokens_dram']} tokens from DRAM + {t['hit_tokens_ssd']} "
-            f"from SSD in {t['loads']} loads ({t['loads_failed']} failed), SSD writes {t['ssd_writes']} "
+            f"from SSD{cluster} in {t['loads']} loads ({t['loads_failed']} failed), SSD writes {t['ssd_writes']} "
             f"({t['ssd_bytes_written'] / 2**30:.2f} GiB), admissions eviction {t['admissions_eviction']} / reuse "
             f"{t['admissions_reuse']} / prewrite {t['admissions_prewrite']}, promotions {t['promotions']}, "
             f"faults {t['scheduler_faults']} (control plane rebuilt {rebuilds}x)")
