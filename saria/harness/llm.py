@@ -117,12 +117,15 @@ def empty_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
             time.sleep(0.02)
 
 
-def idle(llm: Any, guard: Any, seconds: float) -> None:
+def idle(llm: Any, guard: Any, seconds: float, *, until_done: bool = False) -> None:
     """An idle gap between turns: step the engine (in this process) while saria has work pending,
-    as a serving engine's loop does (``has_pending_push_work``), else sleep."""
+    as a serving engine's loop does (``has_pending_push_work``), else sleep. ``until_done``: end
+    as soon as nothing is pending (``seconds`` is then a bound)."""
     deadline = time.monotonic() + seconds
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     while time.monotonic() < deadline:
+        if until_done and not (in_process and guard is not None and guard.has_pending_work()):
+            return
         if in_process and guard is not None and guard.has_pending_work():
             llm.llm_engine.step()
             time.sleep(0.001)  # an empty step is pure Python: give saria's copy threads the GIL between steps

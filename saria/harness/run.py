@@ -202,13 +202,18 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         if gap_s and first < len(prompts):
             idle(llm, guard, gap_s)
     result.seconds = time.perf_counter() - start
+    worker = getattr(worker_side, "_worker", None)
+    if extra_config and extra_config.get("cluster") and guard is not None:
+        # a replica's last stores and their cluster puts land before it reports (and exits)
+        idle(llm, guard, 60.0, until_done=True)
+        if worker is not None and worker.cluster is not None:
+            worker.cluster.quiesce()
     if restore is not None:
         restore()
     if guard is not None:
         result.control = asdict(guard.inner.control.counters())
         result.totals = guard.totals()
         result.faults["scheduler"] = guard.stats()
-    worker = getattr(worker_side, "_worker", None)
     if worker is not None:
         result.worker = worker.snapshot()
         result.faults["worker"] = result.worker["connector"]
