@@ -53,7 +53,8 @@ from saria.dataplane.transfer.engine import LoadJob, LoadResult
 from saria.kernels import PageTable
 
 from .audit import KVAudit
-from .cluster import CombinedLoad, WorkerCluster
+from .cluster import WorkerCluster
+from .cluster_loads import CombinedLoad
 from .faults import Faults
 from .geometry import EngineGeometry
 from .layout import ParallelLayout
