@@ -32,6 +32,17 @@ def _cmd_roundtrip(args: argparse.Namespace) -> int:
     return roundtrip.main(args)
 
 
+def one_line_errors(p: argparse.ArgumentParser) -> None:
+    """Bad arguments: one line and exit 2, without the usage (serve's, with its passthrough, is long;
+    cluster start's would bury the one line that matters)."""
+
+    def error(message: str):
+        print(f"{p.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = error  # type: ignore[method-assign]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="saria",
@@ -46,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                        usage=serve.USAGE, description=serve.__doc__, epilog=serve.EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     serve.add_arguments(p)
-    serve.one_line_errors(p)
+    one_line_errors(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("doctor", help="report torch / triton / CUDA / NVML / kvikio and the backends saria would use",
