@@ -7,7 +7,7 @@ import json
 import sys
 import traceback
 
-from saria.argtypes import int_range
+from saria.argtypes import host_port, int_range
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -17,7 +17,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from saria.commands import doctor
-    report = doctor.collect(ssd_path=args.ssd_path)
+    report = doctor.collect(ssd_path=args.ssd_path, cluster=args.cluster)
     print(json.dumps(report, indent=2) if args.json else doctor.render(report))
     return 0
 
@@ -62,10 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="report torch / triton / CUDA / NVML / kvikio and the backends saria would use",
                        description="Report what this machine offers saria: torch, triton, CUDA devices, NVML, "
-                                   "kvikio, which kernel and storage backends would be used, pinned-memory limits.")
+                                   "kvikio, which kernel and storage backends would be used, pinned-memory limits; "
+                                   "with --cluster, whether a Mooncake master is usable as saria's cluster tier. "
+                                   "The exit status is 0 whatever the report finds (--json: cluster.ok says "
+                                   "whether the cluster is usable).")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--ssd-path", metavar="DIR", default=None,
                    help="directory to probe for O_DIRECT (the SSD store's drive path; default: the system temp dir)")
+    p.add_argument("--cluster", metavar="HOST:PORT", type=host_port, default=None,
+                   help="also check this Mooncake master (its RPC address, as given to saria serve --cluster): "
+                        "Mooncake importable, the port open, a client that sets up against it and answers a "
+                        "probe (within a few seconds, whatever the master does)")
     p.set_defaults(func=_cmd_doctor)
 
     from saria.commands import demo  # light: vLLM is imported only by the session subprocesses
