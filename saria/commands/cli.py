@@ -22,6 +22,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from saria.commands import cluster
+    return cluster.main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from saria.commands import demo
     return demo.main(args)
@@ -75,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "probe (within a few seconds, whatever the master does)")
     p.set_defaults(func=_cmd_doctor)
 
+    from saria.commands import cluster  # light: Mooncake is imported only when a cluster starts
+
+    p = sub.add_parser("cluster", help="run Mooncake Store for saria's cluster tier on this host (cluster start)",
+                       description="Mooncake Store for saria's cluster tier (docs/cluster.md). `saria cluster start "
+                                   "--help` for the one action: a master and a storage node on this host, in the "
+                                   "foreground.")
+    start = cluster.add_arguments(p)
+    one_line_errors(p)
+    one_line_errors(start)
+    start.set_defaults(func=_cmd_cluster)
+
     from saria.commands import demo  # light: vLLM is imported only by the session subprocesses
 
     p = sub.add_parser("demo", help="run the main job: a multi-turn agent session through vLLM with saria",
@@ -113,24 +129,25 @@ def main(argv: list[str] | None = None) -> int:
         args.vllm_args = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    name = getattr(args, "command_name", args.command)  # "cluster start": the parser's own prog
     try:
         return args.func(args)
     except ReplayInternalError as exc:  # a bug, not bad input: one line that says so, then the traceback
-        print(f"saria {args.command}: {exc}", file=sys.stderr)
+        print(f"saria {name}: {exc}", file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)
         return 1
     except ValueError as exc:  # bad input: every check in saria raises a ValueError that says what is wrong
-        print(f"saria {args.command}: error: {exc}", file=sys.stderr)
+        print(f"saria {name}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the machine refused: a file, a folder, memory for pinned pages
+    except OSError as exc:  # the machine refused: a file, a folder, memory for pinned pages, a child process
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"saria {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"saria {name}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"saria {args.command}: interrupted", file=sys.stderr)
+        print(f"saria {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - anything else is a bug: say so, with what to report
-        print(f"saria {args.command}: internal error (a bug in saria; please report it with the traceback "
+        print(f"saria {name}: internal error (a bug in saria; please report it with the traceback "
               f"below): {type(exc).__name__}: {exc}", file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)
         return 1
