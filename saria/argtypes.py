@@ -9,8 +9,8 @@ import math
 import re
 from typing import Callable
 
-__all__ = ["MAX_SIZE_BYTES", "MAX_TOKEN_COUNT", "float_range", "fraction", "int_range", "listed", "parse_size",
-           "positive_float", "positive_int", "tokens"]
+__all__ = ["MAX_SIZE_BYTES", "MAX_TOKEN_COUNT", "float_range", "fraction", "host_name", "host_port", "int_range",
+           "listed", "parse_size", "positive_float", "positive_int", "tokens"]
 
 MAX_SIZE_BYTES = 10**18  # an exabyte: beyond any drive or memory saria could be given
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -126,3 +126,29 @@ def listed(kind: Callable[[str], object], *, allow_none: bool = True) -> Callabl
         return tuple(out)
 
     return parse
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def host_name(text: str) -> str:
+    """A host name or IPv4 address, as Mooncake's addresses take them (no port; not IPv6)."""
+    host = text.strip()
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise argparse.ArgumentTypeError(f"not a host name or IPv4 address: {text!r:.60}")
+    return host
+
+
+def host_port(text: str) -> str:
+    """``HOST:PORT`` (a host name or IPv4 address, a port from 1 to 65535), e.g. ``10.0.0.1:50051``."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port):
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT, e.g. 10.0.0.1:50051, got {text!r:.60}")
+    if not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be from 1 to 65535, got {text!r:.60}")
+    try:
+        return f"{host_name(host)}:{int(port)}"
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT with HOST a host name or IPv4 address, got "
+                                         f"{text!r:.60}") from None

@@ -22,7 +22,7 @@ def saria(*args, timeout=300):
 def test_help_lists_commands():
     proc = saria("--help")
     assert proc.returncode == 0
-    assert all(c in proc.stdout for c in ("doctor", "demo", "roundtrip"))
+    assert all(c in proc.stdout for c in ("doctor", "demo", "roundtrip", "serve", "cluster"))
 
 
 def test_doctor_json_reports_backends():

@@ -36,7 +36,11 @@ unicode, empty strings, policy specs and ``synth:key=value`` specs, and paths (m
 a directory, /dev/full, /dev/null, a file used as a folder, a name over NAME_MAX, a path /sys
 refuses even to root, a pre-existing file). ``demo`` never starts vLLM here: its model building
 and engine runs are replaced by a sentinel, so only what it checks before starting is fuzzed
-(and the explicit tests ask that every bad demo argument is refused before that point).
+(and the explicit tests ask that every bad demo argument is refused before that point). Nor does
+``cluster start`` start Mooncake's master and node (processes that run until stopped): the
+cluster it would build is replaced by the same sentinel, so its checks of ports, host, pool size
+and log directory are fuzzed (tests/test_cluster_command.py runs it for real). A subcommand with
+actions of its own is fuzzed per action (``cluster start``).
 
 Size: ``SARIA_FUZZ_EXAMPLES`` (default 100) scales every fuzz test's ``max_examples``
 (``SARIA_FUZZ_EXAMPLES=1000`` for a longer hunt).
@@ -70,6 +74,7 @@ from hypothesis.control import currently_in_test_context
 
 import saria.commands.cli
 import saria.commands.demo
+from cluster_cases import mooncake_available
 from saria.commands.cli import build_parser
 
 # ============================================================================================ sizes
@@ -97,7 +102,8 @@ class RunTimeout(BaseException):
 
 
 class WorkStarted(BaseException):
-    """``saria demo`` got past its checks and was about to build a model and start vLLM."""
+    """``saria demo`` got past its checks and was about to build a model and start vLLM, or
+    ``saria cluster start`` about to start Mooncake's master and node."""
 
 
 class ContractViolation(AssertionError):
@@ -144,16 +150,32 @@ def _on_alarm(signum, frame):
     raise RunTimeout(f"no answer within {_LIMIT[0]:g} s")
 
 
+def _started(*args, **kwargs):
+    raise WorkStarted()
+
+
 def _demo_guard():
     """Make ``saria demo`` stop where it would start real work (model building, vLLM)."""
-    def started(*args, **kwargs):
-        raise WorkStarted()
-
     stack = contextlib.ExitStack()
     from saria.harness import model, run
-    stack.enter_context(mock.patch.object(model, "build_model", started))
-    stack.enter_context(mock.patch.object(run, "run_in_subprocess", started))
+    stack.enter_context(mock.patch.object(model, "build_model", _started))
+    stack.enter_context(mock.patch.object(run, "run_in_subprocess", _started))
     return stack
+
+
+def _cluster_guard():
+    """Make ``saria cluster start`` stop where it would start Mooncake's processes (before its
+    temporary log directory, too)."""
+    from saria.dataplane.cluster import local
+    return mock.patch.object(local, "LocalCluster", _started)
+
+
+def _guard(argv: list[str]):
+    if argv[:1] == ["demo"]:
+        return _demo_guard()
+    if argv[:2] == ["cluster", "start"]:
+        return _cluster_guard()
+    return contextlib.nullcontext()
 
 
 def run_cli(argv, *, timeout: float | None = None, memory: int = RUN_MEMORY) -> Run:
@@ -172,7 +194,7 @@ def run_cli(argv, *, timeout: float | None = None, memory: int = RUN_MEMORY) -> 
     _TIMED_OUT[0] = False
     _LIMIT[0] = limit
     old_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    guard = _demo_guard() if argv[:1] == ["demo"] else contextlib.nullcontext()
+    guard = _guard(argv)
     t0 = time.monotonic()
     try:
         try:
@@ -271,7 +293,7 @@ def _validate(output: Output, stdout: str) -> str:
 # What each command prints only once its work is done (or under way).
 WORK_DONE = {"replay": "SSD writes (GiB)", "sweep": "SSD writes (GiB)", "tune": "best within budget",
              "roundtrip": "packing", "synth": "wrote"}
-ERROR_LINE = re.compile(r"^saria(?: [\w-]+)?: (?:error: )?\S")
+ERROR_LINE = re.compile(r"^saria(?: [\w-]+){0,2}: (?:error: )?\S")  # "saria: ", "saria cluster start: "
 
 
 def error_lines(run: Run) -> list[str]:
@@ -585,15 +607,27 @@ def test_fuzz_tracelab_trace(case, options):
 
 
 # =================================================================================== argument fuzzing
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def _actions_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser] | None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
-    raise AssertionError("saria has no subcommands?")
+    return None
+
+
+def _subparsers(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every command that runs, by its words: a subcommand with actions of its own is one command
+    per action (``cluster start``)."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for name, sub in (_actions_of(parser) or {}).items():
+        words = f"{prefix} {name}".strip()
+        found.update(_subparsers(sub, words) if _actions_of(sub) else {words: sub})
+    return found
 
 
 SUBPARSERS = _subparsers(build_parser())
 COMMANDS = sorted(SUBPARSERS)
+GROUPS = sorted({c.split()[0] for c in COMMANDS if " " in c})  # subcommands with actions: their own --help
+assert COMMANDS, "saria has no subcommands?"
 
 
 def options_of(command: str) -> list[argparse.Action]:
@@ -776,6 +810,12 @@ VALID = {
     ("demo", "turns"): ["2", "3"], ("demo", "max_tokens"): ["1", "8"], ("demo", "max_prompt_tokens"): ["100", "3000"],
     ("demo", "dram_chunks"): ["1", "8"],
     ("replay", "replicas"): ["1", "3"], ("replay", "cluster_gb"): ["0", "1", "0.05"], ("replay", "cluster_gbps"): ["25"],
+    ("doctor", "cluster"): ["127.0.0.1:1", "localhost:9"],  # nothing listens: refused at once, no client tried
+    ("serve", "cluster"): ["10.0.0.1:50051", "master:50051"], ("serve", "cluster_host"): ["10.0.0.2", "node-1"],
+    ("serve", "cluster_staging_gb"): ["0", "0.25"],
+    ("cluster start", "node_gb"): ["0.05", "4", "0.015625"], ("cluster start", "host"): ["127.0.0.1", "localhost"],
+    ("cluster start", "rpc_port"): ["50051", "40001"], ("cluster start", "metrics_port"): ["9003", "40002"],
+    ("cluster start", "node_port"): ["50052", "40003"],
 }
 # Edge values that are valid but slow here (the roundtrip's Triton interpreter moves ~10 MB/s).
 SLOW = {("roundtrip", "chunks"): lambda v: 2 < (_int_or_none(v) or 0) < 10**4,
@@ -813,6 +853,8 @@ def baseline(command: str, tmp: Path) -> tuple[list[str], dict[str, list[str]]]:
         return [], {}
     if command == "serve":  # a dry run: vLLM is never started here (--print-command wins over --vllm-help)
         return ["/models/m"], {"--print-command": []}
+    if command == "cluster start":  # stops where Mooncake would start (the sentinel in run_cli)
+        return [], {"--node-gb": ["0.05"]}
     return [], {}  # a new command: its defaults
 
 
@@ -903,11 +945,13 @@ def build_argv(command: str, tmp: Path, fuzzed) -> tuple[list[str], list[Output]
                          else str(texts.get(action.dest, action.default)))
     if command == "demo" and "trace" not in texts:  # its default trace
         names.append(str(getattr(saria.commands.demo, "DEFAULT_TRACE", "")))
+    if command == "cluster start" and not mooncake_available():  # valid arguments end there, rightly
+        names.append("Mooncake Store is not installed")
     if uses_synth_trace:  # a synth trace has its own block size (synth:block_tokens)
         options.pop("--block-tokens", None)
     if command == "synth" and not any(a.dest == "out" for a, _, _ in fuzzed):
         outputs.append(Output(positionals[0], "jsonl"))
-    argv = [command]
+    argv = command.split()
     for flag, values in options.items():
         argv += [flag, *values]
     argv += extra
@@ -1242,9 +1286,9 @@ def test_found_by_fuzzing(tmp_path, argv, names, refused):
 
 
 # ================================================================================== harness sanity
-@pytest.mark.parametrize("command", COMMANDS + [None])
+@pytest.mark.parametrize("command", COMMANDS + GROUPS + [None])
 def test_help_exits_zero_on_stdout(command):
-    run = run_cli(([command] if command else []) + ["--help"])
+    run = run_cli((command.split() if command else []) + ["--help"])
     assert run.escaped is None and run.code == 0, run.describe()
     assert run.stdout.startswith("usage:") and not run.stderr, run.describe()
 
@@ -1256,6 +1300,14 @@ def test_baseline_command_lines_succeed(tmp_path, command):
     if command == "demo":
         run = run_cli(argv)
         assert run.code == "started", run.describe()  # past its checks; vLLM is not started here
+        return
+    if command == "cluster start":
+        run = run_cli(argv)
+        if mooncake_available():
+            assert run.code == "started", run.describe()  # past its checks; Mooncake is not started here
+        else:
+            check(run, names=("Mooncake Store is not installed",))
+            assert run.code == 2, run.describe()
         return
     for action in options_of(command):
         if is_output(command, action) and action.option_strings:

@@ -76,6 +76,21 @@ def test_ssd_dtype_flag_becomes_the_connector_option(capsys, tmp_path):
     assert extra == {"ssd_dtype": "fp8", "ssd_paths": [str(tmp_path)]}
 
 
+def test_cluster_flags_become_the_connector_options(capsys):
+    rc, out, err = run_cli(capsys, "serve", "m", "--cluster", "10.0.0.1:50051", "--cluster-host", "10.0.0.2",
+                           "--cluster-admission", "evicted", "--cluster-staging-gb", "0.5", "--print-command")
+    assert rc == 0, err
+    extra = json.loads(shlex.split(out)[-1])["kv_connector_extra_config"]
+    assert extra == {"cluster": "10.0.0.1:50051", "cluster_host": "10.0.0.2", "cluster_admission": "evicted",
+                     "cluster_staging_gb": 0.5}
+    # the master's address may come from --saria-option, with the other options as flags
+    rc, out, err = run_cli(capsys, "serve", "m", "--saria-option", "cluster=h:7", "--cluster-host", "h2",
+                           "--saria-option", "cluster_timeout_s=2", "--print-command")
+    assert rc == 0, err
+    extra = json.loads(shlex.split(out)[-1])["kv_connector_extra_config"]
+    assert extra == {"cluster": "h:7", "cluster_host": "h2", "cluster_timeout_s": 2}
+
+
 def test_no_connector_serves_plain_vllm(capsys):
     rc, out, _ = run_cli(capsys, "serve", "m", "--enable-prefix-caching", "--no-connector", "--print-command")
     assert rc == 0 and out.split("vllm ", 1)[1].strip() == "serve m --enable-prefix-caching"
@@ -100,6 +115,19 @@ def test_no_connector_serves_plain_vllm(capsys):
     (["m", "--saria-option", "theta_E=many"], "Policy.theta_E must be an int"),
     (["m", "--saria-option", "colour=blue"], "unknown saria connector option(s) ['colour']"),
     (["m", "--saria-option", "dram_gb=1", "--dram-gb", "2"], "repeats --dram-gb"),
+    (["m", "--cluster", "10.0.0.1"], "argument --cluster: must be HOST:PORT, e.g. 10.0.0.1:50051, got '10.0.0.1'"),
+    (["m", "--cluster", "h:0"], "argument --cluster: the port must be from 1 to 65535"),
+    (["m", "--cluster", "h h:1"], "argument --cluster: must be HOST:PORT with HOST a host name or IPv4 address"),
+    (["m", "--cluster-host", "10.0.0.2"], "--cluster-host needs --cluster HOST:PORT"),
+    (["m", "--cluster-admission", "evicted"], "--cluster-admission needs --cluster HOST:PORT"),
+    (["m", "--cluster-staging-gb", "1"], "--cluster-staging-gb needs --cluster HOST:PORT"),
+    (["m", "--cluster", "h:1", "--cluster-host", "h2:1"], "argument --cluster-host: not a host name or IPv4 address"),
+    (["m", "--cluster", "h:1", "--cluster-admission", "some"], "argument --cluster-admission: invalid choice: 'some'"),
+    (["m", "--cluster", "h:1", "--cluster-staging-gb", "-1"], "argument --cluster-staging-gb: must be from 0"),
+    (["m", "--cluster", "h:1", "--saria-option", "cluster=h:2"], "repeats --cluster"),
+    (["m", "--cluster", "h:1", "--cluster-staging-gb", "1", "--saria-option", "cluster_staging_bytes=5"],
+     "--saria-option: give cluster_staging_gb or cluster_staging_bytes, not both"),
+    (["m", "--saria-option", "cluster_timeout_s=1"], "--saria-option: cluster_timeout_s is set but cluster"),
 ])
 def test_bad_flags_are_one_line_and_status_2(capsys, args, message):
     rc, out, err = run_cli(capsys, "serve", *args, "--print-command")
@@ -124,7 +152,9 @@ def test_help_explains_the_passthrough_rule():
     assert proc.returncode == 0
     flat = " ".join(proc.stdout.split())
     for needle in ("Passthrough rule", "goes to `vllm serve` unchanged and in order", "MODEL must come first",
-                   "--dram-gb", "--ssd-path", "--print-command", "--no-connector", "--vllm-help",
+                   "--dram-gb", "--ssd-path", "--print-command", "--no-connector", "--vllm-help", "--cluster HOST:PORT",
+                   "--cluster-host ADDR", "--cluster-admission {all,evicted}", "--cluster-staging-gb GB",
+                   "`saria cluster start` runs a master and a storage node",
                    "VLLM_CPU_NUM_OF_RESERVED_CPU"):
         assert needle in flat, needle
     top = subprocess.run([sys.executable, "-m", "saria.commands.cli", "--help"], capture_output=True, text=True, timeout=120,

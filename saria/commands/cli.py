@@ -7,7 +7,7 @@ import json
 import sys
 import traceback
 
-from saria.argtypes import int_range
+from saria.argtypes import host_port, int_range
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -17,9 +17,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from saria.commands import doctor
-    report = doctor.collect(ssd_path=args.ssd_path)
+    report = doctor.collect(ssd_path=args.ssd_path, cluster=args.cluster)
     print(json.dumps(report, indent=2) if args.json else doctor.render(report))
     return 0
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from saria.commands import cluster
+    return cluster.main(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -30,6 +35,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_roundtrip(args: argparse.Namespace) -> int:
     from saria.commands import roundtrip
     return roundtrip.main(args)
+
+
+def one_line_errors(p: argparse.ArgumentParser) -> None:
+    """Bad arguments: one line and exit 2, without the usage (serve's, with its passthrough, is long;
+    cluster start's would bury the one line that matters)."""
+
+    def error(message: str):
+        print(f"{p.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    p.error = error  # type: ignore[method-assign]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,16 +62,34 @@ def build_parser() -> argparse.ArgumentParser:
                        usage=serve.USAGE, description=serve.__doc__, epilog=serve.EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     serve.add_arguments(p)
-    serve.one_line_errors(p)
+    one_line_errors(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("doctor", help="report torch / triton / CUDA / NVML / kvikio and the backends saria would use",
                        description="Report what this machine offers saria: torch, triton, CUDA devices, NVML, "
-                                   "kvikio, which kernel and storage backends would be used, pinned-memory limits.")
+                                   "kvikio, which kernel and storage backends would be used, pinned-memory limits; "
+                                   "with --cluster, whether a Mooncake master is usable as saria's cluster tier. "
+                                   "The exit status is 0 whatever the report finds (--json: cluster.ok says "
+                                   "whether the cluster is usable).")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--ssd-path", metavar="DIR", default=None,
                    help="directory to probe for O_DIRECT (the SSD store's drive path; default: the system temp dir)")
+    p.add_argument("--cluster", metavar="HOST:PORT", type=host_port, default=None,
+                   help="also check this Mooncake master (its RPC address, as given to saria serve --cluster): "
+                        "Mooncake importable, the port open, a client that sets up against it and answers a "
+                        "probe (within a few seconds, whatever the master does)")
     p.set_defaults(func=_cmd_doctor)
+
+    from saria.commands import cluster  # light: Mooncake is imported only when a cluster starts
+
+    p = sub.add_parser("cluster", help="run Mooncake Store for saria's cluster tier on this host (cluster start)",
+                       description="Mooncake Store for saria's cluster tier (docs/cluster.md). `saria cluster start "
+                                   "--help` for the one action: a master and a storage node on this host, in the "
+                                   "foreground.")
+    start = cluster.add_arguments(p)
+    one_line_errors(p)
+    one_line_errors(start)
+    start.set_defaults(func=_cmd_cluster)
 
     from saria.commands import demo  # light: vLLM is imported only by the session subprocesses
 
@@ -95,24 +129,25 @@ def main(argv: list[str] | None = None) -> int:
         args.vllm_args = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    name = getattr(args, "command_name", args.command)  # "cluster start": the parser's own prog
     try:
         return args.func(args)
     except ReplayInternalError as exc:  # a bug, not bad input: one line that says so, then the traceback
-        print(f"saria {args.command}: {exc}", file=sys.stderr)
+        print(f"saria {name}: {exc}", file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)
         return 1
     except ValueError as exc:  # bad input: every check in saria raises a ValueError that says what is wrong
-        print(f"saria {args.command}: error: {exc}", file=sys.stderr)
+        print(f"saria {name}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the machine refused: a file, a folder, memory for pinned pages
+    except OSError as exc:  # the machine refused: a file, a folder, memory for pinned pages, a child process
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"saria {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"saria {name}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"saria {args.command}: interrupted", file=sys.stderr)
+        print(f"saria {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - anything else is a bug: say so, with what to report
-        print(f"saria {args.command}: internal error (a bug in saria; please report it with the traceback "
+        print(f"saria {name}: internal error (a bug in saria; please report it with the traceback "
               f"below): {type(exc).__name__}: {exc}", file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)
         return 1

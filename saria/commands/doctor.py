@@ -103,9 +103,48 @@ def _ssd_report(path: str) -> dict[str, Any]:
             "reason": "O_DIRECT works" if direct else "filesystem refuses O_DIRECT: buffered I/O fallback"}
 
 
-def collect(ssd_path: str | None = None) -> dict[str, Any]:
+CLUSTER_INSTALL = "pip install 'saria[cluster]' and apt-get install -y libibverbs1"
+
+
+def _mooncake_report() -> dict[str, Any]:
+    """Whether Mooncake Store's client is importable here, from which distribution, and where its
+    ``mooncake_master`` / ``mooncake_client`` executables are."""
+    from saria.dataplane.cluster.connection import import_store_class
+    from saria.dataplane.cluster.local import find_binary
+
+    dists = importlib.metadata.packages_distributions().get("mooncake") or []
+    report: dict[str, Any] = {"importable": True, "distribution": dists[0] if dists else None,
+                              "version": _version(dists[0]) if dists else None, "reason": None,
+                              "install": None, "mooncake_master": find_binary("mooncake_master"),
+                              "mooncake_client": find_binary("mooncake_client")}
+    try:
+        import_store_class()
+    except ImportError as exc:
+        report.update(importable=False, reason=str(exc.__cause__ or exc), install=CLUSTER_INSTALL)
+    return report
+
+
+def _cluster_report(master: str) -> dict[str, Any]:
+    """The ``cluster`` section: Mooncake importable, the master's RPC port open, a client that sets
+    up against it and answers a probe (in a child process, killed after a few seconds)."""
+    from saria.dataplane.cluster.probe import check_client, check_port
+
+    mooncake = _mooncake_report()
+    port = check_port(master)
+    if not mooncake["importable"]:
+        client = {"ok": False, "reason": "not tried: Mooncake is not importable"}
+    elif not port["ok"]:
+        client = {"ok": False, "reason": "not tried: the master's port does not accept connections"}
+    else:
+        client = check_client(master)
+    return {"master": master, "ok": mooncake["importable"] and port["ok"] and client["ok"], "mooncake": mooncake,
+            "port": port, "client": client}
+
+
+def collect(ssd_path: str | None = None, cluster: str | None = None) -> dict[str, Any]:
     """Everything ``saria doctor`` reports, as plain data (``ssd_path``: directory to probe for
-    O_DIRECT, default the system temp dir)."""
+    O_DIRECT, default the system temp dir; ``cluster``: a Mooncake master's ``host:port`` to check,
+    reported under ``"cluster"``)."""
     from saria import __version__
     from saria.kernels import INTERPRETED, default_backend
 
@@ -117,7 +156,7 @@ def collect(ssd_path: str | None = None) -> dict[str, Any]:
     kvikio_info, storage = _storage_report(cuda, ssd_path)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     device = torch.device("cuda" if cuda else "cpu")
-    return {
+    report = {
         "saria": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -139,6 +178,9 @@ def collect(ssd_path: str | None = None) -> dict[str, Any]:
             "mem_available_bytes": _meminfo_bytes("MemAvailable"),
         },
     }
+    if cluster is not None:
+        report["cluster"] = _cluster_report(cluster)
+    return report
 
 
 def _gib(n: int | None) -> str:
@@ -182,5 +224,20 @@ def render(report: dict[str, Any]) -> str:
         ("pinned memory", f"{pin['pinning']}; memlock limit {memlock}; "
                           f"host memory {_gib(pin['mem_available_bytes'])} free of {_gib(pin['mem_total_bytes'])}"),
     ]
+    if "cluster" in report:
+        rows += _cluster_rows(report["cluster"])
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _cluster_rows(cluster: dict[str, Any]) -> list[tuple[str, str]]:
+    mc, port, client = cluster["mooncake"], cluster["port"], cluster["client"]
+    if mc["importable"]:
+        binaries = [name for name in ("mooncake_master", "mooncake_client") if mc[name]]
+        mooncake = (f"{mc['version'] or '?'} ({mc['distribution'] or 'distribution unknown'}): client importable; "
+                    + (f"{' and '.join(binaries)} found" if binaries else "no mooncake_master / mooncake_client found"))
+    else:
+        mooncake = f"not importable ({mc['reason']}): {mc['install']}"
+    verdict = f"usable: saria serve --cluster {cluster['master']}" if cluster["ok"] else "not usable (see above)"
+    return [("mooncake", mooncake), ("cluster master", f"{cluster['master']}: {port['reason']}"),
+            ("cluster client", client["reason"]), ("cluster", verdict)]

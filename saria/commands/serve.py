@@ -28,8 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from saria.argtypes import float_range, int_range
+from saria.argtypes import float_range, host_name, host_port, int_range
 from saria.config import POLICY_PRESETS
+from saria.integrations.vllm.settings import CLUSTER_ADMISSIONS  # no vLLM import
 from saria.ssd_dtype import SSD_DTYPES
 
 CONNECTOR = {"kv_connector": "SariaConnector", "kv_connector_module_path": "saria.integrations.vllm",
@@ -37,6 +38,7 @@ CONNECTOR = {"kv_connector": "SariaConnector", "kv_connector_module_path": "sari
 # vLLM options that would set its KV connector themselves: saria builds that one.
 REFUSED = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend")
 MAX_GB = 1 << 30  # settings' own limit (2**60 bytes)
+CLUSTER_FLAGS = ("cluster_host", "cluster_admission", "cluster_staging_gb")  # each needs the master's address
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,6 +74,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read bandwidth estimate per SSD drive (default 20)")
     g.add_argument("--b-dram-gbps", type=float_range(1e-6, 1e5), metavar="GBPS",
                    help="DRAM-to-GPU bandwidth estimate (default 48)")
+    g.add_argument("--cluster", type=host_port, metavar="HOST:PORT",
+                   help="the Mooncake master's RPC address: a cluster tier shared by every server that names it "
+                        "(dense models only; default: none). `saria cluster start` runs a master and a storage "
+                        "node; `saria doctor --cluster HOST:PORT` checks one. Deadlines: --saria-option "
+                        "cluster_timeout_s (default 5) and cluster_lookup_timeout_s (0.5)")
+    g.add_argument("--cluster-host", type=host_name, metavar="ADDR",
+                   help="this host's address as the Mooncake storage nodes reach it (default 127.0.0.1: a "
+                        "cluster on this host only; needs --cluster)")
+    g.add_argument("--cluster-admission", choices=CLUSTER_ADMISSIONS,
+                   help="what this server puts into the cluster: all (every chunk it computes, once in DRAM; "
+                        "default) or evicted (a chunk when its DRAM copy is dropped); needs --cluster")
+    g.add_argument("--cluster-staging-gb", type=float_range(0, MAX_GB), metavar="GB",
+                   help="host memory per rank, beside the DRAM tier, that cluster reloads land in before they go "
+                        "to the GPU (default 0.25); needs --cluster")
     g.add_argument("--saria-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other connector option (settings.py), e.g. theta_E=3, r=0.5, p_tau_s=30; "
                         "VALUE is read as JSON, else as a string")
@@ -94,16 +110,6 @@ the cores vLLM reserves without a connector (one per rank): vLLM adds one more p
 connector, meant for NIXL's transfer threads, which saria does not have."""
 
 
-def one_line_errors(p: argparse.ArgumentParser) -> None:
-    """Bad arguments: one line and exit 2 (the usage with its passthrough is long)."""
-
-    def error(message: str):
-        print(f"saria serve: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    p.error = error  # type: ignore[method-assign]
-
-
 # --- the command --------------------------------------------------------------------------------
 
 def extra_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,18 +126,20 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             value = text
         extra[key.strip()] = value
+    given = dict(extra)  # by --saria-option
     flags = {"dram_gb": args.dram_gb, "ssd_gb": args.ssd_gb, "ssd_dtype": args.ssd_dtype, "policy": args.policy,
              "chunk_tokens": args.chunk_tokens, "checkpoint_tokens": args.checkpoint_tokens,
              "coordinator": args.coordinator, "durable": args.durable, "log_interval_s": args.log_interval_s,
              "on_load_failure": args.on_load_failure, "b_gpu_gbps": args.b_gpu_gbps,
-             "b_disk_gbps": args.b_disk_gbps, "b_dram_gbps": args.b_dram_gbps}
+             "b_disk_gbps": args.b_disk_gbps, "b_dram_gbps": args.b_dram_gbps, "cluster": args.cluster,
+             "cluster_host": args.cluster_host, "cluster_admission": args.cluster_admission,
+             "cluster_staging_gb": args.cluster_staging_gb}
     for key, value in flags.items():
         if value is None:
             continue
         if key in extra:
             raise ValueError(f"--saria-option {key}=... repeats --{key.replace('_', '-')}: give one")
         extra[key] = value
-    given = dict(extra)  # by --saria-option
     if any(not p.strip() for p in args.ssd_path):
         raise ValueError("--ssd-path must not be empty")
     if args.ssd_path:
@@ -145,8 +153,14 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
     for path in extra.get("ssd_paths") or ():
         if isinstance(path, str) and Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"--ssd-path {path} is not a directory")
+    for key in CLUSTER_FLAGS:
+        if key in extra and key not in given and not extra.get("cluster"):
+            raise ValueError(f"--{key.replace('_', '-')} needs --cluster HOST:PORT (the Mooncake master's address)")
     # every value checked now: first the flags' (the error names the option), then with --saria-option's
-    settings.from_extra_config({k: v for k, v in extra.items() if k not in given})
+    flagged = {k: v for k, v in extra.items() if k not in given}
+    if "cluster" in given and flagged.keys() & set(CLUSTER_FLAGS):
+        flagged["cluster"] = given["cluster"]  # the flags' cluster options need the master's address
+    settings.from_extra_config(flagged)
     try:
         settings.from_extra_config(extra)
     except ValueError as exc:

@@ -84,6 +84,7 @@ class Connection:
         self._on = False
         self._closed = False
         self._warned = False  # the one warning of the current outage was logged
+        self.reason: str | None = None  # why the tier is off (the last failed attempt); None while on
         self._first = threading.Event()
         self._thread = threading.Thread(target=self._run, name="saria-cluster-health", daemon=True)
         self._thread.start()
@@ -105,6 +106,18 @@ class Connection:
             self._turn_off(f"{what} failed with RPC_FAIL ({RPC_FAIL})")
             return True
         return False
+
+    def probe(self) -> str | None:
+        """One ``batch_is_exist`` of a probe key with the client that set up: ``None`` when the master
+        answered, else why not (the tier's state is left as it is)."""
+        client = self._client
+        if client is None:
+            return "no client has set up"
+        try:
+            codes = client.batch_is_exist([_PROBE_KEY])
+        except Exception as exc:  # noqa: BLE001 - any failure of Mooncake's is "no answer"
+            return str(exc) or type(exc).__name__
+        return None if codes and codes[0] in (0, 1) else f"probe returned {list(codes)}"
 
     def close(self) -> None:
         """Stop the health thread and close the client (idempotent)."""
@@ -129,6 +142,7 @@ class Connection:
             if self._closed:
                 return
             was_on, self._on = self._on, False
+            self.reason = why
             if was_on:
                 self._counters.add(went_off=1)
             if not self._warned:
@@ -142,6 +156,7 @@ class Connection:
             if self._closed:
                 return
             self._on = True
+            self.reason = None
             if self._warned:
                 self._warned = False
                 self._counters.add(came_back=1)
@@ -165,14 +180,13 @@ class Connection:
             socket.create_connection(self._address, timeout=self._connect_timeout).close()
         except OSError as exc:
             return f"its port does not accept connections ({exc})"
+        if self._client is not None:
+            return self.probe()
         try:
-            if self._client is None:
-                self._client = self._setup()
-                return None
-            codes = self._client.batch_is_exist([_PROBE_KEY])
-            return None if codes and codes[0] in (0, 1) else f"probe returned {list(codes)}"
+            self._client = self._setup()
         except Exception as exc:  # noqa: BLE001 - any failure of Mooncake's is "not reachable yet"
             return str(exc) or type(exc).__name__
+        return None
 
     def _run(self) -> None:
         delay = self._retry[0]
