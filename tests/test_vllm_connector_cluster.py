@@ -356,3 +356,14 @@ def test_a_full_pool_evicts_the_oldest_chunks_and_their_lookups_miss(own_cluster
         assert b.worker.faults.count == 0 and b.totals()["loads_failed"] == 0
     finally:
         close_all([a, b])
+
+
+def test_staging_that_holds_no_chunk_is_refused_at_start(cluster):
+    settings = ConnectorSettings.from_extra_config({"cluster": cluster.master, "chunk_tokens": CHUNK,
+                                                    "cluster_staging_bytes": SIZE - 1})
+    index = open_cluster_index(settings, 1)
+    try:
+        with pytest.raises(ValueError, match="holds no chunk"):
+            SariaScheduler(settings, GEOMETRY, cluster=index)
+    finally:
+        index.close()

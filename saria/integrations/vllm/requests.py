@@ -42,7 +42,7 @@ class LoadCounters:
                 self.hit_tokens_dram += tokens
             elif tier == Tier.SSD.value:
                 self.hit_tokens_ssd += tokens
-            else:
+            elif tier == "cluster":
                 self.hit_tokens_cluster += tokens
 
 

@@ -78,6 +78,9 @@ class SariaScheduler:
         self.control = ControlPlane(self.config)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
+        if cluster is not None and settings.cluster_staging_bytes < self.config.chunk.kv_bytes:
+            raise ValueError(f"saria: cluster_staging_bytes ({settings.cluster_staging_bytes}) holds no chunk: a chunk's "
+                             f"object is {self.config.chunk.kv_bytes} bytes per rank; give at least that")
         self.checkpoint_tokens = settings.checkpoint_tokens_for(self.config.chunk.chunk_tokens)
         self.workers = workers
         self.clock = clock
