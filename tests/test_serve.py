@@ -91,6 +91,38 @@ def test_cluster_flags_become_the_connector_options(capsys):
     assert extra == {"cluster": "h:7", "cluster_host": "h2", "cluster_timeout_s": 2}
 
 
+@pytest.fixture
+def not_a_master():
+    """A port that accepts TCP connections and never answers (a wrong port: a metrics port, a
+    firewall's proxy): a Mooncake client's setup against it holds the GIL for 30 s."""
+    import socket
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as listener:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_cluster_port_that_is_no_master_is_refused_before_vllm_starts(capsys, not_a_master):
+    from cluster_cases import mooncake_available
+    if not mooncake_available():
+        pytest.skip("Mooncake Store is not installed")
+    rc, out, err = run_cli(capsys, "serve", "m", "--cluster", not_a_master, "--enforce-eager")
+    assert rc == 2 and not out
+    assert err.count("\n") == 1 and "no Mooncake master answered" in err, err
+
+
+def test_a_cluster_master_that_is_down_is_one_line_and_a_master_that_answers_none(capsys, tmp_path_factory):
+    from cluster_cases import start_cluster
+    from saria.dataplane.cluster.local import free_ports
+    serve.check_cluster(f"127.0.0.1:{free_ports(1)[0]}", "127.0.0.1")  # nothing listens there
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not reachable yet" in err and "stays off" in err
+    cluster = start_cluster(tmp_path_factory)
+    try:
+        serve.check_cluster(cluster.master, "127.0.0.1")
+        assert capsys.readouterr().err == ""
+    finally:
+        cluster.stop()
+
+
 def test_no_connector_serves_plain_vllm(capsys):
     rc, out, _ = run_cli(capsys, "serve", "m", "--enable-prefix-caching", "--no-connector", "--print-command")
     assert rc == 0 and out.split("vllm ", 1)[1].strip() == "serve m --enable-prefix-caching"

@@ -278,6 +278,24 @@ def run_vllm(argv: list[str], env: dict[str, str]) -> int:
     return 0
 
 
+def check_cluster(master: str, local_hostname: str) -> None:
+    """Before vLLM starts: a master that is down only delays the tier (one line; it comes on when the
+    master answers), but a port that accepts connections and is no Mooncake master would stall every
+    process that sets up a client against it (Mooncake's setup holds the GIL for 30 s, again at
+    every retry) and a missing Mooncake would turn every worker's tier off: both are refused here,
+    in one line (``ValueError``: exit 2)."""
+    from saria.dataplane.cluster.probe import check_client, check_port
+
+    port = check_port(master)
+    if not port["ok"]:
+        print(f"saria serve: the cluster master {master} is not reachable yet ({port['reason']}); the cluster "
+              "tier stays off until it answers", file=sys.stderr)
+        return
+    client = check_client(master, local_hostname)
+    if not client["ok"]:
+        raise ValueError(f"--cluster {master}: {client['reason']}")
+
+
 def main(args: argparse.Namespace) -> int:
     rest = list(getattr(args, "vllm_args", None) or [])
     if args.vllm_help:
@@ -295,6 +313,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     for path in extra.get("ssd_paths") or ():
         Path(path).mkdir(parents=True, exist_ok=True)  # OSError: one line, exit 2
+    if extra.get("cluster") and not args.no_connector:
+        check_cluster(extra["cluster"], extra.get("cluster_host", "127.0.0.1"))
     try:
         return run_vllm(argv, env)
     except (SystemExit, KeyboardInterrupt):
