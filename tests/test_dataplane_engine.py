@@ -199,8 +199,12 @@ def test_bad_input_is_refused_before_anything_moves(engine_parts, tmp_path):
 # --- TieredCache: the control plane and the engine together --------------------------------------
 
 def small_config(preset="saria", dram_chunks=3, ssd_chunks=40, **policy):
+    """Tiers that hold ``dram_chunks`` and ``ssd_chunks`` of these 1,536-byte chunks, each in a
+    4 KiB slot (saria.sizing: a host slot each; on the drive a superblock, then a header and a
+    part per object)."""
     cfg = SariaConfig.preset(preset, chunk=ChunkSpec(chunk_tokens=8, checkpoint_tokens=64),
-                             dram=Capacity(tokens=8 * dram_chunks), ssd=Capacity(tokens=8 * ssd_chunks))
+                             dram=Capacity(nbytes=dram_chunks * SLOT),
+                             ssd=Capacity(nbytes=4096 + ssd_chunks * (4096 + SLOT)))
     return cfg.with_policy(**policy) if policy else cfg
 
 

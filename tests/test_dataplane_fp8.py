@@ -10,6 +10,7 @@ the pages, or prewarmed into DRAM); DRAM reloads and GDN states stay bit-exact."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from saria.integrations.cache import TieredCache
 from saria.control import ObjectKey, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, object_key
 from saria.kernels import PageTable, dequantize_staging, pack_pages, quantize_staging
+from saria.sizing import size_tiers
 from saria.ssd_dtype import fp8_bytes
 from ssd_cases import drive_file, flip_byte
 
@@ -206,18 +208,20 @@ def test_caches_fp8_cannot_take_are_refused_at_build(tmp_path):
 
 def test_tiered_cache_with_fp8_holds_more_chunks_and_reloads_them(tmp_path):
     """Control and data plane together (open_data_plane sizes SSD parts for the FP8 objects): SSD
-    bytes for 4 bf16 chunks hold all 7 chunks of a prompt in FP8, the counters are in stored
+    bytes for 5 bf16 chunks hold all 7 chunks of a prompt in FP8, the counters are in stored
     bytes, and every chunk reloaded from SSD is the FP8 round trip of what was committed (from
     DRAM: exact)."""
     caches = layers(seed=19, head_dim=64)  # 12 KiB chunks: slots of 12 KiB, FP8 parts of 8 KiB
     kv_bytes = PageTable(caches).staging_bytes(PAGES)
+    ssd_bytes = 4096 + 7 * (4096 + (8 << 10))  # the drive file: a superblock, 7 slots (header + FP8 part)
     config = SariaConfig.preset("full-duplicate", chunk=ChunkSpec(chunk_tokens=8, checkpoint_tokens=64),
-                                dram=Capacity(nbytes=2 * kv_bytes), ssd=Capacity(nbytes=4 * kv_bytes), ssd_dtype="fp8")
+                                dram=Capacity(nbytes=2 * kv_bytes), ssd=Capacity(nbytes=ssd_bytes), ssd_dtype="fp8")
     hashes = [f"h{i}" for i in range(7)]
     own = {h: blocks_of(i) for i, h in enumerate(hashes)}
     with TieredCache(config, caches, block_tokens=BLOCK_TOKENS, ssd_paths=[str(tmp_path)]) as cache:
         engine = cache.engine
-        assert engine.kv_ssd_bytes == fp8_bytes(kv_bytes, 2) and 7 * engine.kv_ssd_bytes <= 4 * kv_bytes
+        assert engine.kv_ssd_bytes == fp8_bytes(kv_bytes, 2) and engine.ssd.total_parts == 7
+        assert size_tiers(dataclasses.replace(cache.config, ssd_dtype="auto"), 1).ssd.units == 5  # bf16: 5 chunks
         assert engine.ssd.part_bytes < engine.host_pool.slot_bytes  # parts sized for the FP8 objects
         exact = {h: pack_pages(caches, torch.tensor(own[h])) for h in hashes}
         rounded = {h: fp8_round_trip(caches, own[h]) for h in hashes}

@@ -340,7 +340,7 @@ def test_open_data_plane_passes_the_identity(tmp_path):
     caches = vllm_layers(16, 4, 2, 8, torch.bfloat16, layers=1, seed=0)
     table = PageTable(caches)
     cfg = SariaConfig.preset("full-duplicate", chunk=ChunkSpec(chunk_tokens=8, checkpoint_tokens=64),
-                             dram=Capacity(tokens=16), ssd=Capacity(tokens=64))
+                             dram=Capacity(nbytes=4 * 4096), ssd=Capacity(nbytes=1 << 20))
     cfg = sized_config(cfg, table, 4)
     data = open_data_plane(cfg, table, block_tokens=4, ssd_paths=[str(tmp_path)], ssd_identity=A)
     try:

@@ -179,13 +179,15 @@ def hybrid(tmp_path_factory):
 
 def hybrid_session(root, prompts: list[list[int]], **spec) -> dict:
     """``prompts`` on the hybrid model built under ``root``: the reference (vLLM's own prefix cache)
-    and saria (full-duplicate, 1 MiB of DRAM, SSD under ``root``) emptying vLLM's cache before each
+    and saria (full-duplicate, 2 MiB of DRAM, SSD under ``root``) emptying vLLM's cache before each
     turn. ``spec``: more of ``run_session``'s arguments (``tensor_parallel_size``)."""
     model = str(build_model(root / "model", "hybrid"))
     spec = {"model": model, "prompts": prompts, "max_tokens": 6, "block_size": None, "max_model_len": 4096,
             "prefix_caching": True, "enforce_eager": True, **spec}
     (root / "ssd").mkdir()
-    config = {"dram_bytes": 1 << 20, "ssd_paths": [str(root / "ssd")], "ssd_bytes": 64 << 20,
+    # 2 MiB: a 384-token kv object (768 KiB) takes two 524 KiB slots (slots fit the state object),
+    # 1,048 KiB, and a TP2 rank's half as much; 1 MiB would hold none (saria.sizing refuses it)
+    config = {"dram_bytes": 2 << 20, "ssd_paths": [str(root / "ssd")], "ssd_bytes": 64 << 20,
               "policy": "full-duplicate", "log_interval_s": 0}
     return {"reference": run_in_subprocess(dict(spec, reset_prefix_cache=False)),
             "saria": run_in_subprocess(dict(spec, extra_config=config))}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from saria.control import DropOrder, ObjectKey, Tier
+from saria.control import DropOrder, ObjectKey, StoreOrder, Tier, WriteOrder
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.format import FILE_NAME, MAX_IDENTITY_BYTES, encode_identity
 from saria.integrations.vllm.faults import Faults
@@ -241,18 +241,51 @@ def test_each_rank_gets_its_share_of_the_servers_capacity(tmp_path):
 
 
 def test_a_tp2_workers_host_pool_and_store_are_sized_for_half(tmp_path):
-    """The host pool rounds the DRAM tier up to whole slots plus one per object (see
-    ``open_data_plane``): 8 objects' bytes -> 8 + 8 + 1 slots, a rank's 4 -> 4 + 4 + 1."""
+    """A rank's host pool and drive file take no more than its share of what was asked
+    (``saria.sizing``): 8 objects' bytes of DRAM -> 8 slots, a TP2 rank's 4 -> 4; 8 MiB of SSD ->
+    a file of a 4 KiB superblock and 227 slots of a 4 KiB header and a 32 KiB part, a rank's
+    4 MiB -> 113. The scheduler's control plane charges against exactly those."""
     whole = rank_worker(tmp_path / "a", ParallelLayout())
     half = rank_worker(tmp_path / "b", TP2[1])
     try:
         assert whole.data.host_pool.slot_bytes == half.data.host_pool.slot_bytes == CHUNK_BYTES
-        assert (whole.data.host_pool.num_slots, half.data.host_pool.num_slots) == (17, 9)
-        # SSD: 8 MiB of 32 KiB objects -> 256 + 256 + 1 parts, plus one object's; a rank's half.
-        assert (whole.data.ssd.total_parts, half.data.ssd.total_parts) == (514, 258)
+        assert (whole.data.host_pool.num_slots, half.data.host_pool.num_slots) == (8, 4)
+        assert (whole.data.ssd.total_parts, half.data.ssd.total_parts) == (227, 113)
+        for worker, shards in ((whole, 1), (half, 2)):
+            [drive] = worker.data.ssd.paths
+            size = drive.stat().st_size
+            assert size == 4096 + worker.data.ssd.total_parts * (4096 + CHUNK_BYTES) <= (8 << 20) // shards
+            control = SariaScheduler(worker.settings, GEOMETRY, workers=shards).control.usage()
+            assert control.dram_capacity == worker.data.host_pool.num_slots * CHUNK_BYTES
+            assert control.ssd_capacity == worker.data.ssd.total_parts * CHUNK_BYTES
     finally:
         whole.shutdown()
         half.shutdown()
+
+
+def test_the_drops_completions_caused_go_out_before_the_commits_that_take_their_slots(tmp_path):
+    """The control plane frees a DRAM copy's slots when a completion makes it drop the copy, and may
+    give them to the next commit: with exactly as many slots as it charges, the drop must reach the
+    worker first (drops before the step's commits, as within one order list)."""
+    guard = SchedulerGuard(lambda: SariaScheduler(settings(tmp_path, dram_bytes=2 * CHUNK_BYTES, theta_E=1,
+                                                           prewrite=False), GEOMETRY),
+                           faults=Faults("scheduler", clock=Clock()))
+    engine = Engine(guard)
+    engine.cache("r1", 2)  # r1's two chunks fill the DRAM tier
+    r2 = engine.request("r2", 2, prefix="c")
+    guard.get_num_new_matched_tokens(r2, 0)
+    meta = engine.step(r2)  # evicts r1's chunks: admitted, written from DRAM, their slots held meanwhile
+    sent = [o for batch in meta.orders for o in batch.orders if not isinstance(o, DropOrder)]
+    assert sent and all(isinstance(o, WriteOrder) and o.source is Tier.DRAM for o in sent)
+    engine.report(meta.epoch, completions=[CompletionReport(o.order_id, True) for o in sent])
+    guard.request_finished(r2, [])
+    r3 = engine.request("r3", 2, prefix="d")
+    guard.get_num_new_matched_tokens(r3, 0)
+    meta = engine.step(r3)  # the writes' completions dropped r1's copies; r3's stores take their slots
+    kinds = [(type(o), getattr(o, "tier", None)) for batch in meta.orders for o in batch.orders]
+    drops = [i for i, kind in enumerate(kinds) if kind == (DropOrder, Tier.DRAM)]
+    stores = [i for i, kind in enumerate(kinds) if kind[0] is StoreOrder]
+    assert drops and stores and max(drops) < min(stores)
 
 
 # --- a worker rank restarted on its own store -----------------------------------------------------

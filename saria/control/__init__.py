@@ -71,6 +71,11 @@ Notes for callers:
   except a prewarm's ``PromoteOrder`` (``source=Tier.SSD``), which reads SSD, not HBM. The
   scheduler side issues prewarms by itself at each step (``saria.integrations.vllm.prewarm``).
 * Hashes: one per full chunk (``chunk_tokens`` tokens), prefix-chained; any hashable works.
+* Capacity: a control plane that drives a data plane is built with that data plane's layout,
+  ``ControlPlane(config, sizing=saria.sizing.size_tiers(config, drives))`` (``TieredCache`` and the
+  connector's scheduler do): each object is charged its whole host slots and SSD parts against
+  what the host pool and the drive files hold, so everything it admits fits there. Without
+  ``sizing`` (a replay) an object charges its size against the configured capacity.
 
 Bad input (unknown or finished ids, a plan that does not begin the committed hashes, failures
 naming objects the plan or order does not have, non-finite ``now``) raises

@@ -50,10 +50,12 @@ def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Itera
             problems.append(f"{node!r}: state object presence does not match the checkpoint boundaries")
         for obj in node.objects:
             flights = orders_of.get(id(obj), [])
+            if (obj.dram_charge, obj.ssd_charge) != (tree.kv_charges if obj is node else tree.state_charges):
+                problems.append(f"{obj!r}: charges {obj.dram_charge}/{obj.ssd_charge} are not its kind's")
             if obj.dram != ABSENT:
-                used[DRAM] += obj.nbytes
+                used[DRAM] += obj.dram_charge
             if obj.ssd != ABSENT:
-                used[SSD] += obj.ssd_nbytes
+                used[SSD] += obj.ssd_charge
             if obj.dram_pins != pins.get((id(obj), DRAM), 0) or obj.ssd_pins != pins.get((id(obj), SSD), 0):
                 problems.append(f"{obj!r}: pin counts do not match the live plans and prewarms")
             if obj.dram_pins and obj.dram not in (READY, DRAINING):

@@ -33,6 +33,7 @@ from saria.control.residency import PendingChanges, Residency
 from saria.control.snapshots import ChunkInfo, CopyInfo, Usage, chunk_info
 from saria.control.tree import ContextTree, Node
 from saria.orders import SSD, ControlPlaneError, ObjectKey, Order, ReloadPlan, StoreOrder, WriteOrder
+from saria.sizing import TierSizing
 
 __all__ = ["ChunkInfo", "ControlPlane", "CopyInfo", "Usage"]
 
@@ -45,24 +46,36 @@ class ControlPlane:
     seen counts as the latest seen.
     """
 
-    def __init__(self, config: SariaConfig | None = None, *, future: FutureUses | None = None) -> None:
-        """``future``: every chunk's next use, for ``admission=oracle`` (a replay's knowledge)."""
+    def __init__(self, config: SariaConfig | None = None, *, future: FutureUses | None = None,
+                 sizing: TierSizing | None = None) -> None:
+        """``future``: every chunk's next use, for ``admission=oracle`` (a replay's knowledge).
+        ``sizing``: the layout of the data plane this control plane drives
+        (:func:`saria.sizing.size_tiers` of the same config): each object is then charged its whole
+        host slots and SSD parts against what the host pool and the drive files really hold, so
+        whatever it admits fits them. None (a replay): objects charge their sizes against the
+        configured capacities."""
         self.config = config = config if config is not None else SariaConfig()
         if not isinstance(config, SariaConfig):
             raise ValueError(f"ControlPlane needs a SariaConfig, got {config!r}")
+        if sizing is None:
+            sizing = TierSizing.in_bytes(config.dram_bytes, config.ssd_bytes)
+        elif not isinstance(sizing, TierSizing):
+            raise ValueError(f"ControlPlane's sizing must be a TierSizing, got {sizing!r}")
+        self.sizing = sizing
         policy, chunk = config.policy, config.chunk
         self._lock = threading.Lock()
         self._counters = Counters()
         self._ssd_kv_bytes = config.ssd_kv_bytes  # a kv object on SSD (ssd_dtype); DRAM copies are chunk.kv_bytes
         self._tree = ContextTree(chunk, policy.metadata_window_s, policy.unified_metadata, self._counters,
-                                 self._ssd_kv_bytes)
+                                 self._ssd_kv_bytes, sizing)
         tree = self._tree
         self._admission = Admission(policy, config.ssd_bytes, config=config, clock=lambda: tree.clock, future=future)
         self._sessions = self._admission.sessions
-        self._tiers = Residency(config.dram_bytes, config.ssd_bytes, self._admission, self._tree, self._counters)
+        self._tiers = Residency(sizing.dram.capacity, sizing.ssd.capacity, self._admission, self._tree,
+                                self._counters)
         self._orders = OrderEmitter(hybrid=chunk.hybrid, kv_bytes=chunk.kv_bytes, state_bytes=chunk.state_bytes)
-        self._recovery = SsdRecovery(self._tiers, self._tree, self._counters, kv_bytes=self._ssd_kv_bytes,
-                                     state_bytes=chunk.state_bytes)
+        self._recovery = SsdRecovery(self._tiers, self._tree, self._counters, kv_bytes=tree.kv_charges[1],
+                                     state_bytes=tree.state_charges[1] if chunk.hybrid else 0)
         self._placement = Placement(config, self._tiers, self._admission, self._counters)
         self._hybrid = chunk.hybrid
         self._tier_prefix = policy.lookup == "tier-prefix"

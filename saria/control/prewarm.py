@@ -82,8 +82,9 @@ class GapPredictor:
 def prewarm_groups(nodes: Sequence[Node | None], room: int, *, tier_prefix: bool,
                    hybrid: bool) -> list[list[CacheObject]]:
     """The chunks (each its objects to prewarm) of the reusable prefix of ``nodes`` that a plan
-    would read from SSD, from the first, while they fit in ``room`` bytes. A hybrid prefix ends at
-    its deepest readable checkpoint, whose state object comes along when it too is SSD-only."""
+    would read from SSD, from the first, while their DRAM charges fit in ``room`` bytes. A hybrid
+    prefix ends at its deepest readable checkpoint, whose state object comes along when it too is
+    SSD-only."""
     prefix = find_prefix(nodes, tier_prefix=tier_prefix, hybrid=hybrid)
     groups: list[list[CacheObject]] = []
     need = 0
@@ -93,11 +94,11 @@ def prewarm_groups(nodes: Sequence[Node | None], room: int, *, tier_prefix: bool
         if source is not SSD or node.dram != ABSENT:  # a node is its kv object
             continue
         group = [node, state] if state is not None and i == last else [node]
-        size = sum([obj.nbytes for obj in group])
+        size = sum([obj.dram_charge for obj in group])
         if need + size > room:
             return groups
         groups.append(group)
         need += size
-    if state is not None and (not groups or groups[-1][-1] is not state) and need + state.nbytes <= room:
+    if state is not None and (not groups or groups[-1][-1] is not state) and need + state.dram_charge <= room:
         groups.append([state])  # the checkpoint alone: its chunk's kv object is in DRAM already
     return groups

@@ -36,7 +36,7 @@ def promotion_groups(nodes: Sequence[Node], sources: Sequence[Tier], target: int
     """The first ``target`` chunks of a used prefix (``nodes``, read from ``sources``) that came
     from SSD and have no DRAM copy, each as the objects to promote (with ``loaded_state``, the
     checkpoint the plan read from SSD, beside its chunk when it has no DRAM copy either), and
-    their bytes."""
+    what they take of DRAM (their charges)."""
     chosen: list[list[CacheObject]] = []
     need = 0
     for node, source in zip(nodes, sources):
@@ -46,8 +46,8 @@ def promotion_groups(nodes: Sequence[Node], sources: Sequence[Tier], target: int
             continue
         if loaded_state is not None and node.state is loaded_state and loaded_state.dram == ABSENT:
             chosen.append([node, loaded_state])
-            need += node.nbytes + loaded_state.nbytes
+            need += node.dram_charge + loaded_state.dram_charge
         else:
             chosen.append([node])
-            need += node.nbytes
+            need += node.dram_charge
     return chosen, need

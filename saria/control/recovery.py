@@ -25,8 +25,8 @@ class SsdRecovery:
 
     def __init__(self, tiers: Residency, tree: ContextTree, counters: Counters, *, kv_bytes: int,
                  state_bytes: int) -> None:
-        """``kv_bytes`` / ``state_bytes``: what a recovered object holds on SSD (a kv object's SSD
-        size under ``ssd_dtype``)."""
+        """``kv_bytes`` / ``state_bytes``: what a recovered object takes of the SSD tier (its
+        charge: whole parts of its SSD size under ``ssd_dtype``; 0: a kind the model has none of)."""
         self._tiers = tiers
         self._tree = tree
         self._counters = counters

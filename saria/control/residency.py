@@ -1,11 +1,13 @@
 """The two capacity-bounded tiers and every change to where an object's copies are.
 
-Each tier counts the bytes of its copies that are not ``ABSENT`` (DRAM an object's ``nbytes``, SSD its
-``ssd_nbytes``: a kv object's SSD size under ``ssd_dtype``) (filling, ready, draining or bad
-copies all hold a slot) against its capacity, and keeps its evictable copies (``READY``, unpinned)
-in LRU order. All copy state changes go through :class:`Residency`, which records the slots to
-drop and the copies to store, promote and write in a :class:`PendingChanges`; the control plane
-turns those into orders (``emission``).
+Each tier counts what its copies that are not ``ABSENT`` take (filling, ready, draining or bad
+copies all hold a slot) against its capacity: an object's ``dram_charge`` / ``ssd_charge``, its
+whole host slots / SSD parts (:mod:`saria.sizing`: the data plane allocates exactly the capacity's
+units, so whatever fits here fits there; a kv object's SSD charge is of its size under
+``ssd_dtype``; with no sizing a charge is the object's size), and keeps its evictable copies
+(``READY``, unpinned) in LRU order. All copy state changes go through :class:`Residency`, which
+records the slots to drop and the copies to store, promote and write in a
+:class:`PendingChanges`; the control plane turns those into orders (``emission``).
 
 Rules:
 * DRAM eviction increments E_b (of the kv object's chunk; a state object's own evidence only with
@@ -35,7 +37,8 @@ _ADMISSION_COUNTER = {"eviction": "admissions_eviction", "write-through": "admis
 
 
 class TierState:
-    """Capacity and use in bytes, and the LRU of evictable copies (least recently used first)."""
+    """Capacity and use in bytes (charges, see the module docstring), and the LRU of evictable copies
+    (least recently used first)."""
 
     __slots__ = ("tier", "capacity", "used", "lru")
 
@@ -81,7 +84,7 @@ class Residency:
                  counters: Counters) -> None:
         self.dram = TierState(DRAM, dram_bytes)
         self.ssd = TierState(SSD, ssd_bytes)
-        self.recovered: OrderedDict[ObjectKey, int] = OrderedDict()  # on SSD, not yet in the tree: bytes
+        self.recovered: OrderedDict[ObjectKey, int] = OrderedDict()  # on SSD, not yet in the tree: charges
         # kv objects whose DRAM copy a prewarm brought (or is bringing) and no committed plan has read
         # since: the mark goes on the first read (a prewarm hit) or when the copy goes (wasted if evicted).
         self.prewarmed: set[CacheObject] = set()
@@ -101,7 +104,7 @@ class Residency:
         evict = self.evict_dram
         reserved = []
         for obj in objs:
-            need = obj.nbytes
+            need = obj.dram_charge
             if need > capacity:
                 continue
             while capacity - dram.used < need and lru:
@@ -135,7 +138,7 @@ class Residency:
             obj.dram = DRAINING
             return
         # drop_dram, inlined: this is the common end of an eviction
-        self.dram.used -= obj.nbytes
+        self.dram.used -= obj.dram_charge
         obj.dram = ABSENT
         changes.dram_drops.append(obj)
         if ssd == ABSENT:
@@ -155,7 +158,7 @@ class Residency:
 
     def idle_candidates(self, idle_before: float, need: int) -> list[CacheObject]:
         """LRU-end copies whose chunk was last reused at or before ``idle_before`` and whose eviction
-        frees their slot at once, least recently used first, until ``need`` bytes are covered
+        frees their slot at once, least recently used first, until ``need`` bytes (charges) are covered
         (walk stops at the first copy reused later). Whether a copy frees its slot counts the
         evictions of the candidates before it that share its evidence, as evicting them in this
         order will."""
@@ -169,21 +172,21 @@ class Residency:
             added = earlier.get(id(evidence), 0)
             if self.frees_on_eviction(obj, added):
                 out.append(obj)
-                covered += obj.nbytes
+                covered += obj.dram_charge
                 if obj.eviction_step:
                     earlier[id(evidence)] = added + obj.eviction_step
         return out
 
     def promote(self, groups: list[list[CacheObject]], need: int, idle_before: float, changes: PendingChanges) -> None:
         """Reserve DRAM slots (``FILLING``) for lazy partial promotion: as many of ``groups`` (each a
-        chunk's objects, ``need`` bytes in all), from the first, as free DRAM plus the copies
+        chunk's objects, ``need`` bytes of charges in all), from the first, as free DRAM plus the copies
         :meth:`idle_candidates` offers can take; those candidates are evicted as far as needed."""
         dram = self.dram
         shortfall = need - dram.free
         candidates = self.idle_candidates(idle_before, shortfall) if shortfall > 0 else []
-        room = dram.free + sum([obj.nbytes for obj in candidates])
+        room = dram.free + sum([obj.dram_charge for obj in candidates])
         while need > room:  # take fewer chunks, from the end
-            need -= sum([obj.nbytes for obj in groups.pop()])
+            need -= sum([obj.dram_charge for obj in groups.pop()])
         if not groups:
             return
         counters = self._counters
@@ -195,7 +198,7 @@ class Residency:
             counters.promotion_evictions += 1
         for objs in groups:
             for obj in objs:
-                dram.used += obj.nbytes
+                dram.used += obj.dram_charge
                 obj.dram = FILLING
                 changes.promotions.append(obj)
                 counters.promotion_bytes += obj.nbytes
@@ -203,7 +206,7 @@ class Residency:
 
     def drop_dram(self, obj: CacheObject, changes: PendingChanges) -> None:
         self.prewarmed.discard(obj)
-        self.dram.used -= obj.nbytes
+        self.dram.used -= obj.dram_charge
         obj.dram = ABSENT
         changes.dram_drops.append(obj)
         if obj.ssd == ABSENT and obj.node.holds_nothing():
@@ -228,7 +231,7 @@ class Residency:
     def write(self, obj: CacheObject, source: Tier, reason: str, changes: PendingChanges) -> bool:
         """Reserve an SSD slot for ``obj`` (evicting SSD copies as needed) and order the write.
         The caller has decided admission. False (counted as skipped) if SSD has no room."""
-        if not self.reserve_ssd(obj.ssd_nbytes, changes):
+        if not self.reserve_ssd(obj.ssd_charge, changes):
             self._counters.writes_skipped += 1
             return False
         obj.ssd = FILLING
@@ -255,7 +258,7 @@ class Residency:
         return True
 
     def drop_ssd(self, obj: CacheObject, changes: PendingChanges) -> None:
-        self.ssd.used -= obj.ssd_nbytes
+        self.ssd.used -= obj.ssd_charge
         obj.ssd = ABSENT
         obj.ssd_unread = False
         changes.ssd_drops.append(obj)
@@ -270,7 +273,7 @@ class Residency:
         counters = self._counters
         for objs in groups:
             for obj in objs:
-                dram.used += obj.nbytes
+                dram.used += obj.dram_charge
                 obj.dram = FILLING
                 self.pin(obj, SSD)
                 changes.prewarms.append(obj)
@@ -289,10 +292,10 @@ class Residency:
     def adopt_recovered(self, obj: CacheObject) -> bool:
         """If ``obj`` (a copy-less object just given a node) was recovered on SSD, make that its
         ready SSD copy (its bytes are counted already). True if it was."""
-        nbytes = self.recovered.pop(ObjectKey(obj.node.key, obj.kind), None)
-        if nbytes is None:
+        charge = self.recovered.pop(ObjectKey(obj.node.key, obj.kind), None)
+        if charge is None:
             return False
-        self.ssd.used += obj.ssd_nbytes - nbytes
+        self.ssd.used += obj.ssd_charge - charge
         obj.ssd = READY
         self.ssd.lru[obj] = None
         self._counters.recovered_adopted += 1

@@ -38,8 +38,9 @@ class ChunkInfo:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Bytes held per tier (every non-absent copy; on SSD also the recovered objects no request has
-    reached yet) against capacity, and bookkeeping sizes."""
+    """Bytes held per tier (the charges of every non-absent copy, whole slots / parts under a
+    ``sizing``; on SSD also the recovered objects no request has reached yet) against capacity
+    (what the tier holds), and bookkeeping sizes."""
 
     dram_used: int
     dram_capacity: int

@@ -31,6 +31,7 @@ from typing import Hashable, Sequence
 from saria.config import ChunkSpec
 from saria.control.counters import Counters
 from saria.orders import KV, STATE, ControlPlaneError
+from saria.sizing import TierSizing
 
 # Where a copy of an object stands in one tier.
 ABSENT = 0    # no copy
@@ -62,7 +63,9 @@ class Evidence:
 
 class CacheObject:
     """One object of a chunk: its ``kind`` (``"kv"`` or ``"state"``), size (``nbytes``, as the cache
-    and DRAM hold it; ``ssd_nbytes`` on SSD, smaller for a kv object under ``ssd_dtype="fp8"``), the evidence admission
+    and DRAM hold it; ``ssd_nbytes`` on SSD, smaller for a kv object under ``ssd_dtype="fp8"``), what
+    a copy takes of each tier's capacity (``dram_charge``, ``ssd_charge``: its whole host slots and
+    SSD parts, :mod:`saria.sizing`; its sizes when none are given), the evidence admission
     reads (its node, or its own :class:`Evidence` with per-object metadata), and its copy in each
     tier. ``eviction_step``: what evicting it from DRAM adds to its evidence's E_b: 1 for a kv
     object; for a state object 1 only when it keeps its own evidence (a node counts the evictions
@@ -70,15 +73,17 @@ class CacheObject:
 
     A chunk's kv object is its :class:`Node` itself; a state object is a plain ``CacheObject``."""
 
-    __slots__ = ("node", "kind", "nbytes", "ssd_nbytes", "evidence", "eviction_step", "dram", "ssd", "dram_pins",
-                 "ssd_pins", "ssd_unread")
+    __slots__ = ("node", "kind", "nbytes", "ssd_nbytes", "dram_charge", "ssd_charge", "evidence", "eviction_step",
+                 "dram", "ssd", "dram_pins", "ssd_pins", "ssd_unread")
 
     def __init__(self, node: Node, kind: str, nbytes: int, evidence: Evidence | Node,
-                 ssd_nbytes: int | None = None) -> None:
+                 ssd_nbytes: int | None = None, dram_charge: int | None = None, ssd_charge: int | None = None) -> None:
         self.node = node
         self.kind = kind
         self.nbytes = nbytes
         self.ssd_nbytes = nbytes if ssd_nbytes is None else ssd_nbytes
+        self.dram_charge = nbytes if dram_charge is None else dram_charge
+        self.ssd_charge = self.ssd_nbytes if ssd_charge is None else ssd_charge
         self.evidence = evidence
         self.eviction_step = 1 if kind is KV or evidence is not node else 0
         self.dram = ABSENT
@@ -111,12 +116,15 @@ class Node(CacheObject):
                  "quiet_since", "session", "evicted_as")
 
     def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int,
-                 ssd_kv_bytes: int | None = None) -> None:
+                 ssd_kv_bytes: int | None = None, dram_charge: int | None = None,
+                 ssd_charge: int | None = None) -> None:
         # CacheObject.__init__ for the kv object, inlined: the hottest allocation of the control plane.
         self.node = self
         self.kind = KV
         self.nbytes = kv_bytes
-        self.ssd_nbytes = kv_bytes if ssd_kv_bytes is None else ssd_kv_bytes
+        self.ssd_nbytes = ssd_nbytes = kv_bytes if ssd_kv_bytes is None else ssd_kv_bytes
+        self.dram_charge = kv_bytes if dram_charge is None else dram_charge
+        self.ssd_charge = ssd_nbytes if ssd_charge is None else ssd_charge
         self.evidence = self
         self.eviction_step = 1
         self.dram = ABSENT
@@ -166,8 +174,9 @@ class ContextTree:
     """Chunk hash -> :class:`Node`, parent links, object creation and the metadata window."""
 
     def __init__(self, chunk: ChunkSpec, window_s: float, unified_metadata: bool, counters: Counters,
-                 ssd_kv_bytes: int | None = None) -> None:
-        """``ssd_kv_bytes``: a kv object's size on SSD (None: ``chunk.kv_bytes``, ``ssd_dtype="auto"``)."""
+                 ssd_kv_bytes: int | None = None, sizing: TierSizing | None = None) -> None:
+        """``ssd_kv_bytes``: a kv object's size on SSD (None: ``chunk.kv_bytes``, ``ssd_dtype="auto"``);
+        ``sizing``: how the tiers hold objects, for each object's charges (None: its sizes)."""
         self.nodes: dict[Hashable, Node] = {}
         # Awake nodes, least recently touched first, with stale entries (see the module docstring).
         self._queue: deque[Node] = deque()
@@ -175,6 +184,11 @@ class ContextTree:
         self._kv_bytes = chunk.kv_bytes
         self._ssd_kv_bytes = chunk.kv_bytes if ssd_kv_bytes is None else ssd_kv_bytes
         self._state_bytes = chunk.state_bytes
+        if sizing is None:
+            sizing = TierSizing.in_bytes(0, 0)  # unit = 1 byte: charges are sizes
+        dram, ssd = sizing.dram, sizing.ssd
+        self.kv_charges = (dram.charge(self._kv_bytes), ssd.charge(self._ssd_kv_bytes))
+        self.state_charges = (dram.charge(self._state_bytes), ssd.charge(self._state_bytes))
         self._checkpoint_chunks = chunk.checkpoint_chunks if chunk.hybrid else 0
         self._unified = unified_metadata
         self._counters = counters
@@ -241,12 +255,14 @@ class ContextTree:
         made: list[Node] = []
         append = made.append
         kv_bytes, ssd_kv_bytes, every = self._kv_bytes, self._ssd_kv_bytes, self._checkpoint_chunks
+        dram_charge, ssd_charge = self.kv_charges
         if parent is not None:
             parent.children += 1
         for key in keys:
-            node = Node(key, parent, now, kv_bytes, ssd_kv_bytes)
+            node = Node(key, parent, now, kv_bytes, ssd_kv_bytes, dram_charge, ssd_charge)
             if every and (node.depth + 1) % every == 0:
-                node.state = CacheObject(node, STATE, self._state_bytes, node if self._unified else Evidence(now))
+                node.state = CacheObject(node, STATE, self._state_bytes, node if self._unified else Evidence(now),
+                                         None, *self.state_charges)
             append(node)
             parent = node
         for node in made[:-1]:  # each new node's only child is the next one of the chain

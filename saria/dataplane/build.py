@@ -9,23 +9,12 @@ from typing import Sequence
 
 from saria.config import SariaConfig
 from saria.kernels import PageTable
+from saria.sizing import TierSizing, size_tiers
 
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.engine import TransferEngine
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.store import SSDStore
-
-MAX_SLOT_BYTES = 4 << 20  # host slot = SSD part: 4 MiB moves at full PCIe / NVMe speed
-PAGE = 4096
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def slot_bytes_for(object_sizes: Sequence[int]) -> int:
-    """One slot per object for objects up to 4 MiB (no waste), else 4 MiB slots."""
-    return min(MAX_SLOT_BYTES, _round_up(min(object_sizes), PAGE))
 
 
 def sized_config(config: SariaConfig, kv_table: PageTable, block_tokens: int,
@@ -46,12 +35,14 @@ def sized_config(config: SariaConfig, kv_table: PageTable, block_tokens: int,
 
 @dataclass
 class DataPlaneParts:
-    """The data plane's parts for one engine; ``close()`` closes them all."""
+    """The data plane's parts for one engine; ``close()`` closes them all. ``sizing``: the
+    layout the host pool and the SSD store were built to (give it to the control plane)."""
 
     engine: TransferEngine
     host_pool: HostPool
     ssd: SSDStore | None
     coordinator: Coordinator
+    sizing: TierSizing | None = None
 
     def close(self) -> None:
         self.engine.close()
@@ -65,15 +56,19 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
                     ssd_paths: Sequence[str] | None = None, coordinator_mode: str = "coordinated",
                     durable: bool = True, direct: bool | str = "auto", ssd_identity: str = "",
                     staging_bytes: int = 0) -> DataPlaneParts:
-    """A data plane whose host pool and SSD store hold what ``config``'s control plane may place
-    there. ``config`` must already carry the tables' object sizes (:func:`sized_config`).
+    """A data plane whose host pool and SSD store are laid out by :func:`saria.sizing.size_tiers`:
+    never more pinned memory than ``config.dram_bytes`` (+ ``staging_bytes``) and never more bytes
+    preallocated per drive than ``config.ssd_bytes / drives``; a tier that holds no object of some
+    kind is refused (``ValueError``). The control plane driving it must be built with the same
+    layout (``ControlPlane(config, sizing=parts.sizing)``): it charges each object its whole slots
+    and parts against what they hold, so whatever it admits fits. ``config`` must already carry the
+    tables' object sizes (:func:`sized_config`).
 
-    Objects round up to whole slots, so both tiers get room for as many objects as the control
-    plane's byte capacity admits. ``ssd_paths`` defaults to ``config.ssd_paths``; a policy that
-    uses SSD needs at least one. ``ssd_identity`` is what the SSD store's objects are written for
-    (see :class:`SSDStore`): drive files written for another identity are wiped at open.
-    ``staging_bytes``: host slots beyond the DRAM tier's, which the control plane never places
-    objects in (the cluster tier's reloads land there before they go to the GPU).
+    ``ssd_paths`` defaults to ``config.ssd_paths``; a policy that uses SSD needs at least one.
+    ``ssd_identity`` is what the SSD store's objects are written for (see :class:`SSDStore`): drive
+    files written for another identity are wiped at open. ``staging_bytes``: host memory beyond
+    the DRAM tier's, in whole slots (rounded down), which the control plane never places objects in
+    (the cluster tier's reloads land there before they go to the GPU).
     """
     chunk = config.chunk
     expected = sized_config(config, kv_table, block_tokens, state_table, state_pages).chunk
@@ -82,28 +77,16 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
         raise ValueError(f"config sizes objects at {chunk.kv_bytes_per_token} B/token of {chunk.kv_element_bytes}-byte "
                          f"elements and {chunk.state_bytes} B/state but the pages hold {expected.kv_bytes_per_token}, "
                          f"{expected.kv_element_bytes} and {expected.state_bytes}: build the config with sized_config()")
-    sizes = [chunk.kv_bytes] + ([chunk.state_bytes] if chunk.state_bytes else [])
-    slot = slot_bytes_for(sizes)
-    slots_per = [-(-s // slot) for s in sizes]
-    dram_slots = max(max(slots_per), -(-config.dram_bytes // slot) + config.dram_bytes // min(sizes) + 1)
-    # What the SSD holds: kv objects in their FP8 form under ssd_dtype="fp8", in parts sized for them
-    # (a part is then not a host slot: writes from DRAM quantize first anyway)
-    ssd_sizes = [config.ssd_kv_bytes] + sizes[1:]
-    part = slot if config.ssd_dtype == "auto" else slot_bytes_for(ssd_sizes)
-    parts_per = [-(-s // part) for s in ssd_sizes]
-    if staging_bytes < 0:
-        raise ValueError(f"staging_bytes must be >= 0, got {staging_bytes}")
-    host_pool = HostPool((dram_slots + -(-staging_bytes // slot)) * slot, slot)
     paths = list(config.ssd_paths if ssd_paths is None else ssd_paths)
+    sizing = size_tiers(config, drives=len(paths), staging_bytes=staging_bytes)
+    host_pool = HostPool(sizing.pinned_bytes, sizing.dram.unit_bytes)
     ssd = None
     try:
-        if config.ssd_bytes:
-            if not paths:
-                raise ValueError("the policy uses SSD but no ssd_paths were given (one directory per drive)")
-            parts = -(-config.ssd_bytes // part) + config.ssd_bytes // min(ssd_sizes) + 1
-            per_drive = -(-parts // len(paths)) + max(parts_per)
-            ssd = SSDStore(paths, PAGE + per_drive * (PAGE + part), part, durable=durable, direct=direct,
+        if sizing.ssd.units:
+            ssd = SSDStore(paths, sizing.ssd.file_bytes, sizing.ssd.unit_bytes, durable=durable, direct=direct,
                            identity=ssd_identity)
+            if ssd.total_parts != sizing.ssd.units:  # the store's own rule for its files' slots
+                raise RuntimeError(f"the SSD store holds {ssd.total_parts} parts, its layout says {sizing.ssd.units}")
         coordinator = Coordinator(config.bandwidth, mode=coordinator_mode)
         engine = TransferEngine(kv_table, host_pool=host_pool, coordinator=coordinator,
                                 pages_per_chunk=config.chunk.chunk_tokens // block_tokens, ssd=ssd,
@@ -113,4 +96,4 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
         if ssd is not None:
             ssd.close()
         raise
-    return DataPlaneParts(engine, host_pool, ssd, coordinator)
+    return DataPlaneParts(engine, host_pool, ssd, coordinator, sizing)

@@ -13,8 +13,11 @@ runs saria in-process (the demo, the ingress benchmark, tests, a custom engine) 
     cache.drain()                                           # before the pages are reused
 
 Completions flow back to the control plane on a thread of their own; the drops they cause run
-there too. Object sizes come from the page tables, not from the config: the config's
-``chunk.kv_bytes_per_token`` and ``chunk.state_bytes`` are replaced by what the tables hold.
+there too, before any later call's orders are issued (the slots they free may be what those
+orders were given). Object sizes come from the page tables, not from the config: the config's
+``chunk.kv_bytes_per_token`` and ``chunk.state_bytes`` are replaced by what the tables hold. The
+control plane is built with the data plane's layout (``saria.sizing``): it charges every object
+its whole host slots and SSD parts, against what the host pool and the drive files hold.
 """
 
 from __future__ import annotations
@@ -53,15 +56,22 @@ class TieredCache:
         self.config = config = sized_config(config, kv_table, block_tokens, state_table, state_pages)
         self.block_tokens = block_tokens
         self.clock = clock
-        self.control = ControlPlane(config)
         self.data = open_data_plane(config, kv_table, block_tokens=block_tokens, state_table=state_table,
                                     state_pages=state_pages, ssd_paths=ssd_paths,
                                     coordinator_mode=coordinator_mode, durable=durable, direct=direct)
+        try:
+            self.control = ControlPlane(config, sizing=self.data.sizing)
+        except BaseException:
+            self.data.close()
+            raise
         self.engine, self.host_pool, self.ssd = self.data.engine, self.data.host_pool, self.data.ssd
         self.coordinator = self.data.coordinator
         self._completions = ThreadPoolExecutor(1, thread_name_prefix="saria-complete")
         self._outstanding: set[Future] = set()
         self._lock = threading.Lock()
+        # held from a control-plane call that returns orders until they are issued: the drops a
+        # completion causes run before the orders of any later call, which may use their slots
+        self._issuing = threading.Lock()
         self.completion_errors: list[BaseException] = []
 
     # --- the request path ------------------------------------------------------------------------
@@ -79,13 +89,15 @@ class TieredCache:
         """The request's prefill is done: let the control plane account it and run what it orders
         (stores of new KV, writes, promotions, drops). ``kv_blocks`` maps every chunk hash of the
         request to its pages. Returns the orders; :meth:`drain` waits for them."""
-        orders = self.control.commit_prefill(chunk_hashes, self.clock(), plan=plan, failed=failed)
-        self._execute(orders, kv_blocks, state_blocks)
+        with self._issuing:
+            orders = self.control.commit_prefill(chunk_hashes, self.clock(), plan=plan, failed=failed)
+            self._execute(orders, kv_blocks, state_blocks)
         return orders
 
     def release(self, plan: ReloadPlan, failed: Sequence[Hashable | ObjectKey] = ()) -> None:
         """Unpin a plan that will not be committed (request aborted)."""
-        self._execute(self.control.release(plan, self.clock(), failed=failed), {}, None)
+        with self._issuing:
+            self._execute(self.control.release(plan, self.clock(), failed=failed), {}, None)
 
     def _execute(self, orders: Sequence[Order], kv_blocks, state_blocks) -> None:
         for run in self.engine.execute(orders, kv_blocks, state_blocks):
@@ -100,9 +112,10 @@ class TieredCache:
         """Hand a completion to the control plane; run the drops it causes."""
         try:
             completion: Completion = future.result()
-            follow_up = self.control.complete(completion.order_id, completion.ok, self.clock(),
-                                              failed=completion.failed)
-            self._execute(follow_up, {}, None)
+            with self._issuing:
+                follow_up = self.control.complete(completion.order_id, completion.ok, self.clock(),
+                                                  failed=completion.failed)
+                self._execute(follow_up, {}, None)
         except BaseException as exc:  # surfaced by drain(): a bug, not a data error
             self.completion_errors.append(exc)
         finally:

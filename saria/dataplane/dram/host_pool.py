@@ -145,8 +145,9 @@ class HostPool:
         if capacity_bytes > memory:
             raise ValueError(f"a host pool of {capacity_bytes / 2**30:,.1f} GiB does not fit in this machine's "
                              f"{memory / 2**30:,.1f} GiB of memory")
-        if capacity_bytes < slot_bytes:
-            raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one {slot_bytes}-byte slot")
+        if capacity_bytes < slot_bytes and capacity_bytes != 0:
+            raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one {slot_bytes}-byte slot "
+                             "(or be 0: an empty pool, for an engine without a DRAM tier)")
         if segment_bytes < slot_bytes:
             raise ValueError(f"segment_bytes ({segment_bytes}) must hold at least one slot ({slot_bytes})")
         if evict_attempts < 0:

@@ -8,7 +8,8 @@ Per request:
 2. ``update_state_after_alloc``: the load's target blocks are known; a ``LoadSpec`` goes into
    the next step's metadata.
 3. ``update_connector_output``: the worker reports the load (failed objects, if any) and order
-   completions; completions go to the control plane, whose follow-up drops go to the worker. A
+   completions; completions go to the control plane, whose follow-up drops go to the worker
+   (in the next metadata, before that step's commits, whose orders may take the slots they free). A
    failed DRAM reload means the control plane and the data plane disagree: it raises, and the
    guard rebuilds both.
 4. ``build_connector_meta``: in the step whose forward completes the request's prompt, commit it
@@ -43,6 +44,7 @@ from typing import Any, Callable
 from saria.control import ControlPlane, DropOrder, Order, Tier
 from saria.dataplane.cluster.index import ClusterIndex
 from saria.dataplane.ssd.keys import object_key
+from saria.sizing import size_tiers
 
 from .geometry import EngineGeometry
 from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata,
@@ -75,7 +77,9 @@ class SariaScheduler:
         self.config = settings.saria_config(block_size=block_size, kv_bytes_per_token=geometry.kv_bytes_per_token,
                                             state_bytes=geometry.state_bytes, shards=workers,
                                             kv_element_bytes=geometry.kv_element_bytes)
-        self.control = ControlPlane(self.config)
+        # each worker rank lays out its host pool and drive files by the same rule (open_data_plane,
+        # one drive file per ssd_paths entry): charged whole slots and parts, what it admits fits there
+        self.control = ControlPlane(self.config, sizing=size_tiers(self.config, drives=len(self.config.ssd_paths)))
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
         if cluster is not None and settings.cluster_staging_bytes < self.config.chunk.kv_bytes:
@@ -193,6 +197,12 @@ class SariaScheduler:
         if self._first:
             meta.orders.append(RequestOrders(None, tuple(self._first)))
             self._first = []
+        # the drops completions and releases caused, before this step's commits: the control plane
+        # freed their slots when it decided them and may have given them to a commit's orders
+        # (charged exactly, saria.sizing: a host pool or drive file has no slot to spare)
+        if self._follow_ups:
+            meta.orders.append(RequestOrders(None, tuple(self._follow_ups), share=self._shares(self._follow_ups)))
+            self._follow_ups = []
         for state in self._requests.values():
             if state.load is not None:
                 meta.loads.append(state.load)
@@ -202,9 +212,6 @@ class SariaScheduler:
         for req_id, state in self._requests.items():
             if self._ready_to_commit(state):
                 meta.orders.append(self._commit(req_id, state))
-        if self._follow_ups:
-            meta.orders.append(RequestOrders(None, tuple(self._follow_ups), share=self._shares(self._follow_ups)))
-            self._follow_ups = []
         if self.prewarm.enabled:
             warm = self.prewarm.due(self.clock())
             if warm:

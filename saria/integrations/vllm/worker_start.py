@@ -99,10 +99,11 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
         except BaseException:
             parts.close()
             raise
-    log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page, host pool %s, SSD %s",
+    # what the user asked for and what is taken: pinned host memory, preallocated drive files
+    log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page; %s%s",
              layout.rank, layout.shards, len(g.attention_layers), len(g.state_layers), table.bytes_per_page,
-             parts.host_pool, f"{parts.ssd.backend_name} on {len(parts.ssd.paths)} drive(s), {len(inventory)} "
-             "object(s) from a previous run" if parts.ssd else "off")
+             parts.sizing.describe(), f"; SSD store {parts.ssd.backend_name}, {len(inventory)} object(s) from a "
+             "previous run" if parts.ssd else "")
     return RankDataPlane(parts, kv_views, state_table, inventory, cluster)
 
 
