@@ -2,29 +2,78 @@
 ports (:class:`saria.dataplane.cluster.local.LocalCluster`: started, polled until truly up, stopped
 by process id), and helpers to fill and check objects.
 
-Mooncake is an optional extra: without it the tests skip, saying how to install it.
+Mooncake is an optional extra: without it the tests skip, with one line (SKIP_REASON) saying what is
+missing and the command that installs it.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
+import os
 
 import pytest
 import torch
 
+from saria.dataplane.cluster.connection import MooncakeMissing, import_store_class
 from saria.dataplane.cluster.local import LocalCluster, find_binary
 
-SKIP_REASON = ("Mooncake Store is not installed: pip install -e '.[cluster]' "
-               "(and apt-get install -y libibverbs1) to run the cluster tests")
+_INSTALL_EXTRA = "pip install -e '.[cluster]'"  # in this checkout (the README's `make test` does it)
+
+
+def _missing() -> str | None:
+    """Why the cluster tests cannot run here, in one line with the command that fixes it; ``None``
+    when Mooncake's client imports and its executables are found."""
+    try:
+        import_store_class()
+    except MooncakeMissing as exc:
+        if exc.kind == "libibverbs":
+            return ("libibverbs.so.1 is missing (Mooncake Store loads it even over TCP): apt-get install -y "
+                    "libibverbs1 to run the cluster tests")
+        if exc.kind == "package":
+            return f"the mooncake wheel is not installed: {_INSTALL_EXTRA} to run the cluster tests"
+        return f"Mooncake Store cannot be imported ({exc.error}): {_INSTALL_EXTRA} to run the cluster tests"
+    except Exception as exc:  # noqa: BLE001 - an import that fails otherwise: the tests cannot run either
+        return (f"Mooncake Store cannot be imported ({type(exc).__name__}: {exc}): {_INSTALL_EXTRA} to run the "
+                "cluster tests")
+    missing = [name for name in ("mooncake_master", "mooncake_client") if find_binary(name) is None]
+    if missing:
+        return (f"{' and '.join(missing)} not found in the mooncake package or on PATH: {_INSTALL_EXTRA} to run "
+                "the cluster tests")
+    return None
+
+
+MISSING = _missing()
+SKIP_REASON = MISSING or "Mooncake Store is installed"  # the skip's reason (unused when nothing is missing)
 
 
 def mooncake_available() -> bool:
-    try:
-        importlib.import_module("mooncake.store")
-    except Exception:  # noqa: BLE001 - missing wheel or missing libibverbs: both mean "not here"
-        return False
-    return find_binary("mooncake_master") is not None
+    return MISSING is None
+
+
+# What importing mooncake.store raised on a machine without libibverbs1 (Debian 12, the wheel
+# mooncake-transfer-engine-non-cuda 0.3.13.post1), and without the wheel.
+LIBIBVERBS_ERROR = "libibverbs.so.1: cannot open shared object file: No such file or directory"
+NO_MOONCAKE_ERROR = "No module named 'mooncake'"
+# What saria's commands say then (saria.dataplane.cluster.connection.mooncake_missing): reason, install.
+NO_LIBIBVERBS = ("Mooncake Store is not installed completely: libibverbs.so.1 (Debian/Ubuntu package libibverbs1) "
+                 "is missing", "apt-get install -y libibverbs1")
+NO_MOONCAKE = ("Mooncake Store is not installed", "pip install 'saria[cluster]'")
+
+
+def without_mooncake(tmp_path, which: str) -> dict[str, str]:
+    """The environment of a Python that fails to import Mooncake as a machine without the wheel
+    (``which`` "no-wheel") or with it and without libibverbs1 ("no-libibverbs") does, whatever this
+    one has: a stand-in ``mooncake`` package first on PYTHONPATH, raising what the real import
+    raised there (it reaches the child processes too)."""
+    package = tmp_path / "without-mooncake" / "mooncake"
+    package.mkdir(parents=True)
+    if which == "no-wheel":
+        (package / "__init__.py").write_text(f"raise ModuleNotFoundError({NO_MOONCAKE_ERROR!r}, name='mooncake')\n")
+    else:  # the package imports; its extension module cannot load the OS library
+        (package / "__init__.py").write_text("")
+        (package / "store.py").write_text(f"raise ImportError({LIBIBVERBS_ERROR!r}, name='store')\n")
+    path = os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path)
 
 
 def start_cluster(tmp_path_factory, node_bytes: int = 256 << 20) -> LocalCluster:

@@ -5,7 +5,9 @@ unreachable at once; a port that is no master is given up on at the check's dead
 
 from __future__ import annotations
 
+import importlib
 import json
+import pickle
 import re
 import socket
 import subprocess
@@ -17,15 +19,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster_cases import SKIP_REASON, mooncake_available, start_cluster
+from cluster_cases import (LIBIBVERBS_ERROR, NO_LIBIBVERBS, NO_MOONCAKE, NO_MOONCAKE_ERROR, SKIP_REASON,
+                           mooncake_available, start_cluster, without_mooncake)
 from saria.commands import doctor
 from saria.dataplane import SSDStore
+from saria.dataplane.cluster.connection import MooncakeMissing, mooncake_missing, store_class_missing
 from saria.dataplane.cluster.local import free_ports
 from saria.dataplane.cluster.probe import check_client, check_port
 from saria.dataplane.ssd.kvikio_status import choose_backend, kvikio_status
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
+
+
+def _import_error() -> ImportError | None:
+    """What importing Mooncake's client raises here (None: it imports), found without saria."""
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError as exc:
+        return exc
+    return None
+
+
+IMPORT_ERROR = _import_error()
 
 
 def test_doctor_and_the_store_agree(tmp_path):
@@ -57,6 +73,17 @@ def test_doctor_here_says_posix_and_why(tmp_path):
     assert line.split(None, 2)[2] == storage["description"]
     [line] = [row for row in text.splitlines() if row.startswith("kvikio")]
     assert kv["reason"] in line
+
+
+def test_doctor_says_how_tiers_are_sized_and_the_space_free_where_it_probes(tmp_path):
+    from saria.sizing import RULE
+
+    report = doctor.collect(ssd_path=str(tmp_path))
+    sizing = report["sizing"]
+    assert sizing["rule"] == RULE and sizing["path"] == str(tmp_path) and sizing["free_bytes"] > 0
+    [line] = [row for row in doctor.render(report).splitlines() if row.startswith("tier sizing")]
+    assert RULE in line and line.endswith(f"free in {tmp_path}")
+    assert doctor.collect(ssd_path=str(tmp_path / "missing"))["sizing"]["free_bytes"] is None
 
 
 def test_doctor_cli_json_and_text_carry_the_storage_decision(tmp_path):
@@ -115,8 +142,23 @@ def test_doctor_says_a_dead_master_is_unreachable_at_once():
     assert time.monotonic() - t0 < 5  # the whole doctor, no client tried
     assert not report["ok"] and not report["port"]["ok"] and not report["client"]["ok"]
     assert report["port"]["reason"].startswith("connection refused: nothing listens on that port")
-    assert report["client"]["reason"] == "not tried: the master's port does not accept connections"
-    assert re.search(r"^cluster +not usable \(see above\)$", doctor.render(full), re.MULTILINE)
+    text = doctor.render(full)
+    assert re.search(r"^cluster +not usable \(see above\)$", text, re.MULTILINE)
+    mc = report["mooncake"]
+    if IMPORT_ERROR is None:  # Mooncake imports here: the port is why no client was tried
+        assert mc["importable"] and mc["reason"] is mc["install"] is mc["error"] is None, mc
+        assert report["client"]["reason"] == "not tried: the master's port does not accept connections"
+        return
+    # Mooncake does not import here: the doctor names what is missing and the command that installs it
+    if "libibverbs.so.1" in str(IMPORT_ERROR):  # the wheel without the OS library
+        reason, install = NO_LIBIBVERBS
+    elif isinstance(IMPORT_ERROR, ModuleNotFoundError) and (IMPORT_ERROR.name or "").startswith("mooncake"):
+        reason, install = NO_MOONCAKE  # no wheel
+    else:
+        reason, install = f"Mooncake Store is not installed correctly ({IMPORT_ERROR})", NO_MOONCAKE[1]
+    assert not mc["importable"] and (mc["reason"], mc["install"], mc["error"]) == (reason, install, str(IMPORT_ERROR))
+    assert report["client"]["reason"] == "not tried: Mooncake is not importable"
+    assert re.search(rf"^mooncake +{re.escape(reason)}: {re.escape(install)}$", text, re.MULTILINE), text
 
 
 @pytest.mark.skipif(not mooncake_available(), reason=SKIP_REASON)
@@ -137,15 +179,64 @@ def test_a_port_that_is_no_master_is_given_up_on_in_time():
     assert not client["ok"] and client["reason"].startswith("no answer within 3 s"), client
 
 
-def test_doctor_without_mooncake_says_what_to_install():
-    code = ("import sys; sys.modules['mooncake'] = None; from saria.commands.cli import main; "
-            f"sys.exit(main(['doctor', '--json', '--cluster', '127.0.0.1:{free_ports(1)[0]}']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+@pytest.mark.parametrize("which, expected", [("no-wheel", NO_MOONCAKE), ("no-libibverbs", NO_LIBIBVERBS)])
+def test_doctor_without_mooncake_says_what_to_install(tmp_path, which, expected):
+    """As on a machine without the wheel, or with the wheel and without libibverbs1 (whatever this one
+    has): the JSON's reason, install and error, and the text's one line with both."""
+    reason, install = expected
+    env = without_mooncake(tmp_path, which)
+    run = [sys.executable, "-m", "saria.commands.cli", "doctor", "--cluster", f"127.0.0.1:{free_ports(1)[0]}"]
+    proc = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)["cluster"]
     assert not report["ok"] and not report["mooncake"]["importable"]
-    assert report["mooncake"]["install"] == "pip install 'saria[cluster]' and apt-get install -y libibverbs1"
+    assert (report["mooncake"]["reason"], report["mooncake"]["install"]) == expected, report["mooncake"]
+    assert report["mooncake"]["error"] == (NO_MOONCAKE_ERROR if which == "no-wheel" else LIBIBVERBS_ERROR)
     assert report["client"]["reason"] == "not tried: Mooncake is not importable"
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(rf"^mooncake +{re.escape(reason)}: {re.escape(install)}$", proc.stdout, re.MULTILINE), proc.stdout
+
+
+@pytest.mark.parametrize("error, kind, line", [
+    # the wheel installed, the OS library missing (what this import raised on Debian 12 without libibverbs1)
+    (ImportError(LIBIBVERBS_ERROR, name="store", path="/venv/lib/python3.11/site-packages/mooncake/store.so"),
+     "libibverbs", "Mooncake Store is not installed completely: libibverbs.so.1 (Debian/Ubuntu package libibverbs1) "
+                   "is missing: apt-get install -y libibverbs1"),
+    # no wheel
+    (ModuleNotFoundError(NO_MOONCAKE_ERROR, name="mooncake"), "package",
+     "Mooncake Store is not installed: pip install 'saria[cluster]'"),
+    (ModuleNotFoundError("No module named 'mooncake.store'; 'mooncake' is not a package", name="mooncake.store"),
+     "package", "Mooncake Store is not installed: pip install 'saria[cluster]'"),
+    # anything else: the error itself, and the extra
+    (ImportError("libcudart.so.12: cannot open shared object file: No such file or directory", name="store"), "other",
+     "Mooncake Store is not installed correctly (libcudart.so.12: cannot open shared object file: No such file or "
+     "directory): pip install 'saria[cluster]'"),
+    (ModuleNotFoundError("No module named 'numpy'", name="numpy"), "other",
+     "Mooncake Store is not installed correctly (No module named 'numpy'): pip install 'saria[cluster]'"),
+], ids=["libibverbs", "no-wheel", "no-store-module", "other-library", "a-dependency"])
+def test_a_failed_mooncake_import_names_what_is_missing_and_its_install(error, kind, line):
+    missing = mooncake_missing(error)
+    assert isinstance(missing, MooncakeMissing) and isinstance(missing, ImportError)
+    assert missing.kind == kind and str(missing) == line and f"{missing.reason}: {missing.install}" == line
+    assert missing.error == str(error)
+    assert str(pickle.loads(pickle.dumps(missing))) == line  # as a worker's error crosses processes
+
+
+@pytest.mark.parametrize("which", ["here", "no-wheel", "no-libibverbs"])
+def test_the_import_tried_in_a_child_process_says_the_same(tmp_path, monkeypatch, which):
+    """``store_class_missing`` (saria serve's check, in a child process) agrees with this process's
+    own import: here, and as on a machine without the wheel or without libibverbs1."""
+    if which == "here":
+        expected = None if IMPORT_ERROR is None else str(mooncake_missing(IMPORT_ERROR))
+    else:
+        monkeypatch.setenv("PYTHONPATH", without_mooncake(tmp_path, which)["PYTHONPATH"])
+        expected = ": ".join(NO_MOONCAKE if which == "no-wheel" else NO_LIBIBVERBS)
+    missing = store_class_missing()
+    assert (None if missing is None else str(missing)) == expected
+    if missing is not None:
+        assert missing.error == (str(IMPORT_ERROR) if which == "here" else
+                                 NO_MOONCAKE_ERROR if which == "no-wheel" else LIBIBVERBS_ERROR)
 
 
 @pytest.mark.parametrize("value, message", [("10.0.0.1", "must be HOST:PORT"), ("h:70000", "port must be from 1"),

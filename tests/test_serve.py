@@ -101,17 +101,19 @@ def not_a_master():
 
 
 def test_a_cluster_port_that_is_no_master_is_refused_before_vllm_starts(capsys, not_a_master):
-    from cluster_cases import mooncake_available
+    from cluster_cases import SKIP_REASON, mooncake_available
     if not mooncake_available():
-        pytest.skip("Mooncake Store is not installed")
+        pytest.skip(SKIP_REASON)
     rc, out, err = run_cli(capsys, "serve", "m", "--cluster", not_a_master, "--enforce-eager")
     assert rc == 2 and not out
     assert err.count("\n") == 1 and "no Mooncake master answered" in err, err
 
 
 def test_a_cluster_master_that_is_down_is_one_line_and_a_master_that_answers_none(capsys, tmp_path_factory):
-    from cluster_cases import start_cluster
+    from cluster_cases import SKIP_REASON, mooncake_available, start_cluster
     from saria.dataplane.cluster.local import free_ports
+    if not mooncake_available():  # the check refuses first (the test below)
+        pytest.skip(SKIP_REASON)
     serve.check_cluster(f"127.0.0.1:{free_ports(1)[0]}", "127.0.0.1")  # nothing listens there
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not reachable yet" in err and "stays off" in err
@@ -121,6 +123,21 @@ def test_a_cluster_master_that_is_down_is_one_line_and_a_master_that_answers_non
         assert capsys.readouterr().err == ""
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("which", ["no-wheel", "no-libibverbs"])
+def test_a_cluster_without_mooncake_is_refused_before_vllm_starts(tmp_path, which):
+    """As on a machine without the extra, or with it and without libibverbs1 (whatever this one has):
+    one line naming what is missing and its install, exit status 2, whether or not the master is up
+    (nothing listens here), and vLLM is never started."""
+    from cluster_cases import NO_LIBIBVERBS, NO_MOONCAKE, without_mooncake
+    from saria.dataplane.cluster.local import free_ports
+    missing = NO_MOONCAKE if which == "no-wheel" else NO_LIBIBVERBS
+    master = f"127.0.0.1:{free_ports(1)[0]}"
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "serve", "m", "--cluster", master],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=without_mooncake(tmp_path, which))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr == f"saria serve: error: --cluster {master}: {': '.join(missing)}\n", proc.stderr
 
 
 def test_no_connector_serves_plain_vllm(capsys):

@@ -160,19 +160,18 @@ def _logdir(text: str | None) -> Path | None:
 
 
 def _require_mooncake() -> None:
-    """ValueError saying what to install when Mooncake's client or its executables are missing."""
-    from saria.dataplane.cluster.connection import import_store_class
+    """ValueError saying what is missing and the command that installs it (the package, or the OS
+    library its binaries and client load) when Mooncake's client or its executables are missing."""
+    from saria.dataplane.cluster.connection import INSTALL_MOONCAKE, MooncakeMissing, import_store_class
     from saria.dataplane.cluster.local import find_binary
 
     try:
         import_store_class()
-    except ImportError as exc:
-        raise ValueError(f"Mooncake Store is not installed (pip install 'saria[cluster]', and apt-get install -y "
-                         f"libibverbs1): {exc.__cause__ or exc}") from None
+    except MooncakeMissing as exc:
+        raise ValueError(str(exc)) from None
     missing = [name for name in ("mooncake_master", "mooncake_client") if find_binary(name) is None]
     if missing:
-        raise ValueError(f"{' and '.join(missing)} not found in the mooncake package or on PATH (pip install "
-                         f"'saria[cluster]')")
+        raise ValueError(f"{' and '.join(missing)} not found in the mooncake package or on PATH ({INSTALL_MOONCAKE})")
 
 
 # --- the command -----------------------------------------------------------------------------------

@@ -103,24 +103,35 @@ def _ssd_report(path: str) -> dict[str, Any]:
             "reason": "O_DIRECT works" if direct else "filesystem refuses O_DIRECT: buffered I/O fallback"}
 
 
-CLUSTER_INSTALL = "pip install 'saria[cluster]' and apt-get install -y libibverbs1"
+def _sizing_report(path: str) -> dict[str, Any]:
+    """How saria sizes its tiers (:data:`saria.sizing.RULE`: the slot size is the model's, which the
+    doctor does not know) and the space free in ``path``, the most one drive file there can take."""
+    from saria.sizing import RULE
+
+    try:
+        st = os.statvfs(path)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    return {"rule": RULE, "path": path, "free_bytes": free}
 
 
 def _mooncake_report() -> dict[str, Any]:
     """Whether Mooncake Store's client is importable here, from which distribution, and where its
-    ``mooncake_master`` / ``mooncake_client`` executables are."""
-    from saria.dataplane.cluster.connection import import_store_class
+    ``mooncake_master`` / ``mooncake_client`` executables are; when it is not, what is missing
+    (``reason``), the command that installs it (``install``) and the import's own ``error``."""
+    from saria.dataplane.cluster.connection import MooncakeMissing, import_store_class
     from saria.dataplane.cluster.local import find_binary
 
     dists = importlib.metadata.packages_distributions().get("mooncake") or []
     report: dict[str, Any] = {"importable": True, "distribution": dists[0] if dists else None,
                               "version": _version(dists[0]) if dists else None, "reason": None,
-                              "install": None, "mooncake_master": find_binary("mooncake_master"),
+                              "install": None, "error": None, "mooncake_master": find_binary("mooncake_master"),
                               "mooncake_client": find_binary("mooncake_client")}
     try:
         import_store_class()
-    except ImportError as exc:
-        report.update(importable=False, reason=str(exc.__cause__ or exc), install=CLUSTER_INSTALL)
+    except MooncakeMissing as exc:
+        report.update(importable=False, reason=exc.reason, install=exc.install, error=exc.error)
     return report
 
 
@@ -170,6 +181,7 @@ def collect(ssd_path: str | None = None, cluster: str | None = None) -> dict[str
         "storage_backend": storage["backend"],  # "kvikio" or "posix"; how and why: "storage"
         "storage": storage,
         "ssd": _ssd_report(ssd_path),
+        "sizing": _sizing_report(ssd_path),
         "pinned_memory": {
             "pinning": "cudaHostRegister" if cuda else "none (no CUDA: host pool is pageable memory)",
             "memlock_soft": _limit(soft),
@@ -195,6 +207,7 @@ def render(report: dict[str, Any]) -> str:
     """The human-readable form of :func:`collect`."""
     t, k, nv, kv, pin = (report["torch"], report["kernel_backend"], report["nvml"], report["kvikio"],
                          report["pinned_memory"])
+    sizing = report["sizing"]
     gpus = ", ".join(f"{d['name']} ({_gib(d['memory_bytes'])}, sm_{d['capability'].replace('.', '')})"
                      for d in t["devices"]) or "none"
     kernel = k["backend"] + (" (Triton interpreter)" if k["interpreted"] else "")
@@ -221,6 +234,9 @@ def render(report: dict[str, Any]) -> str:
         ("kvikio", kvikio),
         ("storage backend", report["storage"]["description"]),
         ("ssd O_DIRECT", f"{report['ssd']['path']}: {report['ssd']['reason']}"),
+        ("tier sizing", f"{sizing['rule']}; " + (
+            f"{_bytes(sizing['free_bytes'])} free in {sizing['path']}" if sizing["free_bytes"] is not None
+            else f"{sizing['path']}: not usable")),
         ("pinned memory", f"{pin['pinning']}; memlock limit {memlock}; "
                           f"host memory {_gib(pin['mem_available_bytes'])} free of {_gib(pin['mem_total_bytes'])}"),
     ]
@@ -237,7 +253,7 @@ def _cluster_rows(cluster: dict[str, Any]) -> list[tuple[str, str]]:
         mooncake = (f"{mc['version'] or '?'} ({mc['distribution'] or 'distribution unknown'}): client importable; "
                     + (f"{' and '.join(binaries)} found" if binaries else "no mooncake_master / mooncake_client found"))
     else:
-        mooncake = f"not importable ({mc['reason']}): {mc['install']}"
+        mooncake = f"{mc['reason']}: {mc['install']}"  # e.g. Mooncake Store is not installed: pip install ...
     verdict = f"usable: saria serve --cluster {cluster['master']}" if cluster["ok"] else "not usable (see above)"
     return [("mooncake", mooncake), ("cluster master", f"{cluster['master']}: {port['reason']}"),
             ("cluster client", client["reason"]), ("cluster", verdict)]

@@ -282,10 +282,15 @@ def check_cluster(master: str, local_hostname: str) -> None:
     """Before vLLM starts: a master that is down only delays the tier (one line; it comes on when the
     master answers), but a port that accepts connections and is no Mooncake master would stall every
     process that sets up a client against it (Mooncake's setup holds the GIL for 30 s, again at
-    every retry) and a missing Mooncake would turn every worker's tier off: both are refused here,
-    in one line (``ValueError``: exit 2)."""
+    every retry) and a Mooncake that cannot be imported would turn saria off in every worker (its
+    data plane could not start): both are refused here, in one line (``ValueError``: exit 2); the
+    latter, whether or not the master is up, names what is missing and the command that installs it."""
+    from saria.dataplane.cluster.connection import store_class_missing
     from saria.dataplane.cluster.probe import check_client, check_port
 
+    missing = store_class_missing()  # in a child: the import starts threads a process vLLM forks would lack
+    if missing is not None:
+        raise ValueError(f"--cluster {master}: {missing}")
     port = check_port(master)
     if not port["ok"]:
         print(f"saria serve: the cluster master {master} is not reachable yet ({port['reason']}); the cluster "

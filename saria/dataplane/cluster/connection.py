@@ -21,9 +21,12 @@ object written before is a miss.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -39,14 +42,81 @@ _PROBE_KEY = "saria/probe"
 LOCAL_BUFFER_BYTES = 16 << 20
 
 
+LIBIBVERBS = "libibverbs.so.1"  # the OS library Mooncake's wheel loads, even over TCP
+INSTALL_LIBIBVERBS = "apt-get install -y libibverbs1"
+INSTALL_MOONCAKE = "pip install 'saria[cluster]'"
+
+
+class MooncakeMissing(ImportError):
+    """Mooncake Store cannot be imported here: ``str()`` is the one line saying what is missing and
+    the command that installs it (``reason: install``).
+
+    Attributes:
+        kind: ``"libibverbs"`` (the wheel is there, the OS library it loads is not), ``"package"``
+            (no ``mooncake`` package, or one without ``mooncake.store``) or ``"other"``.
+        reason: what is wrong, e.g. ``Mooncake Store is not installed``.
+        install: the command that installs what is missing.
+        error: the import's own error text.
+    """
+
+    def __init__(self, kind: str, reason: str, install: str, error: str):
+        super().__init__(kind, reason, install, error)  # all four: it pickles (a worker's error)
+        self.kind, self.reason, self.install, self.error = kind, reason, install, error
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.install}"
+
+
+def mooncake_missing(exc: ImportError) -> MooncakeMissing:
+    """What the failed import of ``mooncake.store`` (``exc``) says is missing, and how to install it:
+    the one place the cluster tier's commands and errors take this from."""
+    error = str(exc) or type(exc).__name__
+    if LIBIBVERBS in error:  # "libibverbs.so.1: cannot open shared object file: No such file or directory"
+        return MooncakeMissing("libibverbs", f"Mooncake Store is not installed completely: {LIBIBVERBS} "
+                               "(Debian/Ubuntu package libibverbs1) is missing", INSTALL_LIBIBVERBS, error)
+    name = (exc.name or "") if isinstance(exc, ModuleNotFoundError) else ""
+    if name == "mooncake" or name.startswith("mooncake."):  # "No module named 'mooncake'"
+        return MooncakeMissing("package", "Mooncake Store is not installed", INSTALL_MOONCAKE, error)
+    return MooncakeMissing("other", f"Mooncake Store is not installed correctly ({error})", INSTALL_MOONCAKE, error)
+
+
 def import_store_class() -> Any:
-    """Mooncake's ``MooncakeDistributedStore``; ``ImportError`` with what to install when missing."""
+    """Mooncake's ``MooncakeDistributedStore``; :class:`MooncakeMissing` (an ``ImportError``) saying
+    what is missing and how to install it when it cannot be imported."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
-        raise ImportError("the cluster tier needs Mooncake Store: pip install 'saria[cluster]' "
-                          f"(and apt-get install -y libibverbs1): {exc}") from exc
+        raise mooncake_missing(exc) from exc
     return MooncakeDistributedStore
+
+
+_IMPORT_CHECK = """import json
+try:
+    from mooncake.store import MooncakeDistributedStore
+except ImportError as exc:
+    print(json.dumps([type(exc).__name__, str(exc), exc.name]))
+"""
+
+
+def store_class_missing(timeout_s: float = 60.0) -> MooncakeMissing | None:
+    """What :func:`import_store_class` would raise here, found by importing ``mooncake.store`` in a
+    child process (this Python, this environment); ``None`` when it imports. For a process that
+    forks others after the check (``saria serve`` before vLLM starts its engine): the import starts
+    Mooncake's own threads, which a forked process would lack."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return mooncake_missing(ImportError(f"importing mooncake.store took over {timeout_s:g} s"))
+    lines = proc.stdout.strip().splitlines()
+    if lines and lines[-1].startswith("["):
+        kind, message, name = json.loads(lines[-1])
+        return mooncake_missing((ModuleNotFoundError if kind == "ModuleNotFoundError" else ImportError)(
+            message, name=name))
+    if proc.returncode != 0:  # not an ImportError: a crash, or another exception
+        last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [f"exit status {proc.returncode}"]
+        return mooncake_missing(ImportError(f"importing mooncake.store failed: {last[0][:300]}"))
+    return None
 
 
 class Connection:
