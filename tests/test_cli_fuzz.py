@@ -1249,6 +1249,7 @@ FOUND = [
     _found("tune-b-gpu-5e-324", [*TUNE, "--b-gpu", "5e-324"], ["--b-gpu"]),
     _found("replay-trace-name-too-long", ["replay", "TMP/" + "t" * 300, *FAST, "--policy", "saria"], ["t" * 300]),
     _found("replay-trace-400-digits", ["replay", "9" * 400, *FAST, "--policy", "saria"], ["9" * 400]),
+    _found("sweep-trace-name-with-a-newline", ["sweep", "\n0", *FAST, *TRACE_OPTS, "--theta-e", "1,2"], ["'\\n0'"]),
     _found("sweep-reference-empty", [*SWEEP, "--reference", ""], ["--reference"]),
     _found("synthspec-requests-per-session-inf", ["replay", f"{SPEC},requests_per_session=inf", *FAST, "--policy",
                                                    "saria"], ["requests_per_session"]),

@@ -106,6 +106,13 @@ def chunk_keys(request: Request, block_tokens: int, chunk_tokens: int) -> tuple[
     return request.blocks[per - 1:full * per:per]
 
 
+def _shown(path: str | Path) -> str:
+    """``path`` as an error message shows it: quoted where it holds a newline or another character
+    that would break the message's one line."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
 # ============================================================================================ loading
 def load_trace(path: str | Path, *, block_tokens: int | None = None, time_unit: str = "ms", fmt: str = "auto",
                skip_bad_lines: bool = False, check_units: bool = True) -> Trace:
@@ -120,9 +127,9 @@ def load_trace(path: str | Path, *, block_tokens: int | None = None, time_unit: 
                                      or block_tokens < 1):
         raise TraceError(f"block size must be a positive number of tokens, got {block_tokens!r}")
     if not path.exists():
-        raise TraceError(f"trace file not found: {path}")
+        raise TraceError(f"trace file not found: {_shown(path)}")
     if not path.is_file():
-        raise TraceError(f"not a trace file: {path}")
+        raise TraceError(f"not a trace file: {_shown(path)}")
     records, bad = _read_json_lines(path)
     if fmt == "auto":
         fmt = _detect_format(path, records, bad)
@@ -152,9 +159,9 @@ def _read_json_lines(path: Path) -> tuple[list[tuple[int, object]], list[tuple[i
                 except (ValueError, UnicodeDecodeError) as exc:
                     bad.append((line_no, f"not JSON ({_short_json_error(exc)})"))
     except OSError as exc:
-        raise TraceError(f"cannot read trace {path}: {exc}") from None
+        raise TraceError(f"cannot read trace {_shown(path)}: {exc}") from None
     if not records and not bad:
-        raise TraceError(f"empty trace: {path} has no requests")
+        raise TraceError(f"empty trace: {_shown(path)} has no requests")
     return records, bad
 
 
@@ -170,7 +177,7 @@ def _detect_format(path: Path, records: list[tuple[int, object]], bad: list[tupl
                 return "mooncake"
             if "input_tokens_total" in record or "round_index" in record:
                 return "tracelab"
-    where = f"{path}:{records[0][0]}" if records else f"{path}:{bad[0][0]}"
+    where = f"{_shown(path)}:{records[0][0]}" if records else f"{_shown(path)}:{bad[0][0]}"
     raise TraceError(f"{where}: not a Mooncake trace (no 'hash_ids') nor TraceLab rounds (no 'input_tokens_total'); "
                      f"pass --format to say which")
 
@@ -180,11 +187,11 @@ def _finish(path: Path, bad: list[tuple[int, str]], skip: bool) -> tuple[str, ..
     if not bad:
         return ()
     bad.sort()
-    lines = [f"{path}:{line}: {why}" for line, why in bad]
+    lines = [f"{_shown(path)}:{line}: {why}" for line, why in bad]
     if not skip:
         shown = "\n  ".join(lines[:MAX_REPORTED])
         more = f"\n  ... and {len(lines) - MAX_REPORTED} more" if len(lines) > MAX_REPORTED else ""
-        raise TraceError(f"{len(lines)} malformed line(s) in {path} (nothing was loaded; "
+        raise TraceError(f"{len(lines)} malformed line(s) in {_shown(path)} (nothing was loaded; "
                          f"--skip-bad-lines loads the others):\n  {shown}{more}")
     return tuple(lines)
 
@@ -259,7 +266,7 @@ def _mooncake(path: Path, records: list[tuple[int, object]], bad: list[tuple[int
         requests.append(Request(arrival, input_tokens, output_tokens, ids, session, line_no))
     skipped = _finish(path, bad, skip)
     if not requests:
-        raise TraceError(f"empty trace: {path} has no requests" + (" left after skipping bad lines" if skipped else ""))
+        raise TraceError(f"empty trace: {_shown(path)} has no requests" + (" left after skipping bad lines" if skipped else ""))
     requests.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
     return Trace(path.name, tuple(requests), block_tokens, "mooncake", skipped)
 
@@ -272,10 +279,10 @@ def _infer_block_tokens(path: Path, parsed: Sequence[tuple]) -> int:
         return fits[0]
     if not fits:
         line, _, n, _, ids, _ = parsed[0]
-        raise TraceError(f"{path}: cannot infer the block size: no size in {BLOCK_SIZES} gives every request "
+        raise TraceError(f"{_shown(path)}: cannot infer the block size: no size in {BLOCK_SIZES} gives every request "
                          f"ceil(input_length / size) hash_ids (line {line}: input_length {n}, {len(ids)} hash_ids); "
                          f"pass --block-tokens")
-    raise TraceError(f"{path}: the block size is ambiguous (any of {fits} tokens fits every request); "
+    raise TraceError(f"{_shown(path)}: the block size is ambiguous (any of {fits} tokens fits every request); "
                      f"pass --block-tokens")
 
 
@@ -333,7 +340,7 @@ def _tracelab(path: Path, records: list[tuple[int, object]], bad: list[tuple[int
         good.append(kept)
     skipped = _finish(path, bad, skip)
     if not any(good):
-        raise TraceError(f"empty trace: {path} has no rounds" + (" left after skipping bad lines" if skipped else ""))
+        raise TraceError(f"empty trace: {_shown(path)} has no rounds" + (" left after skipping bad lines" if skipped else ""))
     start = min(r[2] for items in good for r in items)
     requests: list[Request] = []
     next_id = 0
