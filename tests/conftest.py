@@ -4,8 +4,8 @@
   ``@triton.jit`` function is defined, i.e. before saria.kernels is imported by a test module.
 * Tests marked ``long`` (long hunts, soaks, engine scenarios beyond one of each kind) run only with
   ``SARIA_LONG_TESTS=1`` (``SARIA_LONG_TESTS=1 make test``); ``make test`` reports them skipped.
-* The dense engine tests share one small model and one reference run of plain vLLM
-  (``dense_session``), instead of building and running their own.
+* The dense engine tests share one small model and one reference engine of plain vLLM
+  (``dense_session``), instead of building and starting their own.
 """
 
 import os
@@ -36,13 +36,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def dense_session(tmp_path_factory):
     """The dense engine tests' model (a small Qwen3 with random weights), their 4-turn agent
-    session, and plain vLLM's reference for it: each turn computed in full and over vLLM's own
-    prefix cache holding the 4 chunks the saria runs reuse (``compare_outputs``)."""
-    from saria.harness import build_model, run_in_subprocess, synthetic_session
+    session, and the ``reference`` their outputs are held against: one engine of plain vLLM with
+    the reference connector (``saria.harness.reference_runs.ReferenceEngine``, started at the first
+    replay), which replays each saria run's history (``assert_same_outputs``)."""
+    from saria.harness import build_model, synthetic_session
+    from saria.harness.reference_runs import ReferenceEngine
 
     root = tmp_path_factory.mktemp("dense-session")
     model = str(build_model(root / "model", "dense"))
     prompts = synthetic_session(4, system_tokens=250, step_tokens=150, seed=1)
     spec = {"model": model, "prompts": prompts, "max_tokens": 6, "enforce_eager": True}  # eager: starts faster
-    reference = run_in_subprocess(dict(spec, prefix_caching=True, variants=[[0, 4 * DENSE_CHUNK]] * len(prompts)))
-    return {"model": model, "prompts": prompts, "spec": spec, "reference": reference}
+    with ReferenceEngine(spec) as reference:
+        yield {"model": model, "prompts": prompts, "spec": spec, "reference": reference}

@@ -50,8 +50,8 @@ def check_verdict(proc: subprocess.CompletedProcess, result: dict) -> None:
     assert result["kv_bytes_identical"] is True and result["outputs_ok"] is True and result["tokens_identical"]
     audit = result["audit"]
     assert audit["mismatched_pages"] == 0 and audit["checked_pages"] * 32 == result["hit_tokens"] > 0
-    assert result["max_logprob_diff"] <= result["max_logprob_diff_vllm_cache_vs_recompute"] or \
-        result["max_logprob_diff"] == 0
+    assert result["differing_turns"] == [] and result["max_logprob_diff"] == 0
+    assert all(rank["missing"] == rank["unmatched"] == rank["ambiguous"] == 0 for rank in result["reference"])
     assert "is bit-for-bit the page vLLM computed" in proc.stdout
     assert "verdict: PASS" in proc.stdout and result["verdict"] in proc.stdout
 

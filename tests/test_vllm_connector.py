@@ -9,25 +9,26 @@ from __future__ import annotations
 
 import pytest
 
-from saria.harness.compare import compare_outputs
 from saria.harness import build_model, run_in_subprocess, synthetic_session
+from saria.harness.compare import compare_outputs
+from saria.harness.reference_runs import ReferenceEngine, reference_job
 
 CHUNK = 64  # dense: two 32-token vLLM blocks per chunk
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 KV heads, head dim 64, bf16
 
 
-def reference_spec(spec: dict, reused: list[set[int]]) -> dict:
-    """Plain vLLM for ``spec``'s turns, each computed in full and over its own prefix cache holding
-    each count of ``reused`` (per turn: the prefix lengths runs with saria reuse)."""
-    return dict(spec, prefix_caching=True, variants=[[0] + sorted(c - {0}) for c in reused])
-
-
-def assert_same_outputs(reference: dict, run: dict, turns=None, first: int = 0) -> None:
-    """``run``'s turns (those in ``turns``) are the reference's turns ``first``, ``first + 1``, ...:
-    identical tokens, logprobs as close as vLLM's own prefix cache is to its full recomputation
-    on this CPU (bit-identical where vLLM's own paths agree; :mod:`saria.harness.compare`)."""
-    picked = [i for i in range(len(run["turns"])) if turns is None or i in turns]
-    check = compare_outputs([run["turns"][i] for i in picked], reference, [first + i for i in picked])
+def assert_same_outputs(reference: ReferenceEngine, prompts: list[list[int]], run: dict, *, turns=None,
+                        before: tuple[dict, ...] = ()) -> None:
+    """``run``'s turns (those in ``turns``) are bit for bit those of plain vLLM replaying its
+    history (``reference``: an engine with the reference connector, :mod:`saria.harness.compare`):
+    ``prompts`` are the history's, those of the runs ``before`` it on the same drives (a server
+    before its restart) first, then ``run``'s."""
+    history = (*before, run)
+    offset = sum(len(r["turns"]) for r in before)
+    picked = sorted(turns) if turns is not None else list(range(len(run["turns"])))
+    upto = offset + picked[-1] + 1
+    replayed = reference.replay(prompts[:upto], reference_job(*history, turns=upto))
+    check = compare_outputs([run["turns"][i] for i in picked], replayed, [offset + i for i in picked])
     assert check.ok, check.describe()
 
 
@@ -68,7 +69,7 @@ def test_second_turn_reloads_its_prefix_through_saria_with_identical_outputs(den
     turns = dense["saria"]["turns"]
     assert turns[0]["cached_tokens"] == 0
     assert turns[1]["cached_tokens"] == 4 * CHUNK == turns[1]["dram_tokens"]  # what DRAM could hold of turn 1
-    assert_same_outputs(dense["reference"], dense["saria"], turns={0, 1, 2})
+    assert_same_outputs(dense["reference"], dense["prompts"], dense["saria"])
     assert_kv_audited(dense["saria"])
 
 
@@ -87,7 +88,7 @@ def test_corrupt_ssd_objects_are_recomputed_never_served(dense):
     assert dense["saria"]["control"]["ssd_read_failures"] > 0
     assert dense["saria"]["worker"]["ssd"]["verification_failures"] > 0
     assert last["cached_tokens"] < dense["saria"]["turns"][2]["prompt_tokens"]
-    assert_same_outputs(dense["reference"], dense["saria"], turns={3})
+    assert_same_outputs(dense["reference"], dense["prompts"], dense["saria"], turns={3})
 
 
 def test_scheduler_and_worker_in_separate_processes(dense):
@@ -101,7 +102,7 @@ def test_scheduler_and_worker_in_separate_processes(dense):
     assert result["turns"][1]["cached_tokens"] == 4 * CHUNK
     # With a KV connector vLLM runs its worker in a multiprocess executor, which reserves a core
     # more for the connector: unpinned, on 2 cores this engine ran 2 threads and the reference 1.
-    assert_same_outputs(dense["reference"], result)
+    assert_same_outputs(dense["reference"], dense["prompts"], result)
 
 
 FAULTS = {
@@ -131,7 +132,7 @@ def faulty(dense):
 @pytest.mark.long
 def test_control_plane_fault_is_rebuilt_and_outputs_stay_identical(dense, faulty):
     run = faulty("control")
-    assert_same_outputs(dense["reference"], run)  # every turn, every token and logprob
+    assert_same_outputs(dense["reference"], dense["prompts"], run)  # every turn, every token and logprob
     scheduler, worker = run["faults"]["scheduler"], run["faults"]["worker"]
     assert scheduler == {"faults": 1, "by_where": {"build_connector_meta": 1}, "epoch": 1, "off": False}
     assert worker["epoch"] == 1 and worker["faults"] == 0 and not worker["off"]
@@ -146,7 +147,7 @@ def test_fault_after_vllm_waits_for_a_load_cancels_it_and_outputs_stay_identical
     scheduler half failed before the load reached the metadata. The worker reports the load finished
     and failed (a cancel), or vLLM would wait forever; vLLM recomputes the request."""
     run = faulty("promised_load")
-    assert_same_outputs(dense["reference"], run)
+    assert_same_outputs(dense["reference"], dense["prompts"], run)
     assert run["faults"]["scheduler"] == {"faults": 1, "by_where": {"update_state_after_alloc": 1}, "epoch": 1,
                                           "off": False}
     # Turn 2 recomputed everything (and stored it in the rebuilt control plane): turns 3 and 4 hit.
@@ -156,7 +157,7 @@ def test_fault_after_vllm_waits_for_a_load_cancels_it_and_outputs_stay_identical
 @pytest.mark.long
 def test_ssd_read_fault_fails_only_that_load_and_outputs_stay_identical(dense, faulty):
     run = faulty("ssd_read")
-    assert_same_outputs(dense["reference"], run)
+    assert_same_outputs(dense["reference"], dense["prompts"], run)
     worker = run["faults"]["worker"]
     assert worker["faults"] == 1 and worker["by_where"] == {"load": 1} and not worker["off"]
     assert run["faults"]["scheduler"]["faults"] == 0 and run["faults"]["scheduler"]["epoch"] == 0

@@ -53,18 +53,54 @@ def test_skipped_pages_are_vllms_own_and_not_checked():
     assert audit.counters()["checked_pages"] == 1
 
 
-def test_an_unknown_chunk_is_unverified_and_a_chunk_stored_again_is_checked_against_the_newest_bytes():
+def test_an_unknown_chunk_is_unverified_and_a_chunk_stored_again_adds_a_version():
     views = layers()
     audit = KVAudit(views)
     assert audit.check("never", [3, 4]) == 0
     assert audit.counters()["unverified_pages"] == 2
     audit.stored("c0", [1, 2])
-    for v in views:
-        v[1].add_(1.0)  # recomputed differently, then stored again
+    for v in views:  # version 1, kept elsewhere (as saria's SSD copy keeps it)
+        v[5].copy_(v[1])
+        v[6].copy_(v[2])
+        v[1].add_(1.0)  # recomputed in another step, rounding differently, then stored again
     audit.stored("c0", [1, 2])
-    assert audit.check("c0", [1, 2]) == 0
+    assert audit.check("c0", [1, 2]) == 0  # the newer version (a DRAM copy)
+    assert audit.check("c0", [5, 6]) == 0  # the older one (an SSD copy written before)
     audit.forget()
     assert audit.check("c0", [1, 2]) == 0 and audit.counters()["unverified_pages"] == 4
+
+
+def test_a_reload_must_be_one_version_whole(caplog):
+    """Pages of two versions of a chunk mixed in one reload are no version vLLM computed."""
+    views = layers()
+    audit = KVAudit(views)
+    audit.stored("c0", [1, 2])
+    for v in views:
+        v[5].copy_(v[1])  # version 1's first page
+        v[1].add_(1.0)
+        v[2].add_(1.0)
+        v[6].copy_(v[2])  # version 2's second page
+    audit.stored("c0", [1, 2])
+    with caplog.at_level(logging.ERROR, logger="saria.vllm"):
+        assert audit.check("c0", [5, 6]) == 1
+    assert audit.counters()["mismatched_pages"] == 1
+
+
+def test_the_audit_records_the_digests_of_what_each_reload_served_in_order():
+    """``served``: what a reference run picks the version saria served by (saria.harness.reference),
+    unverified reloads included (objects from before a restart)."""
+    views = layers()
+    audit = KVAudit(views)
+    audit.stored(b"\x01\x02", [1, 2])
+    first = [audit.page_digest(b).hex() for b in (1, 2)]
+    assert audit.check(b"\x01\x02", [1, 2]) == 0
+    for v in views:
+        v[1].add_(1.0)
+    audit.stored(b"\x01\x02", [1, 2])
+    second = [audit.page_digest(b).hex() for b in (1, 2)]
+    assert audit.check(b"\x01\x02", [1, 2], skip=1) == 0
+    assert audit.check("never", [3]) == 0
+    assert audit.served == {"0102": [first, [None, second[1]]], "'never'": [[audit.page_digest(3).hex()]]}
 
 
 @settings_(max_examples=60, deadline=None)
@@ -141,8 +177,9 @@ def store_and_reload(worker, corrupt: bool):
 
 def test_a_worker_audits_each_reload_against_the_blocks_its_store_read(tmp_path):
     worker = audited_worker(tmp_path)
-    assert store_and_reload(worker, corrupt=False) == {"stored_pages": 2, "checked_pages": 2,
-                                                       "mismatched_pages": 0, "unverified_pages": 0}
+    counters = store_and_reload(worker, corrupt=False)
+    assert counters.pop("served") == {"'h0'": [[worker.audit.page_digest(b).hex() for b in (5, 6)]]}
+    assert counters == {"stored_pages": 2, "checked_pages": 2, "mismatched_pages": 0, "unverified_pages": 0}
     worker.shutdown()
 
 

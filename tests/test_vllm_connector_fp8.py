@@ -33,7 +33,7 @@ def fp8(tmp_path_factory, dense_session):
 def test_turn_three_reloads_from_the_fp8_ssd_and_every_page_is_the_round_trip(fp8):
     turns = fp8["saria"]["turns"]
     assert turns[1]["dram_tokens"] == 4 * CHUNK  # DRAM reloads: exact, outputs identical
-    assert_same_outputs(fp8["reference"], fp8["saria"], turns={0, 1})
+    assert_same_outputs(fp8["reference"], fp8["prompts"], fp8["saria"], turns={0, 1})
     assert turns[2]["ssd_tokens"] == 4 * CHUNK
     assert_kv_audited(fp8["saria"])  # SSD chunks against their FP8 round trip, DRAM chunks exactly
 
@@ -57,4 +57,4 @@ def test_a_bf16_server_wipes_the_fp8_store_instead_of_reading_it(fp8):
     ssd = run["worker"]["ssd"]
     assert ssd["wiped_files"] == 1 and ssd["wiped_at_open"] > 0
     assert run["control"]["recovered"] == 0
-    assert_same_outputs(fp8["reference"], run, turns={0})
+    assert_same_outputs(fp8["reference"], fp8["prompts"], run)

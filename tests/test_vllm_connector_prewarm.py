@@ -104,7 +104,7 @@ def test_prewarm_off_tracks_nothing():
 def engine_runs(tmp_path_factory, dense_session):
     """The first 3 turns of the dense engine tests' session (``dense_session``: its model, prompts
     and plain vLLM's reference), with saria and an idle gap after each turn, without and with
-    prewarm: ``(reference, run)``, ``run(prewarm)`` starting its engine when a test first asks."""
+    prewarm: ``(dense_session, run)``, ``run(prewarm)`` starting its engine when a test first asks."""
     from saria.harness import run_in_subprocess
 
     root = tmp_path_factory.mktemp("prewarm")
@@ -123,11 +123,11 @@ def engine_runs(tmp_path_factory, dense_session):
             runs[prewarm] = run_in_subprocess(dict(spec, extra_config=config, gap_s=3.0))
         return runs[prewarm]
 
-    return dense_session["reference"], run
+    return dense_session, run
 
 
-def _same_outputs(reference, run):
-    assert_same_outputs(reference, run)
+def _same_outputs(dense_session, run):
+    assert_same_outputs(dense_session["reference"], dense_session["prompts"], run)
     assert_kv_audited(run)  # promoted objects too: each reloaded page is the page vLLM computed
 
 

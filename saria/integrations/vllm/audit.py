@@ -37,22 +37,31 @@ from saria.ssd_dtype import FP8_GROUP, FP8_MAX
 log = logging.getLogger("saria.vllm")
 
 DIGEST_BYTES = 16
+MAX_SERVED = 1 << 16  # reloads whose digests ``served`` keeps (an audited test or demo needs far fewer)
 
 
 class KVAudit:
     """Page digests of stored chunks, checked against the pages their reloads wrote.
 
     ``views``: every attention layer's paged tensors (dim 0 indexes vLLM blocks), as the page
-    table sees them. A chunk stored again (recomputed after its objects were dropped) replaces its
-    digests: a reload reads the newest copy."""
+    table sees them. A chunk stored again (recomputed: after its DRAM copy was dropped, or because
+    an earlier chunk of its prompt was missing) adds a version: vLLM computed it in another step,
+    whose split may round its last bits differently (``docs/numerics.md``), and saria may serve
+    either (a DRAM copy newer than its SSD copy). A reload must be one version, whole.
+
+    ``served``: per chunk (hex), the page digests of each reload in the order they landed (at most
+    :data:`MAX_SERVED` reloads are kept): what a reference run with the same history needs to pick
+    the version saria served (:mod:`saria.harness.reference`)."""
 
     def __init__(self, views: Sequence[torch.Tensor], *, ssd_fp8: bool = False):
         if not views:
             raise ValueError("KVAudit needs at least one paged tensor")
         self.views = list(views)
         self.ssd_fp8 = ssd_fp8
-        # per chunk: the pages' digests, and under ssd_fp8 their FP8 round trips' digests
-        self._stored: dict[Hashable, tuple[tuple[bytes, ...], tuple[bytes, ...] | None]] = {}
+        # per chunk, per version vLLM computed: the pages' digests, and under ssd_fp8 their FP8 round trips'
+        self._stored: dict[Hashable, list[tuple[tuple[bytes, ...], tuple[bytes, ...] | None]]] = {}
+        self.served: dict[str, list[list[str]]] = {}
+        self._served_count = 0
         self.stored_pages = 0
         self.checked_pages = 0
         self.mismatched_pages = 0
@@ -74,7 +83,10 @@ class KVAudit:
         """A store or write is about to read ``chunk`` from ``blocks``: what they hold now is what
         vLLM computed."""
         rounded = tuple(self.page_digest(b, fp8=True) for b in blocks) if self.ssd_fp8 else None
-        self._stored[chunk] = (tuple(self.page_digest(b) for b in blocks), rounded)
+        version = (tuple(self.page_digest(b) for b in blocks), rounded)
+        versions = self._stored.setdefault(chunk, [])
+        if version not in versions:
+            versions.append(version)
         self.stored_pages += len(blocks)
 
     def check(self, chunk: Hashable, blocks: Sequence[int], skip: int = 0, *, from_ssd: bool = False) -> int:
@@ -82,12 +94,14 @@ class KVAudit:
         and were left alone); returns how many of those pages differ from what was stored (its
         FP8 round trip when it came ``from_ssd`` under ``ssd_fp8``)."""
         written = range(skip, len(blocks))
-        exact, rounded = self._stored.get(chunk, (None, None))
-        expected = rounded if from_ssd and self.ssd_fp8 else exact
-        if expected is None or len(expected) != len(blocks):
+        candidates = [rounded if from_ssd and self.ssd_fp8 else exact for exact, rounded in self._stored.get(chunk, ())]
+        candidates = [c for c in candidates if c is not None and len(c) == len(blocks)]
+        got = [self.page_digest(blocks[i]) if i in written else None for i in range(len(blocks))]
+        self._record_served(chunk, got)
+        if not candidates:
             self.unverified_pages += len(written)
             return 0
-        bad = [i for i in written if self.page_digest(blocks[i]) != expected[i]]
+        bad = min(([i for i in written if got[i] != expected[i]] for expected in candidates), key=len)
         self.checked_pages += len(written)
         self.mismatched_pages += len(bad)
         if bad and chunk not in self._reported:
@@ -95,6 +109,13 @@ class KVAudit:
             log.error("saria audit: reloaded chunk %s differs from the KV vLLM computed in page(s) %s of %d",
                       _short(chunk), bad, len(blocks))
         return len(bad)
+
+    def _record_served(self, chunk: Hashable, digests: list[bytes | None]) -> None:
+        if self._served_count >= MAX_SERVED:
+            return
+        self._served_count += 1
+        key = chunk.hex() if isinstance(chunk, bytes) else repr(chunk)
+        self.served.setdefault(key, []).append([d.hex() if d is not None else None for d in digests])
 
     def forget(self) -> None:
         """Every object is gone (a new epoch): nothing stored before can be reloaded."""

@@ -449,7 +449,7 @@ class SariaWorker:
         out["connector"] = dict(self.faults.snapshot(), epoch=self.epoch, off=self.off, held=len(self._held),
                                 preemption_waits=self.preemption_waits)
         if self.audit is not None:
-            out["audit"] = self.audit.counters()
+            out["audit"] = dict(self.audit.counters(), served=self.audit.served)
         return out
 
     def stats_delta(self) -> dict[str, int | float]:
