@@ -62,11 +62,19 @@ def test_a_job_joins_the_runs_of_one_history_and_their_picks_per_rank_in_order()
          "ranks": [{"audit": {"served": {"c1": [["d1", "d2"]]}}}, {"audit": {"served": {"c1": [["e1", "e2"]]}}}]}
     b = {"turns": [turn([], [], 128)],
          "ranks": [{"audit": {"served": {"c1": [["d3", "d4"]], "c2": [["d5"]]}}}, {"audit": {"served": {}}}]}
-    job = reference_job(a, b, baseline=True)
-    assert job == {"loads": [0, 128, 128], "baseline": True,
+    job = reference_job(a, dict(b, block_size=32), baseline=True)
+    assert job == {"loads": [0, 128, 128], "baseline": True, "block_size": 32,
                    "picks": [{"c1": [["d1", "d2"], ["d3", "d4"]], "c2": [["d5"]]}, {"c1": [["e1", "e2"]]}]}
     assert reference_job(a, b, turns=2)["loads"] == [0, 128]
     assert reference_job({"turns": [turn([], [], 0)], "worker": {}})["picks"] is None  # no audit, no picks
+
+
+def test_runs_of_one_history_and_the_engine_replaying_them_page_alike():
+    with pytest.raises(ValueError, match="one block size"):
+        reference_job({"turns": [], "block_size": 32}, {"turns": [], "block_size": 128})
+    with pytest.raises(ValueError, match="paged its KV by 32 tokens, the reference engine by 128"):
+        check_job({"loads": [0], "block_size": 32}, [[1] * 40], block_size=128)
+    check_job({"loads": [0], "block_size": 32}, [[1] * 40], block_size=32)
 
 
 @pytest.mark.parametrize("loads, error", [

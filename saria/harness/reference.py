@@ -39,6 +39,7 @@ that the history never computed: vLLM recomputes it). A faithful reference has t
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
+log = logging.getLogger("saria.reference")
 DIGEST_BYTES = 16  # the page digest of saria's audit: blake2b, 16 bytes, over every attention layer
 
 
@@ -201,7 +203,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         for load in meta.loads:
             versions = self._versions.get((load.history, load.block_hash))
             if not versions:
-                self.counters["missing"] += 1
+                self._count("missing", load)
                 self._errors.add(load.block_id)
                 continue
             pick = load.picks[rank] if rank < len(load.picks) else None
@@ -211,12 +213,17 @@ class ReferenceConnector(KVConnectorBase_V1):
                 if named:
                     chosen = named[0]
                 else:
-                    self.counters["unmatched"] += 1
+                    self._count("unmatched", load)
             elif len(versions) > 1:
-                self.counters["ambiguous"] += 1
+                self._count("ambiguous", load)
             for layer, page in zip(self._layers, chosen[1]):
                 layer[load.block_id].copy_(page)
             self.counters["loaded_pages"] += 1
+
+    def _count(self, what: str, load: BlockLoad) -> None:
+        """A load the reference could not replay faithfully: counted, and said (a server's log)."""
+        self.counters[what] += 1
+        log.warning("saria reference: %s page load of block %d (history %s)", what, load.block_id, load.history)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -26,6 +26,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+# run_session's defaults: a saria run and its replay must run the same engine (a block size of
+# vLLM's own choosing, 128 here, would tile and page the same prompts otherwise)
+ENGINE_DEFAULTS = {"block_size": 32, "max_model_len": 8192}
 CONNECTOR = {"kv_connector": "ReferenceConnector", "kv_connector_module_path": "saria.harness.reference",
              "kv_role": "kv_both"}
 DONE = "saria-reference: job done"
@@ -39,6 +42,9 @@ def reference_job(*runs: Mapping[str, Any], baseline: bool = False, turns: int |
     ``audit_kv``). ``turns``: replay only that many prompts (from the first run's first)."""
     loads: list[int] = []
     picks: list[dict[str, list]] = []
+    sizes = {run.get("block_size") for run in runs} - {0, None}
+    if len(sizes) > 1:
+        raise ValueError(f"runs of one history page by one block size, not {sorted(sizes)}")
     for run in runs:
         loads += [t["cached_tokens"] for t in run["turns"]]
         snapshots = run.get("ranks") or [run.get("worker") or {}]
@@ -47,11 +53,17 @@ def reference_job(*runs: Mapping[str, Any], baseline: bool = False, turns: int |
                 picks.append({})
             for chunk, served in (snapshot.get("audit", {}).get("served") or {}).items():
                 picks[rank].setdefault(chunk, []).extend(served)
-    return {"loads": loads[:turns], "picks": picks if any(picks) else None, "baseline": baseline}
+    job = {"loads": loads[:turns], "picks": picks if any(picks) else None, "baseline": baseline}
+    if sizes:
+        job["block_size"] = sizes.pop()
+    return job
 
 
 def check_job(job: Mapping[str, Any], prompts: Sequence[Sequence[int]], block_size: int) -> None:
-    """ValueError unless ``job`` can replay ``prompts``."""
+    """ValueError unless ``job`` can replay ``prompts`` on an engine with ``block_size``-token blocks."""
+    if job.get("block_size") not in (None, block_size):
+        raise ValueError(f"the run paged its KV by {job['block_size']} tokens, the reference engine by {block_size}: "
+                         "a replay must run the same engine")
     loads = job.get("loads")
     if not isinstance(loads, list) or len(loads) != len(prompts):
         raise ValueError(f"a reference job needs one load per prompt: {len(prompts)} prompts, loads {loads!r}")
@@ -79,6 +91,7 @@ def replay(llm: Any, prompts: Sequence[Sequence[int]], job: Mapping[str, Any], *
     if sum(batches) != len(prompts) or min(batches, default=1) < 1:
         raise ValueError(f"batches {batches} must be positive and add up to the {len(prompts)} prompts")
     history = f"h{os.getpid()}-{next(_histories)}"
+    before = _counters(llm, reference_snapshot)  # an engine replays job after job: report this job's
 
     def params(load: int, save: bool) -> Any:
         kv = {"load_tokens": load, "save": save, "history": history}
@@ -106,7 +119,8 @@ def replay(llm: Any, prompts: Sequence[Sequence[int]], job: Mapping[str, Any], *
             out["turns"].append(asdict(turn_result(res, len(prompts[i]), wall)))
             if progress:
                 print(f"  reference turn {i + 1}/{len(prompts)}: {job['loads'][i]} tokens loaded", flush=True)
-    out["reference"] = _counters(llm, reference_snapshot)
+    out["reference"] = [{name: value if name == "versions_max" else value - was.get(name, 0)
+                         for name, value in now.items()} for was, now in zip(before, _counters(llm, reference_snapshot))]
     return out
 
 
@@ -146,7 +160,9 @@ class ReferenceEngine:
             self._tmp = tempfile.TemporaryDirectory(prefix="saria-reference-")
             tmp = Path(self._tmp.name)
             ranks = self.spec.get("tensor_parallel_size", 1) * self.spec.get("pipeline_parallel_size", 1)
-            engine = {k: self.spec[k] for k in self.ENGINE_KEYS if k in self.spec}
+            engine = dict(ENGINE_DEFAULTS, **{k: self.spec[k] for k in self.ENGINE_KEYS if k in self.spec})
+            if engine["block_size"] is None:  # vLLM's choice
+                del engine["block_size"]
             (tmp / "engine.json").write_text(json.dumps(engine))
             self._log = open(tmp / "log", "w")
             self._proc = subprocess.Popen([sys.executable, "-m", "saria.harness.reference_runs",
