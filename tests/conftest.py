@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 LONG = os.environ.get("SARIA_LONG_TESTS", "") not in ("", "0")
+
+# pytest-xdist workers (make test runs two): each binds the engines it starts to cores of its own
+# (saria.harness.run.engine_env), so two engines never share one core while the other idles.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and "SARIA_ENGINE_FIRST_CORE" not in os.environ:
+    os.environ["SARIA_ENGINE_FIRST_CORE"] = str(int(_WORKER[2:]) % (os.cpu_count() or 1))
 DENSE_CHUNK = 64  # the dense engine tests' chunk: two 32-token vLLM blocks
 
 
@@ -31,6 +37,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_vllm_cache(tmp_path_factory):
+    """One vLLM cache for every engine the tests start (``saria.harness.run.engine_env``): each
+    start without one inspects the model in a child process again (about 10 s here). It lives in
+    the session's temporary directory: nothing is kept between runs."""
+    from saria.harness.run import CACHE_VARIABLE
+
+    previous = os.environ.get(CACHE_VARIABLE)
+    os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("vllm-cache"))
+    yield
+    if previous is None:
+        os.environ.pop(CACHE_VARIABLE, None)
+    else:
+        os.environ[CACHE_VARIABLE] = previous
 
 
 @pytest.fixture(scope="session")

@@ -247,9 +247,15 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     return result
 
 
+CACHE_VARIABLE = "SARIA_VLLM_CACHE"  # a directory engines share for vLLM's cache (VLLM_CACHE_ROOT)
+
+
 def engine_env(ranks: int, tmp: Path, *, multiprocessing: bool = False) -> dict[str, str]:
     """The environment of a process that runs an engine of the harness (``tmp``: a directory that
-    lives as long as it, for vLLM's compile cache)."""
+    lives as long as it). vLLM's cache (``VLLM_CACHE_ROOT``: what it learns of a model's classes in a
+    child process at every start without it, about 10 s here, and compiled graphs) goes to
+    ``$SARIA_VLLM_CACHE`` when set (engines of one test session or one demo share it; whoever sets
+    it removes it), else into ``tmp``: nothing is left behind."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing or ranks > 1 else "0",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), PYTHONUNBUFFERED="1")
     # Numerics pinned: vLLM's CPU attention splits a step's work by the number of OpenMP threads,
@@ -257,16 +263,19 @@ def engine_env(ranks: int, tmp: Path, *, multiprocessing: bool = False) -> dict[
     # or any engine with a KV connector in its own process) reserves one core more when a KV
     # connector is set: on 2 cores, 2 threads with saria against 1 without. Every run gets the same
     # threads per rank, on the same cores: OMP_NUM_THREADS for an engine in this process, the bind
-    # list for executor workers (docs/numerics.md). SARIA_ENGINE_THREADS (default 1) sets how many.
+    # list for executor workers (docs/numerics.md). SARIA_ENGINE_THREADS (default 1) sets how many,
+    # SARIA_ENGINE_FIRST_CORE (default 0) where the cores bound begin (which cores does not change the
+    # bits; two test processes running engines side by side take different ones).
     threads = int(os.environ.get("SARIA_ENGINE_THREADS", "1"))
+    first = int(os.environ.get("SARIA_ENGINE_FIRST_CORE", "0"))
     cpus = os.cpu_count() or 1
     env["OMP_NUM_THREADS"] = str(threads)
     env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        ",".join(str((r * threads + t) % cpus) for t in range(threads)) for r in range(ranks))
+        ",".join(str((first + r * threads + t) % cpus) for t in range(threads)) for r in range(ranks))
     if ranks > 1:  # collective_rpc(rank_snapshot) pickles a function
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env.pop("TRITON_INTERPRET", None)  # the worker runs the fast torch kernels on CPU
-    env["VLLM_CACHE_ROOT"] = str(tmp / "vllm-cache")  # vLLM's compile cache: nothing left behind
+    env["VLLM_CACHE_ROOT"] = os.environ.get(CACHE_VARIABLE) or str(tmp / "vllm-cache")
     return env
 
 
