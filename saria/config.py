@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from saria.config_checks import ADMISSION_RULES, admission_rules
+from saria.config_checks import ADMISSION_RULES, admission_rules, learned_join
 from saria.config_checks import check_bool as _check_bool
 from saria.config_checks import check_float as _check_float
 from saria.config_checks import check_int as _check_int
@@ -36,7 +36,7 @@ from saria.models import DTYPE_BYTES, ModelSpec, get_model
 from saria.ssd_dtype import check_ssd_dtype, ssd_kv_bytes
 
 __all__ = ["ADMISSION_RULES", "Bandwidths", "COORDINATION_SATURATION", "Capacity", "ChunkSpec", "LOOKUP_MODES",
-           "POLICY_PRESETS", "Policy", "SariaConfig", "WriteBudget", "admission_rules"]
+           "POLICY_PRESETS", "Policy", "SariaConfig", "WriteBudget", "admission_rules", "learned_join"]
 
 # Qwen3-8B (saria.models): 36 full-attention layers x K and V x 8 KV heads x head dim 128 x bf16.
 QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 2 * 8 * 128 * 2
@@ -188,7 +188,14 @@ class Policy:
       ``session`` (persist at the first eviction a chunk whose session is predicted to come back,
       with probability at least ``session_p``), ``prefix`` (never write a chunk whose parent has
       no copy left: it could not be reloaded) and ``cost`` (never write a chunk whose reload would
-      not beat recomputing it at ``prefill_tps``); ``oracle`` alone knows the future (replay only).
+      not beat recomputing it at ``prefill_tps``); ``learned`` (a gradient-boosted tree model of
+      the oracle's labels, :mod:`saria.control.learned`) is joined to ``eq1`` by ``&`` (both admit)
+      or ``|`` (either admits): ``eq1&learned+deferred``; ``oracle`` alone knows the future (replay only).
+    * ``learned_tau``: the ``learned`` rule admits a chunk at an eviction when the model's
+      probability that a later request reuses it within the SSD's retention is at least this;
+      ``learned_model``: the model file (None: the one shipped in :mod:`saria.control`);
+      ``learned_retrain_s``: retrain the model online every that many seconds on the labels the
+      traffic has settled since (None: never; needs the ``learn`` extra, LightGBM).
     * ``session_p``: the continuation probability the ``session`` rule needs.
     * ``prefill_tps``: the model's prefill throughput (tokens/s) the ``cost`` rule compares a
       reload with; ``reload_overhead_s`` the fixed cost of one reload (a plan's setup and first
@@ -218,6 +225,9 @@ class Policy:
     session_p: float = 0.5
     prefill_tps: float | None = None
     reload_overhead_s: float = 0.002
+    learned_tau: float = 0.5
+    learned_model: str | None = None
+    learned_retrain_s: float | None = None
     prewarm: bool = False
     prewarm_lead_s: float = 5.0
     prewarm_dram_fraction: float = 0.25
@@ -249,6 +259,14 @@ class Policy:
         if self.prefill_tps is not None:
             _check_float("Policy", "prefill_tps", self.prefill_tps, 0.0, strict=True)
         _check_float("Policy", "reload_overhead_s", self.reload_overhead_s, 0.0)
+        _check_float("Policy", "learned_tau", self.learned_tau, 0.0, strict=True)
+        if self.learned_tau >= 1.0:
+            raise ValueError(f"Policy.learned_tau must be a probability > 0 and < 1, got {self.learned_tau}")
+        if self.learned_model is not None and (not isinstance(self.learned_model, str) or not self.learned_model):
+            raise ValueError(f"Policy.learned_model must be a model file's path or None (the shipped model), "
+                             f"got {self.learned_model!r}")
+        if self.learned_retrain_s is not None:
+            _check_float("Policy", "learned_retrain_s", self.learned_retrain_s, 0.0, strict=True)
         _check_bool("Policy", "prewarm", self.prewarm)
         _check_float("Policy", "prewarm_lead_s", self.prewarm_lead_s, 0.0)
         _check_float("Policy", "prewarm_dram_fraction", self.prewarm_dram_fraction, 0.0, maximum=1.0)

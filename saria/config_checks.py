@@ -7,20 +7,54 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ADMISSION_RULES", "admission_rules", "check_bool", "check_float", "check_int"]
+__all__ = ["ADMISSION_RULES", "admission_rules", "check_bool", "check_float", "check_int", "learned_join"]
 
 # Policy.admission: rules joined by "+" (see saria.control.admission). "eq1" is the paper's Eq. 1;
-# "session", "deferred", "prefix" and "cost" refine it; "oracle" (alone) sees the future and runs only in a replay.
-ADMISSION_RULES = ("eq1", "session", "deferred", "prefix", "cost", "oracle")
+# "session", "deferred", "prefix" and "cost" refine it; "learned" (a model trained on the oracle's
+# labels) is joined to eq1 by "&" (both must admit: fewer writes) or "|" (either: more retention),
+# as the one term "eq1&learned" or "eq1|learned"; "oracle" (alone) sees the future and runs only in a replay.
+ADMISSION_RULES = ("eq1", "session", "deferred", "prefix", "cost", "learned", "oracle")
+LEARNED_TERMS = {"eq1&learned": "and", "eq1|learned": "or", "learned&eq1": "and", "learned|eq1": "or"}
+
+
+def _terms(text: str) -> list[str]:
+    return ["".join(part.split()) for part in text.split("+")]
+
+
+def learned_join(text: str) -> str | None:
+    """How ``Policy.admission`` joins the ``learned`` rule to Eq. 1: ``"and"`` (``eq1&learned``),
+    ``"or"`` (``eq1|learned``), or None (no learned rule). ``text`` must be valid
+    (:func:`admission_rules`)."""
+    for term in _terms(text):
+        if term in LEARNED_TERMS:
+            return LEARNED_TERMS[term]
+    return None
 
 
 def admission_rules(text: str) -> frozenset[str]:
-    """The rules ``Policy.admission`` names (``"eq1+session+prefix"``); raises ``ValueError`` naming
-    what is wrong. ``oracle`` stands alone; the refinements need ``eq1``."""
+    """The rules ``Policy.admission`` names (``"eq1+session+prefix"``, ``"eq1&learned+deferred"``);
+    raises ``ValueError`` naming what is wrong. ``oracle`` stands alone; the refinements need
+    ``eq1``; ``learned`` is joined to ``eq1`` by ``&`` or ``|`` (:func:`learned_join` says which)."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"Policy.admission must name rules joined by '+' ({', '.join(ADMISSION_RULES)}), "
                          f"got {text!r}")
-    rules = [part.strip() for part in text.split("+")]
+    rules = []
+    joins = 0
+    for term in _terms(text):
+        if term in LEARNED_TERMS:
+            rules += ["eq1", "learned"]
+            joins += 1
+        elif term == "learned":
+            raise ValueError(f"Policy.admission: the learned rule is joined to eq1 by & (both admit: fewer writes) "
+                             f"or | (either admits: more retention), as eq1&learned or eq1|learned, got {text!r}")
+        elif "&" in term or "|" in term:
+            raise ValueError(f"Policy.admission: {term!r}: only eq1&learned and eq1|learned join rules by & or |, "
+                             f"got {text!r}")
+        else:
+            rules.append(term)
+    if joins and (joins > 1 or rules.count("eq1") > 1):
+        raise ValueError(f"Policy.admission: Eq. 1 and the learned rule are joined once (eq1&learned or "
+                         f"eq1|learned), got {text!r}")
     unknown = [r for r in rules if r not in ADMISSION_RULES]
     if unknown:
         raise ValueError(f"Policy.admission: unknown rule(s) {', '.join(map(repr, unknown))}; known: "

@@ -35,7 +35,7 @@ def test_rules_parse_and_refuse_with_a_reason():
         Policy(session_p=1.5)
     with pytest.raises(ValueError, match="prefill_tps"):
         Policy(prefill_tps=0)
-    assert set(ADMISSION_RULES) == {"eq1", "session", "deferred", "prefix", "cost", "oracle"}
+    assert set(ADMISSION_RULES) == {"eq1", "session", "deferred", "prefix", "cost", "learned", "oracle"}
 
 
 def test_presets_name_their_admission():

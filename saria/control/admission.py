@@ -20,6 +20,13 @@ rules that refine it (``Policy.admission``, rules joined by ``+``).
 * ``cost``: never write a chunk whose reload would not beat recomputing it: reloading its prefix
   (``depth + 1`` chunks) from the drives, plus ``reload_overhead_s``, against prefilling those
   tokens at ``prefill_tps`` (short prefixes of fast models).
+* ``learned``, joined to Eq. 1 as ``eq1&learned`` (write a chunk at an eviction when Eq. 1 *and*
+  the model admit it: fewer writes) or ``eq1|learned`` (when either does: more retention): a
+  gradient-boosted tree model of the oracle's labels on features known at the eviction
+  (:mod:`saria.control.learned`), admitting when its probability passes ``learned_tau``. It
+  decides at evictions and prewrites: with ``&`` the reuse branch writes nothing early (a chunk
+  with ``R_b >= theta_R`` is judged at its eviction, where the model sees it), with ``|`` it stays
+  Eq. 1's. While the features drift off the model's training range Eq. 1 decides alone.
 * ``oracle`` (alone; ``saria replay --policy oracle`` only): the replay tells admission every
   chunk's next use (:class:`FutureUses`); a chunk is admitted exactly when a request not yet
   planned will reference it within the SSD's retention time (the age of the SSD's latest LRU
@@ -39,7 +46,9 @@ import math
 import zlib
 from typing import Hashable, Protocol
 
-from saria.config import Policy, SariaConfig, admission_rules
+from saria.config import Policy, SariaConfig, admission_rules, learned_join
+from saria.control.counters import Counters
+from saria.control.learned import FeatureTracker, LearnedRule, TreeModel, shipped_model
 from saria.control.sessions import SessionTracker
 from saria.control.tree import ABSENT, CacheObject, Evidence, Node
 
@@ -68,13 +77,16 @@ class FutureUses(Protocol):
 class Admission:
     __slots__ = ("theta_E", "theta_R", "admit_all", "enabled", "dither", "rules", "eq1_only", "sessions", "future",
                  "ssd_retention_s", "dram_evicted", "_clock", "_cost_depth", "_session", "_prefix", "_cost", "_oracle",
-                 "_deferred")
+                 "_deferred", "tracker", "learned", "_and", "situations", "_learned_only")
 
     def __init__(self, policy: Policy, ssd_capacity: int, *, config: SariaConfig | None = None,
-                 clock=None, future: FutureUses | None = None) -> None:
-        """``clock()``: the control plane's now (the rules ``session`` and ``oracle`` read it);
-        ``config``: bandwidths and chunk sizes (the rule ``cost``); ``future``: the oracle's
-        knowledge (required by the rule ``oracle``)."""
+                 clock=None, future: FutureUses | None = None, counters: Counters | None = None,
+                 observer=None) -> None:
+        """``clock()``: the control plane's now (the rules ``session``, ``learned`` and ``oracle``
+        read it); ``config``: bandwidths and chunk sizes (the rules ``cost`` and ``learned``);
+        ``future``: the oracle's knowledge (required by the rule ``oracle``); ``counters``: where
+        the rule ``learned`` counts; ``observer(node, features, now, ssd_retention)``: called at every kv
+        object's DRAM eviction with its learned-rule features and the SSD's retention age (a replay's labeler, any policy)."""
         self.theta_E = math.inf if policy.theta_E is None else policy.theta_E
         self.theta_R = math.inf if policy.theta_R is None else policy.theta_R
         self.admit_all = policy.admit_all
@@ -85,16 +97,33 @@ class Admission:
         self._cost, self._oracle = "cost" in rules, "oracle" in rules
         self._deferred = "deferred" in rules
         self.eq1_only = rules <= {"eq1", "deferred"}  # eviction decisions are Eq. 1's alone
-        if (self._session or self._oracle) and clock is None:
+        learned = "learned" in rules
+        if (self._session or self._oracle or learned) and clock is None:
             raise ValueError(f"admission {policy.admission!r} needs the control plane's clock")
         if self._oracle and future is None:
             raise ValueError("admission=oracle knows every chunk's next use, which only a replay can tell it: "
                              "use it with saria replay --policy oracle")
         self._clock = clock
         self.future = future
-        self.sessions = SessionTracker(policy.session_p) if self._session else None
+        self.sessions = SessionTracker(policy.session_p) if (self._session or learned or observer is not None) else None
+        self.situations = self.sessions if self._session else None  # what the session rule files evictions under
+        self._learned_only = learned and rules <= {"eq1", "deferred", "learned"}  # admits() fast path
         self.ssd_retention_s = math.inf  # the age of the SSD's latest LRU victim (oracle's horizon)
         self.dram_evicted = False  # DRAM has evicted a copy (rule deferred: reuse writes start then)
+        self.tracker: FeatureTracker | None = None
+        self.learned: LearnedRule | None = None
+        self._and = learned_join(policy.admission) == "and"
+        if learned or observer is not None:
+            cfg = config if config is not None else SariaConfig(policy=policy)
+            self.sessions.count_sharers = True
+            self.tracker = FeatureTracker(self.sessions, lambda: self.ssd_retention_s,
+                                          chunk_tokens=cfg.chunk.chunk_tokens, ssd_kv_bytes=cfg.ssd_kv_bytes,
+                                          prefill_tps=policy.prefill_tps or 6500.0, observer=observer)
+        if learned:
+            model = shipped_model() if policy.learned_model is None else TreeModel.load(policy.learned_model)
+            self.learned = LearnedRule(model, policy.learned_tau, self.tracker,
+                                       counters if counters is not None else Counters(),
+                                       retrain_s=policy.learned_retrain_s, horizon_cap=policy.metadata_window_s)
         self._cost_depth = 0
         if self._cost:
             if config is None or policy.prefill_tps is None:
@@ -128,13 +157,31 @@ class Admission:
             return False
         if self.eq1_only:
             return self.admitted(obj.evidence, extra_evictions)
+        if self._learned_only:
+            if self.dither:
+                admitted = self.admitted(obj.evidence, extra_evictions)
+            else:
+                evidence = obj.evidence
+                admitted = (self.admit_all or evidence.R_b >= self.theta_R
+                            or evidence.E_b + extra_evictions >= self.theta_E)
+            if admitted is self._and:  # AND: Eq. 1 admits, the model decides; OR: it does not, the model decides
+                verdict = self.learned.admits(obj.node, self._clock(), extra_evictions)
+                if verdict is not None:
+                    return verdict
+            return admitted
         node = obj.node
         if self._oracle:
             now = self._clock()
             next_use = self.future.next_use(node.key, now)
             return next_use < math.inf and next_use - now <= self.ssd_retention_s
         evidence = obj.evidence
-        if not (self.admitted(evidence, extra_evictions)
+        admitted = self.admitted(evidence, extra_evictions)
+        learned = self.learned
+        if learned is not None and admitted is self._and:  # AND: Eq. 1 admits; OR: it does not
+            verdict = learned.admits(node, self._clock(), extra_evictions)
+            if verdict is not None:
+                admitted = verdict
+        if not (admitted
                 or (self._session and self.sessions.returns(node, evidence.E_b + extra_evictions, self._clock()))):
             return False
         if self._prefix:
@@ -150,6 +197,11 @@ class Admission:
             return []
         if self.admit_all and not self._prefix and not self._cost:
             return list(objs)
+        if self._learned_only and self._and and not self.dither:  # Eq. 1 inlined, then the model on those
+            theta_E, theta_R = self.theta_E, self.theta_R
+            return [obj for obj in objs
+                    if (obj.evidence.E_b + obj.eviction_step >= theta_E or obj.evidence.R_b >= theta_R)
+                    and self.admits(obj, obj.eviction_step)]
         if not self.eq1_only:
             return [obj for obj in objs if self.admits(obj, obj.eviction_step)]
         if self.dither:
@@ -159,9 +211,11 @@ class Admission:
                 if obj.evidence.E_b + obj.eviction_step >= theta_E or obj.evidence.R_b >= theta_R]
 
     def by_reuse(self, evidence: Evidence) -> bool:
-        """The reuse branch alone: the reuse path writes as soon as it holds (never for the oracle;
-        with rule ``deferred``, only once DRAM has evicted something)."""
-        if not self.enabled or self._oracle or (self._deferred and not self.dram_evicted):
+        """The reuse branch alone: the reuse path writes as soon as it holds (never for the oracle,
+        nor with ``eq1&learned``, which judges the chunk at its eviction; with rule ``deferred``,
+        only once DRAM has evicted something)."""
+        if (not self.enabled or self._oracle or (self._deferred and not self.dram_evicted)
+                or (self._and and self.learned is not None)):
             return False
         if self.dither:
             return evidence.R_b + chunk_fraction(evidence) >= self.theta_R

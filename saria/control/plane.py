@@ -47,8 +47,10 @@ class ControlPlane:
     """
 
     def __init__(self, config: SariaConfig | None = None, *, future: FutureUses | None = None,
-                 sizing: TierSizing | None = None) -> None:
+                 sizing: TierSizing | None = None, observer=None) -> None:
         """``future``: every chunk's next use, for ``admission=oracle`` (a replay's knowledge).
+        ``observer(node, features, now, ssd_retention)``: called at every DRAM eviction of a kv
+        object with its learned-rule features and the SSD's retention age (:mod:`saria.control.learned`; a replay's labeler).
         ``sizing``: the layout of the data plane this control plane drives
         (:func:`saria.sizing.size_tiers` of the same config): each object is then charged its whole
         host slots and SSD parts against what the host pool and the drive files really hold, so
@@ -69,8 +71,10 @@ class ControlPlane:
         self._tree = ContextTree(chunk, policy.metadata_window_s, policy.unified_metadata, self._counters,
                                  self._ssd_kv_bytes, sizing)
         tree = self._tree
-        self._admission = Admission(policy, config.ssd_bytes, config=config, clock=lambda: tree.clock, future=future)
+        self._admission = Admission(policy, config.ssd_bytes, config=config, clock=lambda: tree.clock, future=future,
+                                    counters=self._counters, observer=observer)
         self._sessions = self._admission.sessions
+        self._tracker = self._admission.tracker
         self._tiers = Residency(sizing.dram.capacity, sizing.ssd.capacity, self._admission, self._tree,
                                 self._counters)
         self._orders = OrderEmitter(hybrid=chunk.hybrid, kv_bytes=chunk.kv_bytes, state_bytes=chunk.state_bytes)
@@ -310,6 +314,8 @@ class ControlPlane:
         except ValueError:
             known = len(nodes)
         if known:
+            if self._tracker is not None:
+                self._tracker.referenced(nodes[:known], now)
             self._tree.reuse(nodes[:known], now)
             self._tiers.touch(nodes[:known])
         if known < len(nodes):

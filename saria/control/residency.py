@@ -123,9 +123,14 @@ class Residency:
         evidence.E_b += obj.eviction_step
         self._counters.dram_evictions += 1
         self._admission.dram_evicted = True
-        sessions = self._admission.sessions
-        if sessions is not None and obj is obj.node:
-            sessions.evicted(obj, self._tree.clock)
+        admission = self._admission
+        if obj is obj.node:
+            situations = admission.situations
+            if situations is not None:
+                situations.evicted(obj, self._tree.clock)
+            tracker = admission.tracker
+            if tracker is not None:
+                tracker.evicted(obj, self._tree.clock)
         if self.prewarmed and obj in self.prewarmed:
             self.prewarmed.discard(obj)
             self._counters.prewarm_wasted += 1

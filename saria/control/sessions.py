@@ -47,13 +47,14 @@ class SessionTracker:
     """Sessions by their tips, and what became of evicted chunks. Not thread-safe: the control
     plane's lock covers it. Deterministic."""
 
-    __slots__ = ("p", "population_gap", "sessions_started", "outcomes")
+    __slots__ = ("p", "population_gap", "sessions_started", "outcomes", "count_sharers")
 
     def __init__(self, p: float = 0.5) -> None:
         self.p = p
         self.population_gap = math.nan
         self.sessions_started = 0
         self.outcomes: dict[tuple[int, int, int, int], list[int]] = {}  # situation -> [evictions, returns]
+        self.count_sharers = False  # count in node.sharers each chunk's passes between sessions (rule learned)
 
     def commit(self, nodes: list, known: int, now: float) -> None:
         """A request with chunk nodes ``nodes`` (the first ``known`` existed before it) committed at
@@ -67,8 +68,10 @@ class SessionTracker:
         came_back = False
         for i in range(known - 1, -1, -1):
             node = nodes[i]
-            if node.evicted_as is not None:
-                outcomes[node.evicted_as][1] += 1
+            situation = node.evicted_as
+            if situation is not None:
+                if situation:  # () marks an eviction no situation was filed for (rule learned alone)
+                    outcomes[situation][1] += 1
                 node.evicted_as = None
                 came_back = True
             owner = node.session
@@ -86,8 +89,16 @@ class SessionTracker:
             session.tip = nodes[-1]
             session.last_end = now
             session.comebacks += came_back
-        for node in nodes:
-            node.session = session
+        if self.count_sharers:
+            for node in nodes:
+                owner = node.session
+                if owner is not session:
+                    if owner is not None:
+                        node.sharers += 1
+                    node.session = session
+        else:
+            for node in nodes:
+                node.session = session
 
     def situation(self, node, evictions: int, now: float) -> tuple[int, int, int, int]:
         """What an eviction of ``node`` at ``now`` (its ``evictions``-th) is judged by: the eviction

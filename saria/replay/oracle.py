@@ -56,6 +56,23 @@ class TraceFuture:
         """Request ``request`` was planned: its references are no longer future uses."""
         self._planned[request] = 1
 
+    def uses_within(self, key: Hashable, now: float, horizon: float) -> int:
+        """How many requests not yet planned reference ``key`` no later than ``now + horizon``
+        (by their estimated arrivals)."""
+        uses = self._uses.get(key)
+        if uses is None:
+            return 0
+        planned = self._planned
+        end = now + horizon
+        count = 0
+        for i in range(self._first.get(key, 0), len(uses)):
+            at, request = uses[i]
+            if at > end:
+                break
+            if not planned[request]:
+                count += 1
+        return count
+
     def next_use(self, key: Hashable, now: float) -> float:
         uses = self._uses.get(key)
         if uses is None:

@@ -45,6 +45,7 @@ from saria.config import SariaConfig
 from saria.control import ControlPlane, Counters, DropOrder, WriteOrder
 from saria.control.prewarm import GapPredictor
 from saria.replay.arrivals import Schedule
+from saria.replay.labels import EvictionLabels
 from saria.replay.oracle import TraceFuture
 from saria.replay.timing import GB, LOADING_MODES, transfer_seconds
 from saria.replay.traces import Trace
@@ -112,6 +113,7 @@ class PolicyRun:
     truncated: int = 0
     governor_history: list[tuple[float, float]] | None = None
     audit: list[str] | None = None
+    labels: EvictionLabels | None = None  # replay(..., labels=True): the oracle's label of every DRAM eviction
 
     @property
     def duration_s(self) -> float:
@@ -132,19 +134,26 @@ class PolicyRun:
 
 def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
            config: SariaConfig, settings: ReplaySettings = ReplaySettings(),
-           progress: Callable[[int], None] | None = None, audit: bool = False, audit_every: int = 0) -> PolicyRun:
+           progress: Callable[[int], None] | None = None, audit: bool = False, audit_every: int = 0,
+           labels: bool = False) -> PolicyRun:
     """Replay ``trace`` (``chunks[i]``: request i's chunk hashes) on ``schedule`` through a fresh
     control plane built from ``config``. ``progress(n)`` is called as requests complete; ``audit``
     checks the control plane's invariants at the end (``PolicyRun.audit``, O(chunks));
     ``audit_every`` > 0 checks them after every that many committed requests too, and a violation
     then stops the replay. An exception of the control plane, or a violation found by
-    ``audit_every``, raises :class:`ReplayInternalError` naming the policy and the request."""
-    future = TraceFuture(chunks, schedule) if config.policy.admission == "oracle" else None
-    cp = ControlPlane(config, future=future)
+    ``audit_every``, raises :class:`ReplayInternalError` naming the policy and the request.
+    ``labels``: label every DRAM eviction of a kv object with what the oracle would do
+    (:mod:`saria.replay.labels`, ``PolicyRun.labels``), for training the ``learned`` rule."""
+    oracle = config.policy.admission == "oracle"
+    future = TraceFuture(chunks, schedule) if oracle or labels else None
+    labeler = EvictionLabels(future, config.ssd_kv_bytes) if labels else None
+    cp = ControlPlane(config, future=future if oracle else None, observer=labeler)
     current = [-1]  # the request being handled, for an internal error's message
     try:
-        return _replay(cp, name, trace, chunks, schedule, config, settings, progress, audit, audit_every, current,
-                       future)
+        run = _replay(cp, name, trace, chunks, schedule, config, settings, progress, audit, audit_every, current,
+                      future)
+        run.labels = labeler
+        return run
     except ReplayInternalError:
         raise
     except Exception as exc:

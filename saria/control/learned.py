@@ -1,0 +1,438 @@
+"""The ``learned`` admission rule: a gradient-boosted tree model of the oracle's labels, joined to
+Eq. 1 (``eq1&learned``: both must admit; ``eq1|learned``: either).
+
+Three parts, all torch-free and (but for training) free of LightGBM:
+
+* :class:`FeatureTracker` keeps, per chunk, what Eq. 1 does not (the previous eviction's time and
+  ``R_b`` then, two decayed reference counts, the gap between its last two references, how many
+  sessions it passed between) and turns a chunk at a DRAM eviction into :data:`FEATURES`, every
+  one known online at that moment (nothing about the future).
+* :class:`TreeModel` is a trained model as plain data (``learned_model.json`` beside this module
+  ships one): its trees (``[feature, threshold, left, right]`` nodes, float leaves, LightGBM's
+  ``x <= threshold`` goes left), the features it expects (:data:`FEATURE_VERSION`) and the range
+  each feature had in training. It is compiled once into one Python function of nested
+  comparisons, so scoring an eviction costs a few microseconds and needs no LightGBM.
+* :class:`LearnedRule` decides: admit when the model's probability passes ``Policy.learned_tau``
+  (compared as a margin, ``log(tau / (1 - tau))``). While more than :data:`DRIFT_LIMIT` of recent
+  scored evictions (an exponential average over about 256) have a feature off its training
+  range (by more than the range's width), the rule steps aside and Eq. 1 decides alone (counted in ``Counters.learned_fallbacks``).
+  With ``Policy.learned_retrain_s`` it also labels its own evictions online (a chunk referenced
+  again within the SSD's retention at its eviction is a positive, one whose horizon passed a
+  negative: the oracle's label, known once its horizon has passed), keeps the latest
+  :data:`LABEL_WINDOW` labels and retrains every ``learned_retrain_s`` seconds of the control
+  plane's clock (:func:`train_model`, LightGBM; the ``learn`` extra).
+
+A model's probability is of the oracle's label (:mod:`saria.replay.labels`): a later request
+references the chunk within the SSD's current retention.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Sequence
+
+__all__ = ["DRIFT_LIMIT", "FEATURES", "FEATURE_VERSION", "FeatureTracker", "LABEL_WINDOW", "LearnedRule",
+           "MODEL_FORMAT", "TreeModel", "lightgbm_missing", "shipped_model", "train_model"]
+
+# What each feature is (at a chunk's DRAM eviction, ``now``; the chunk's E_b counts this eviction).
+FEATURES = (
+    "evictions",            # E_b (Eq. 1's eviction count)
+    "reuses",               # R_b (Eq. 1's reuse count)
+    "log_since_eviction",   # log2(1 + seconds since its previous eviction); -1: none before
+    "hits_in_dram",         # references since its previous eviction (or since it was created)
+    "decayed_refs_5m",      # references, each decayed with a 5-minute half-life
+    "decayed_refs_1h",      # ... with a 1-hour half-life
+    "log_idle",             # log2(1 + seconds since its last reference): DRAM's current retention age
+    "gap_over_dram",        # its last reuse gap over that age; -1: referenced once
+    "gap_over_ssd",         # its last reuse gap over the SSD's retention age (0: the SSD never evicted); -1: once
+    "dram_over_ssd",        # DRAM's retention age over the SSD's (0: the SSD never evicted)
+    "turns",                # its session's turns so far (0: no session)
+    "since_turn_over_gap",  # seconds since the session's last turn over its usual gap (the population's
+                            # before it has one); -1: no gap known
+    "comebacks",            # the session's turns that came back to chunks evicted since
+    "depth",                # its depth in its prefix (0: a first chunk)
+    "parent_copy",          # 1 when its parent has a copy in DRAM or SSD (or it has no parent)
+    "sharers",              # times it passed from one session to another (0: one session's alone)
+    "recompute_s_per_gib",  # seconds to recompute its prefix per GiB its kv object writes to SSD
+)
+FEATURE_VERSION = 1
+MODEL_FORMAT = "saria-learned-admission"
+DRIFT_LIMIT = 0.5  # share of recent scored evictions off the training range above which Eq. 1 decides alone
+_DRIFT_WEIGHT = 1.0 / 256
+LABEL_WINDOW = 50_000  # online retraining keeps this many latest labels
+MIN_TRAIN_ROWS = 200
+_HALF_SHORT, _HALF_LONG = 300.0, 3600.0
+_DECAY_SHORT, _DECAY_LONG = math.log(2.0) / _HALF_SHORT, math.log(2.0) / _HALF_LONG
+# A node's ``learn`` list: [previous eviction time (-inf: none), R_b then, decayed short, decayed long,
+# their time, last reuse gap (-1: none), pending online label (t_evict, horizon, features) or None]
+_EVICT_T, _EVICT_R, _D_SHORT, _D_LONG, _D_T, _GAP, _PENDING = range(7)
+_INF = math.inf
+_exp, _log2 = math.exp, math.log2
+
+
+def lightgbm_missing() -> str | None:
+    """None when LightGBM imports, else the one line that says how to get it."""
+    try:
+        import lightgbm  # noqa: F401
+    except ImportError:
+        return ("the learned admission rule trains with LightGBM, which is not installed: "
+                "pip install 'saria[learn]' (lightgbm==4.7.0)")
+    return None
+
+
+class FeatureTracker:
+    """Per-chunk history beyond E_b / R_b, and a chunk's :data:`FEATURES` at an eviction. The
+    control plane calls :meth:`referenced` for the known chunks of every committed request (before
+    their ``last_reuse`` moves) and :meth:`evicted` at every kv object's DRAM eviction (after E_b
+    counts it). ``ssd_retention`` reads the SSD's current retention age (inf before it evicts)."""
+
+    __slots__ = ("sessions", "ssd_retention", "_recompute", "observer", "rule", "last")
+
+    def __init__(self, sessions, ssd_retention: Callable[[], float], *, chunk_tokens: int, ssd_kv_bytes: int,
+                 prefill_tps: float, observer: Callable | None = None) -> None:
+        self.sessions = sessions
+        self.ssd_retention = ssd_retention
+        # seconds per GiB written, per chunk of depth: (depth + 1) * this
+        self._recompute = chunk_tokens / prefill_tps / (ssd_kv_bytes / 2.0**30)
+        self.observer = observer  # observer(node, features, now, ssd_retention): a replay's labeler
+        self.rule: LearnedRule | None = None  # online labels for retraining
+        # The latest eviction: (node, E_b, features or None, the previous eviction's time and R_b then,
+        # last_reuse): features() of that eviction, asked after evicted() moved the history on.
+        self.last: tuple | None = None
+
+    @staticmethod
+    def _learn(node) -> list:
+        learn = node.learn
+        if learn is None:  # never referenced since it was created (at last_reuse)
+            learn = node.learn = [-math.inf, 0, 1.0, 1.0, node.last_reuse, -1.0, None]
+        return learn
+
+    def referenced(self, nodes: Sequence, now: float) -> None:
+        """These known chunks are referenced again at ``now`` (called before their ``last_reuse`` moves)."""
+        exp = math.exp
+        rule = self.rule
+        for node in nodes:
+            learn = node.learn
+            if learn is None:
+                learn = node.learn = [-math.inf, 0, 1.0, 1.0, node.last_reuse, -1.0, None]
+            dt = now - learn[4]
+            learn[2] = learn[2] * exp(-_DECAY_SHORT * dt) + 1.0
+            learn[3] = learn[3] * exp(-_DECAY_LONG * dt) + 1.0
+            learn[4] = now
+            learn[5] = now - node.last_reuse
+            if learn[6] is not None:
+                if rule is not None:
+                    rule.settle(learn, now)
+                learn[6] = None
+
+    def features(self, node, now: float, extra_evictions: int = 0) -> list[float]:
+        """:data:`FEATURES` of ``node`` evicted at ``now`` with ``extra_evictions`` more evictions
+        than its E_b counts (prewrite asks about the next one)."""
+        learn = node.learn
+        if learn is None:
+            learn = self._learn(node)
+        last_reuse = node.last_reuse
+        dt = now - learn[4]
+        idle = now - last_reuse if now > last_reuse else 0.0
+        gap = learn[5]
+        ssd = self.ssd_retention()
+        previous, reuses_then = learn[0], learn[1]
+        R_b, E_b, depth = node.R_b, node.E_b, node.depth
+        last = self.last
+        if last is not None and last[0] is node and last[1] == E_b and last[5] == last_reuse:
+            previous, reuses_then = last[3], last[4]  # this is that eviction, or the next one asked before a reuse
+        session = node.session
+        if session is None:
+            turns = comebacks = 0
+            since = -1.0
+        else:
+            turns, comebacks = session.turns, session.comebacks
+            usual = session.gap
+            if usual != usual:
+                usual = self.sessions.population_gap
+            since = -1.0 if usual != usual else (now - session.last_end) / (usual if usual > 1e-3 else 1e-3)
+        parent = node.parent
+        if gap < 0.0:
+            over_dram = over_ssd = -1.0
+        else:
+            over_dram = gap / (idle if idle > 1e-3 else 1e-3)
+            over_ssd = gap / ssd if 0.0 < ssd < _INF else 0.0
+        return [
+            E_b + extra_evictions,
+            R_b,
+            -1.0 if previous == -_INF else _log2(1.0 + (now - previous if now > previous else 0.0)),
+            R_b - reuses_then,
+            learn[2] * _exp(-_DECAY_SHORT * dt),
+            learn[3] * _exp(-_DECAY_LONG * dt),
+            _log2(1.0 + idle),
+            over_dram,
+            over_ssd,
+            idle / ssd if 0.0 < ssd < _INF else 0.0,
+            turns,
+            since,
+            comebacks,
+            depth,
+            1 if parent is None or parent.dram or parent.ssd else 0,
+            node.sharers,
+            (depth + 1) * self._recompute,
+        ]
+
+    def evicted(self, node, now: float) -> None:
+        """``node``'s kv object was just evicted from DRAM (its E_b counts it)."""
+        learn = node.learn
+        rule, observer = self.rule, self.observer
+        if node.evicted_as is None:
+            node.evicted_as = ()  # the session's comebacks count a return to it (no situation filed)
+        if learn is None and rule is None and observer is None:  # the common case, inlined
+            node.learn = [now, node.R_b, 1.0, 1.0, node.last_reuse, -1.0, None]
+            self.last = (node, node.E_b, None, -math.inf, 0, node.last_reuse)
+            return
+        if learn is None:
+            learn = self._learn(node)
+        features = None
+        self.last = None
+        if rule is not None or observer is not None:
+            features = self.features(node, now)
+            if observer is not None:
+                observer(node, features, now, self.ssd_retention())
+            if rule is not None:
+                rule.pending(node, learn, features, now)
+        self.last = (node, node.E_b, features, learn[0], learn[1], node.last_reuse)
+        learn[0] = now
+        learn[1] = node.R_b
+
+
+class TreeModel:
+    """A trained model as plain data (see the module docstring), compiled for scoring."""
+
+    def __init__(self, data: dict) -> None:
+        if not isinstance(data, dict) or data.get("format") != MODEL_FORMAT:
+            raise ValueError(f"not a saria learned-admission model (format {MODEL_FORMAT!r})")
+        if data.get("feature_version") != FEATURE_VERSION or list(data.get("features", ())) != list(FEATURES):
+            raise ValueError(f"the model expects features version {data.get('feature_version')!r} "
+                             f"({data.get('features')!r}); this saria computes version {FEATURE_VERSION} "
+                             f"({list(FEATURES)}): retrain it")
+        trees = data.get("trees")
+        ranges = data.get("ranges")
+        if not isinstance(trees, list) or not trees or not isinstance(ranges, list) or len(ranges) != len(FEATURES):
+            raise ValueError("a learned-admission model needs a non-empty list of trees and one [lo, hi] range "
+                             "per feature")
+        self.data = data
+        self.trees = trees
+        # Off the training range: beyond its [lo, hi] by more than its width (a count twice the
+        # largest seen in training still reads as the largest; a wholly new regime does not).
+        self.lo = [2.0 * float(lo) - float(hi) for lo, hi in ranges]
+        self.hi = [2.0 * float(hi) - float(lo) for lo, hi in ranges]
+        self.margin = _compile(trees, float(data.get("base", 0.0)))
+        self.off_range = _compile_range(self.lo, self.hi)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TreeModel:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"learned admission model {str(path)!r}: {exc}") from None
+        try:
+            return cls(data)
+        except ValueError as exc:
+            raise ValueError(f"learned admission model {str(path)!r}: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.data, separators=(",", ":")) + "\n")
+
+    def probability(self, features: Sequence[float]) -> float:
+        return 1.0 / (1.0 + math.exp(-self.margin(features)))
+
+    def off_range_slow(self, features: Sequence[float]) -> bool:
+        """Whether any feature lies off the range it had in training ``[lo, hi]`` by more than
+        ``hi - lo`` (a feature that was constant in training: off any other value). ``off_range``
+        is the same test compiled."""
+        for x, lo, hi in zip(features, self.lo, self.hi):
+            if x < lo or x > hi:
+                return True
+        return False
+
+
+def _compile(trees: list, base: float) -> Callable[[Sequence[float]], float]:
+    """One Python function: the sum of every tree's leaf for ``features``, plus ``base``."""
+    lines = ["def margin(f):", f"    {', '.join(f'f{i}' for i in range(len(FEATURES)))}, = f",
+             f"    s = {base!r}"]
+
+    def emit(node, indent: str) -> None:
+        if not isinstance(node, list):
+            lines.append(f"{indent}s += {float(node)!r}")
+            return
+        feature, threshold, left, right = node
+        if not (isinstance(feature, int) and 0 <= feature < len(FEATURES)):
+            raise ValueError(f"a tree splits on feature {feature!r}, not one of the {len(FEATURES)}")
+        lines.append(f"{indent}if f{feature} <= {float(threshold)!r}:")
+        emit(left, indent + "    ")
+        lines.append(f"{indent}else:")
+        emit(right, indent + "    ")
+
+    for tree in trees:
+        emit(tree, "    ")
+    lines.append("    return s")
+    namespace: dict = {}
+    exec(compile("\n".join(lines), "<saria learned model>", "exec"), namespace)  # noqa: S102 (our own numbers)
+    return namespace["margin"]
+
+
+def _compile_range(lo: list[float], hi: list[float]) -> Callable[[Sequence[float]], bool]:
+    """One Python function: whether any of ``features`` lies outside ``[lo, hi]``."""
+    names = ", ".join(f"f{i}" for i in range(len(FEATURES)))
+    tests = " or ".join(f"not ({a!r} <= f{i} <= {b!r})" for i, (a, b) in enumerate(zip(lo, hi)))
+    namespace: dict = {}
+    exec(compile(f"def off_range(f):\n    {names}, = f\n    return {tests}\n", "<saria learned range>", "exec"),
+         namespace)  # noqa: S102 (our own numbers)
+    return namespace["off_range"]
+
+
+def shipped_model() -> TreeModel:
+    """The model shipped with saria (``saria/control/learned_model.json``)."""
+    text = resources.files("saria.control").joinpath("learned_model.json").read_text()
+    return TreeModel(json.loads(text))
+
+
+def _tree_of(node: dict):
+    if "leaf_value" in node:
+        return float(node["leaf_value"])
+    if node.get("decision_type", "<=") != "<=":
+        raise ValueError(f"unexpected LightGBM split {node.get('decision_type')!r}")
+    return [int(node["split_feature"]), float(node["threshold"]), _tree_of(node["left_child"]),
+            _tree_of(node["right_child"])]
+
+
+def train_model(rows: Sequence[Sequence[float]], labels: Sequence[int], *, rounds: int = 40, leaves: int = 15,
+                min_leaf: int = 50, weights: Sequence[float] | None = None, note: str = "") -> TreeModel:
+    """A LightGBM binary classifier of ``labels`` on ``rows`` (:data:`FEATURES`), one thread,
+    deterministic, as a :class:`TreeModel`. Needs LightGBM (the ``learn`` extra)."""
+    missing = lightgbm_missing()
+    if missing:
+        raise RuntimeError(missing)
+    import lightgbm
+    import numpy as np
+
+    x = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(labels, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != len(FEATURES) or len(y) != len(x):
+        raise ValueError(f"train_model needs rows of {len(FEATURES)} features and one label each, got "
+                         f"{x.shape} and {len(y)}")
+    if len(y) < 2 or y.min() == y.max():
+        raise ValueError("train_model needs both labels among its rows")
+    params = {"objective": "binary", "num_leaves": leaves, "learning_rate": 0.1, "min_data_in_leaf": min_leaf,
+              "num_threads": 1, "deterministic": True, "force_row_wise": True, "seed": 0, "verbose": -1,
+              "use_missing": False, "feature_fraction": 1.0, "bagging_fraction": 1.0}
+    dataset = lightgbm.Dataset(x, y, weight=None if weights is None else np.asarray(weights, dtype=np.float64),
+                               feature_name=list(FEATURES), free_raw_data=True)
+    booster = lightgbm.train(params, dataset, num_boost_round=rounds)
+    dump = booster.dump_model()
+    trees = [_tree_of(info["tree_structure"]) for info in dump["tree_info"]]
+    lo = np.quantile(x, 0.0, axis=0)
+    hi = np.quantile(x, 1.0, axis=0)
+    return TreeModel({"format": MODEL_FORMAT, "feature_version": FEATURE_VERSION, "features": list(FEATURES),
+                      "base": 0.0, "trees": trees, "ranges": [[float(a), float(b)] for a, b in zip(lo, hi)],
+                      "rows": int(len(y)), "positives": int(y.sum()), "note": note,
+                      "importance": {name: int(v) for name, v in
+                                     zip(FEATURES, booster.feature_importance("gain").round().astype(int))}})
+
+
+class LearnedRule:
+    """The learned half of ``eq1&learned`` / ``eq1|learned`` (see the module docstring)."""
+
+    __slots__ = ("model", "tau", "threshold", "tracker", "counters", "drift", "retrain_s", "next_retrain",
+                 "labels", "queue", "horizon_cap", "retrains")
+
+    def __init__(self, model: TreeModel, tau: float, tracker: FeatureTracker, counters, *,
+                 retrain_s: float | None = None, horizon_cap: float = 3600.0) -> None:
+        if not 0.0 < tau < 1.0:
+            raise ValueError(f"learned_tau must be a probability > 0 and < 1, got {tau!r}")
+        if retrain_s is not None:
+            missing = lightgbm_missing()
+            if missing:
+                raise ValueError(missing)
+        self.model = model
+        self.tau = tau
+        self.threshold = math.log(tau / (1.0 - tau))
+        self.tracker = tracker
+        self.counters = counters
+        self.drift = 0.0
+        self.retrain_s = retrain_s
+        self.next_retrain = math.nan  # set at the first eviction
+        self.labels: deque = deque(maxlen=LABEL_WINDOW)
+        self.queue: deque = deque()  # (t_evict, horizon, learn list, pending entry): labels not settled yet
+        self.horizon_cap = horizon_cap
+        self.retrains = 0
+        if retrain_s is not None:
+            tracker.rule = self
+
+    def admits(self, node, now: float, extra_evictions: int = 0) -> bool | None:
+        """The model's verdict on ``node`` evicted at ``now`` (with ``extra_evictions`` more), or
+        None while the features drift off the training range (Eq. 1 then decides alone)."""
+        last = self.tracker.last
+        if (extra_evictions == 0 and last is not None and last[0] is node and last[1] == node.E_b
+                and last[2] is not None):
+            features = last[2]
+        else:
+            features = self.tracker.features(node, now, extra_evictions)
+        model = self.model
+        off = model.off_range(features)
+        self.drift += _DRIFT_WEIGHT * ((1.0 if off else 0.0) - self.drift)
+        counters = self.counters
+        counters.learned_scored += 1
+        if self.drift > DRIFT_LIMIT:
+            counters.learned_fallbacks += 1
+            return None
+        if model.margin(features) >= self.threshold:
+            counters.learned_admitted += 1
+            return True
+        return False
+
+    # ------------------------------------------------------------------------- online retraining
+    def pending(self, node, learn: list, features: list[float], now: float) -> None:
+        """An eviction whose label the traffic will settle: positive if the chunk is referenced
+        within the SSD's retention now (capped at ``horizon_cap``), negative once that passes."""
+        if learn[_PENDING] is not None:  # evicted again unreferenced (a prewarmed copy): settle as it stands
+            self.settle(learn, now)
+        horizon = min(self.tracker.ssd_retention(), self.horizon_cap)
+        entry = (now, horizon, features)
+        learn[_PENDING] = entry
+        self.queue.append((now + horizon, learn, entry))
+        self._expire(now)
+        if self.next_retrain != self.next_retrain:
+            self.next_retrain = now + self.retrain_s
+        elif now >= self.next_retrain:
+            self.next_retrain = now + self.retrain_s
+            self.retrain()
+
+    def settle(self, learn: list, now: float) -> None:
+        """The chunk of ``learn`` was referenced (or evicted again) at ``now``: its pending eviction's label."""
+        t, horizon, features = learn[_PENDING]
+        learn[_PENDING] = None
+        self.labels.append((features, 1 if now - t <= horizon else 0))
+
+    def _expire(self, now: float) -> None:
+        queue = self.queue
+        while queue and queue[0][0] < now:
+            _, learn, entry = queue.popleft()
+            if learn[_PENDING] is entry:
+                learn[_PENDING] = None
+                self.labels.append((entry[2], 0))
+
+    def retrain(self) -> bool:
+        """Train a new model on the settled labels (at least :data:`MIN_TRAIN_ROWS`, both kinds);
+        whether it did."""
+        labels = self.labels
+        positives = sum(label for _, label in labels)
+        if len(labels) < MIN_TRAIN_ROWS or positives == 0 or positives == len(labels):
+            return False
+        self.model = train_model([f for f, _ in labels], [label for _, label in labels],
+                                 note=f"online, {len(labels)} labels")
+        self.drift = 0.0
+        self.retrains += 1
+        self.counters.learned_retrains += 1
+        return True
