@@ -24,9 +24,10 @@ rules that refine it (``Policy.admission``, rules joined by ``+``).
   the model admit it: fewer writes) or ``eq1|learned`` (when either does: more retention): a
   gradient-boosted tree model of the oracle's labels on features known at the eviction
   (:mod:`saria.control.learned`), admitting when its probability passes ``learned_tau``. It
-  decides at evictions and prewrites: with ``&`` the reuse branch writes nothing early (a chunk
-  with ``R_b >= theta_R`` is judged at its eviction, where the model sees it), with ``|`` it stays
-  Eq. 1's. While the features drift off the model's training range Eq. 1 decides alone.
+  decides at evictions: with ``&`` a prewrite needs the model too (asked about the next eviction)
+  and the reuse branch writes nothing early (a chunk with ``R_b >= theta_R`` is judged at its
+  eviction, where the model sees it); with ``|`` prewrite and the reuse branch stay Eq. 1's, and
+  what only the model admits is written at the eviction (its features are an eviction's). While the features drift off the model's training range Eq. 1 decides alone.
 * ``oracle`` (alone; ``saria replay --policy oracle`` only): the replay tells admission every
   chunk's next use (:class:`FutureUses`); a chunk is admitted exactly when a request not yet
   planned will reference it within the SSD's retention time (the age of the SSD's latest LRU
@@ -197,11 +198,14 @@ class Admission:
             return []
         if self.admit_all and not self._prefix and not self._cost:
             return list(objs)
-        if self._learned_only and self._and and not self.dither:  # Eq. 1 inlined, then the model on those
-            theta_E, theta_R = self.theta_E, self.theta_R
-            return [obj for obj in objs
-                    if (obj.evidence.E_b + obj.eviction_step >= theta_E or obj.evidence.R_b >= theta_R)
-                    and self.admits(obj, obj.eviction_step)]
+        if self._learned_only:  # Eq. 1 (inlined); with AND the model too
+            if self.dither:
+                eq1 = [obj for obj in objs if self.admitted(obj.evidence, obj.eviction_step)]
+            else:
+                theta_E, theta_R = self.theta_E, self.theta_R
+                eq1 = [obj for obj in objs
+                       if obj.evidence.E_b + obj.eviction_step >= theta_E or obj.evidence.R_b >= theta_R]
+            return [obj for obj in eq1 if self.admits(obj, obj.eviction_step)] if self._and else eq1
         if not self.eq1_only:
             return [obj for obj in objs if self.admits(obj, obj.eviction_step)]
         if self.dither:
