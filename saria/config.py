@@ -192,7 +192,9 @@ class Policy:
       the oracle's labels, :mod:`saria.control.learned`) is joined to ``eq1`` by ``&`` (both admit)
       or ``|`` (either admits): ``eq1&learned+deferred``; ``oracle`` alone knows the future (replay only).
     * ``learned_tau``: the ``learned`` rule admits a chunk at an eviction when the model's
-      probability that a later request reuses it within the SSD's retention is at least this;
+      probability that a later request reuses it within the SSD's retention is at least this
+      (None: the threshold the model file carries for the join, chosen on its training labels;
+      0.5 if it carries none);
       ``learned_model``: the model file (None: the one shipped in :mod:`saria.control`);
       ``learned_retrain_s``: retrain the model online every that many seconds on the labels the
       traffic has settled since (None: never; needs the ``learn`` extra, LightGBM).
@@ -225,7 +227,7 @@ class Policy:
     session_p: float = 0.5
     prefill_tps: float | None = None
     reload_overhead_s: float = 0.002
-    learned_tau: float = 0.5
+    learned_tau: float | None = None
     learned_model: str | None = None
     learned_retrain_s: float | None = None
     prewarm: bool = False
@@ -259,9 +261,10 @@ class Policy:
         if self.prefill_tps is not None:
             _check_float("Policy", "prefill_tps", self.prefill_tps, 0.0, strict=True)
         _check_float("Policy", "reload_overhead_s", self.reload_overhead_s, 0.0)
-        _check_float("Policy", "learned_tau", self.learned_tau, 0.0, strict=True)
-        if self.learned_tau >= 1.0:
-            raise ValueError(f"Policy.learned_tau must be a probability > 0 and < 1, got {self.learned_tau}")
+        if self.learned_tau is not None:
+            _check_float("Policy", "learned_tau", self.learned_tau, 0.0, strict=True)
+            if self.learned_tau >= 1.0:
+                raise ValueError(f"Policy.learned_tau must be a probability > 0 and < 1, got {self.learned_tau}")
         if self.learned_model is not None and (not isinstance(self.learned_model, str) or not self.learned_model):
             raise ValueError(f"Policy.learned_model must be a model file's path or None (the shipped model), "
                              f"got {self.learned_model!r}")

@@ -13,8 +13,8 @@ import pytest
 from saria.config import ADMISSION_RULES, Policy, admission_rules, learned_join
 from saria.control import ControlPlane
 from saria.control import learned as learned_mod
-from saria.control.learned import (FEATURES, FEATURE_VERSION, MODEL_FORMAT, LearnedRule, TreeModel, lightgbm_missing,
-                                   shipped_model)
+from saria.control.learned import (FEATURES, FEATURE_VERSION, MODEL_FORMAT, LearnedRule, TreeModel, choose_tau,
+                                   lightgbm_missing, shipped_model)
 from saria.replay.policies import parse_policy
 
 from control_cases import config, drain
@@ -225,6 +225,35 @@ def test_compiled_model_matches_a_tree_walk():
             lo = [2 * a - b for a, b in data["ranges"]]
             hi = [2 * b - a for a, b in data["ranges"]]
             assert model.off_range(f) == any(not (a <= x <= b) for x, a, b in zip(f, lo, hi))
+
+
+def test_choose_tau_keeps_the_recall_and_the_precision_it_is_asked_for():
+    """A one-feature model whose probability is the feature ``hits_in_dram`` / 10: the thresholds
+    are read off the labels exactly."""
+    n = len(FEATURES)
+    # score(x) = logit(x / 10) as a sum of stumps is awkward; a lookup of a few values is enough
+    values = [1, 3, 5, 7, 9]
+    logit = [math.log(v / 10 / (1 - v / 10)) for v in values]
+    tree: object = logit[-1]
+    for v, m in reversed(list(zip(values[:-1], logit[:-1]))):
+        tree = [3, v + 0.5, m, tree]
+    model = TreeModel({"format": MODEL_FORMAT, "feature_version": FEATURE_VERSION, "features": list(FEATURES),
+                       "trees": [tree], "ranges": [[0.0, 10.0]] * n})
+    row = lambda evictions, x: [evictions, 0, 0, x] + [0.0] * (n - 4)  # noqa: E731
+    # Eq. 1 admits (evictions 2): positives at p 0.9, 0.7, 0.3 (weights 1, 1, 8); a negative at 0.1
+    rows = [row(2, 9), row(2, 7), row(2, 3), row(2, 1)]
+    labels, weights = [1, 1, 1, 0], [1.0, 1.0, 8.0, 1.0]
+    # Eq. 1 rejects (evictions 1): p 0.9 positive, 0.7 negative, 0.5 positive, 0.3 negative x3
+    rows += [row(1, 9), row(1, 7), row(1, 5), row(1, 3)]
+    labels += [1, 0, 1, 0]
+    weights += [1.0, 1.0, 1.0, 3.0]
+    taus = choose_tau(model, rows, labels, weights, recall=0.98, precision=0.5)
+    assert 0.29 < taus["and"] <= 0.3  # keeping the weight-8 positive at 0.3
+    assert 0.69 <= choose_tau(model, rows, labels, weights, recall=0.15)["and"] <= 0.7  # 2 of 10 kept
+    assert 0.89 <= choose_tau(model, rows, labels, weights, recall=0.1)["and"] <= 0.9  # 1 of 10 will do
+    assert choose_tau(model, rows, labels, weights, theta_E=3)["and"] == 0.98  # Eq. 1 admits none: reject all
+    assert 0.3 < taus["or"] <= 0.31  # above 0.3: 2 of 3 positive; at 0.3: 2 of 6 weight
+    assert 0.69 <= choose_tau(model, rows, labels, weights, precision=0.9)["or"] <= 0.71  # only the 0.9 one
 
 
 def test_a_model_for_other_features_is_refused():

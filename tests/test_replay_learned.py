@@ -126,8 +126,8 @@ def test_the_model_learns_the_known_answer_and_the_rule_uses_it(tmp_path):
     model.save(path)
     exp = Experiment(known_trace(1), "known1", BASE, FAST, arrivals="recorded", workers=1, progress=False)
     points = [Point(label, parse_policy(spec)) for label, spec in (
-        ("eq1", "saria"), ("and", f"saria:admission=eq1&learned+deferred,learned_model={path}"),
-        ("or", f"saria:admission=eq1|learned+deferred,learned_model={path}"), ("oracle", "oracle"))]
+        ("eq1", "saria"), ("and", f"saria:admission=eq1&learned+deferred,learned_tau=0.5,learned_model={path}"),
+        ("or", f"saria:admission=eq1|learned+deferred,learned_tau=0.5,learned_model={path}"), ("oracle", "oracle"))]
     results, runs = exp.run(points, references=False)
     by = {r["policy"]: r for r in results}
     counters = {run.name: run.counters for run in runs}

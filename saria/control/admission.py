@@ -122,7 +122,10 @@ class Admission:
                                           prefill_tps=policy.prefill_tps or 6500.0, observer=observer)
         if learned:
             model = shipped_model() if policy.learned_model is None else TreeModel.load(policy.learned_model)
-            self.learned = LearnedRule(model, policy.learned_tau, self.tracker,
+            tau = policy.learned_tau
+            if tau is None:
+                tau = model.tau("and" if self._and else "or")
+            self.learned = LearnedRule(model, tau, self.tracker,
                                        counters if counters is not None else Counters(),
                                        retrain_s=policy.learned_retrain_s, horizon_cap=policy.metadata_window_s)
         self._cost_depth = 0

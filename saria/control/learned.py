@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 __all__ = ["DRIFT_LIMIT", "FEATURES", "FEATURE_VERSION", "FeatureTracker", "LABEL_WINDOW", "LearnedRule",
-           "MODEL_FORMAT", "TreeModel", "lightgbm_missing", "shipped_model", "train_model"]
+           "MODEL_FORMAT", "TreeModel", "choose_tau", "lightgbm_missing", "shipped_model", "train_model"]
 
 # What each feature is (at a chunk's DRAM eviction, ``now``; the chunk's E_b counts this eviction).
 FEATURES = (
@@ -244,6 +244,12 @@ class TreeModel:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.data, separators=(",", ":")) + "\n")
 
+    def tau(self, join: str) -> float:
+        """The threshold this model was shipped with for ``join`` (``"and"`` / ``"or"``; chosen on
+        its training labels, see :func:`choose_tau`), 0.5 where it carries none."""
+        tau = self.data.get("tau", {}).get(join, 0.5)
+        return float(tau) if isinstance(tau, (int, float)) and 0.0 < tau < 1.0 else 0.5
+
     def probability(self, features: Sequence[float]) -> float:
         return 1.0 / (1.0 + math.exp(-self.margin(features)))
 
@@ -339,6 +345,35 @@ def train_model(rows: Sequence[Sequence[float]], labels: Sequence[int], *, round
                       "rows": int(len(y)), "positives": int(y.sum()), "note": note,
                       "importance": {name: int(v) for name, v in
                                      zip(FEATURES, booster.feature_importance("gain").round().astype(int))}})
+
+
+def choose_tau(model: TreeModel, rows: Sequence[Sequence[float]], labels: Sequence[int],
+               weights: Sequence[float] | None = None, *, theta_E: float = 2, theta_R: float = 8,
+               recall: float = 0.98, precision: float = 0.5) -> dict:
+    """Thresholds for each join from training labels alone (no replay, nothing held out): for
+    ``and``, the highest tau (0.02-0.98) that keeps ``recall`` of the positives' weight among the
+    evictions Eq. 1 admits (``evictions >= theta_E or reuses >= theta_R``); for ``or``, the lowest
+    tau at which the evictions Eq. 1 rejects and the model admits are positives at least
+    ``precision`` of the time (0.98 where none is)."""
+    weights = [1.0] * len(labels) if weights is None else weights
+    grid = [i / 100.0 for i in range(2, 99)]
+    probs = [model.probability(r) for r in rows]
+    eq1 = [r[0] >= theta_E or r[1] >= theta_R for r in rows]
+    positive = sum(w for p, y, w, e in zip(probs, labels, weights, eq1) if e and y)
+    tau_and = grid[0]
+    for tau in reversed(grid):
+        kept = sum(w for p, y, w, e in zip(probs, labels, weights, eq1) if e and y and p >= tau)
+        if positive == 0 or kept >= recall * positive:
+            tau_and = tau
+            break
+    tau_or = grid[-1]
+    for tau in grid:
+        admitted = [(y, w) for p, y, w, e in zip(probs, labels, weights, eq1) if not e and p >= tau]
+        total = sum(w for _, w in admitted)
+        if total > 0 and sum(w for y, w in admitted if y) >= precision * total:
+            tau_or = tau
+            break
+    return {"and": tau_and, "or": tau_or, "recall": recall, "precision": precision}
 
 
 class LearnedRule:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from saria.control.learned import TreeModel, train_model
+from saria.control.learned import TreeModel, choose_tau, train_model
 from saria.replay.experiment import Experiment
 from saria.replay.labels import EvictionLabels, episode_labels
 from saria.replay.policies import BaseSettings, build_config, parse_policy
@@ -60,7 +60,8 @@ def fit(sets: Sequence[EvictionLabels], *, kind: str = "oracle", budget_fraction
     """A model of the deciding evictions of ``sets``: ``kind`` ``oracle`` labels each as the
     oracle would; ``episodes`` admits per set the best reuses per byte until ``budget_fraction``
     of the bytes the oracle's positives would write. Each set weighs the same in training
-    (weights 1 / its deciding evictions), so a long trace does not drown a short one."""
+    (weights 1 / its deciding evictions), so a long trace does not drown a short one. The model
+    carries the thresholds :func:`~saria.control.learned.choose_tau` picks on the same labels."""
     if kind not in LABEL_KINDS:
         raise ValueError(f"label kind must be one of {LABEL_KINDS}, got {kind!r}")
     rows: list = []
@@ -80,4 +81,7 @@ def fit(sets: Sequence[EvictionLabels], *, kind: str = "oracle", budget_fraction
         labels += [chosen[i] for i in keep]
         weights += [1.0 / len(keep)] * len(keep)
     scale = len(weights) / max(sum(weights), 1e-12)
-    return train_model(rows, labels, weights=[w * scale for w in weights], note=note, **params)
+    weights = [w * scale for w in weights]
+    model = train_model(rows, labels, weights=weights, note=note, **params)
+    model.data["tau"] = choose_tau(model, rows, labels, weights)
+    return model
