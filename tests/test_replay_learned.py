@@ -175,3 +175,38 @@ def test_time_half_splits_whole_sessions():
     with pytest.raises(ValueError, match="half"):
         time_half(trace, 2)
     assert not math.isnan(middle)
+
+
+def test_tune_searches_learned_tau_for_a_write_budget(tmp_path):
+    from dataclasses import replace
+
+    from saria.config import WriteBudget
+    from saria.replay.tune import DEFAULT_TAU, tune
+
+    base = BaseSettings(dram_tokens=100_000, ssd_tokens=1_000_000)
+    path = tmp_path / "model.json"
+    fit([collect(open_trace(f"synth:sessions=12,seed={seed}"), "synth", base) for seed in (4, 5)]).save(path)
+    spec = parse_policy(f"saria:admission=eq1&learned+deferred,learned_model={path}")
+    probe = Experiment(open_trace("synth:sessions=8,seed=3"), "synth", base, ReplaySettings(), arrivals="rewindow",
+                       workers=1, progress=False)
+    most, least = (probe.run([Point("p", parse_policy(f"{spec.label},learned_tau={t}"))], references=False)[0][0]
+                   for t in (DEFAULT_TAU[0], DEFAULT_TAU[-1]))
+    assert least["ssd_write_bytes"] < most["ssd_write_bytes"]
+    # a budget between the two ends: 1 DWPD of a drive sized so (the default drive is the SSD cache)
+    default_budget = most["ssd_write_bytes"] / most["write_budget_ratio"]
+    capacity = int(probe.config_for(spec).ssd_bytes * (least["ssd_write_bytes"] + most["ssd_write_bytes"]) / 2
+                   / default_budget)
+    base = replace(base, write_budget=WriteBudget(dwpd=1.0, capacity_bytes=capacity))
+    exp = Experiment(open_trace("synth:sessions=8,seed=3"), "synth", base, ReplaySettings(), arrivals="rewindow",
+                     workers=1, progress=False)
+    result = tune(exp, spec, theta_R=(8,))
+    taus = [row["learned_tau"] for row in result.rows]
+    assert set(taus) <= set(DEFAULT_TAU) and all(row["theta_E"] == "2" for row in result.rows)
+    writes = {row["learned_tau"]: row["ssd_write_bytes"] for row in result.rows}
+    assert [writes[t] for t in sorted(writes)] == sorted(writes.values(), reverse=True)  # higher tau, fewer writes
+    best = result.best
+    assert best["feasible"] and all(not row["feasible"] for row in result.rows if row["learned_tau"] < best["learned_tau"])
+    assert result.spec.endswith(f"theta_E=2,theta_R=8,learned_tau={best['learned_tau']}")
+    parse_policy(result.spec)
+    with pytest.raises(ValueError, match="tunes learned_tau"):
+        tune(exp, spec, theta_E=(1, 2))

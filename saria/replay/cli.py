@@ -278,14 +278,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
           f"{budget.dwpd * budget.capacity_bytes / 86_400 / 1e6:,.1f} MB/s over the replayed duration")
     result = tune(exp, base, theta_E=args.theta_e or DEFAULT_THETA_E, theta_R=args.theta_r or DEFAULT_THETA_R,
                   objective=args.objective)
-    print(f"{'theta_E':>7} {'theta_R':>7} {'writes GiB':>11} {'budget':>7} {'CHAR':>7} {'P25 bad':>7} "
-          f"{'TTFT ms':>9}  fits")
+    learned = "learned_tau" in result.best
+    print(f"{'theta_E':>7} {'theta_R':>7}{'     tau' if learned else ''} {'writes GiB':>11} {'budget':>7} {'CHAR':>7} "
+          f"{'P25 bad':>7} {'TTFT ms':>9}  fits")
     for row in result.rows:
-        print(f"{row['theta_E']:>7} {row['theta_R']:>7} {row['ssd_write_bytes'] / 2**30:>11,.1f} "
+        tau = f" {row['learned_tau']:>7}" if learned else ""
+        print(f"{row['theta_E']:>7} {row['theta_R']:>7}{tau} {row['ssd_write_bytes'] / 2**30:>11,.1f} "
               f"{row['write_budget_ratio']:>7.3f} {_pct(row['char_mean']):>7} {_pct(row['char_p25_bad']):>7} "
               f"{row['ttft_ms_mean']:>9,.1f}  {'yes' if row['feasible'] else 'no'}")
     best = result.best
-    print(f"best within budget: theta_E={best['theta_E']} theta_R={best['theta_R']}: CHAR {_pct(best['char_mean'])} "
+    tau = f" learned_tau={best['learned_tau']}" if learned else ""
+    print(f"best within budget: theta_E={best['theta_E']} theta_R={best['theta_R']}{tau}: CHAR {_pct(best['char_mean'])} "
           f"(P25 bad {_pct(best['char_p25_bad'])}), {best['write_budget_ratio']:.3f} of the budget")
     print(f"use: --policy {result.spec}")
     if args.json:
