@@ -210,3 +210,22 @@ def test_tune_searches_learned_tau_for_a_write_budget(tmp_path):
     parse_policy(result.spec)
     with pytest.raises(ValueError, match="tunes learned_tau"):
         tune(exp, spec, theta_E=(1, 2))
+
+
+def test_saria_replay_runs_both_joins_from_the_command_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "replay", "synth:sessions=6,seed=2",
+                           "--dram-tokens", "100000", "--ssd-tokens", "1000000", "--jobs", "1", "--no-progress",
+                           "--policy", "saria", "--policy", "saria:admission=eq1&learned+deferred",
+                           "--policy", "saria:admission=eq1|learned", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    names = [r["policy"] for r in json.loads(out.read_text())["results"]]
+    assert names == ["saria", "saria:admission=eq1&learned+deferred", "saria:admission=eq1|learned"]
+    bad = subprocess.run([sys.executable, "-m", "saria.commands.cli", "replay", "synth:sessions=2", "--policy",
+                          "saria:admission=eq1&learned,learned_tau=2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "learned_tau" in bad.stderr and "Traceback" not in bad.stderr

@@ -337,8 +337,10 @@ def add_commands(sub) -> None:
                     "NAME:key=value,... (e.g. saria:theta_E=3,theta_R=none, full-duplicate:r=0.5), and "
                     "write_budget=auto runs the endurance governor for that policy. admission=RULE+RULE picks "
                     "the admission rules (eq1, deferred, session, prefix, cost; e.g. "
-                    "saria:admission=eq1+session,session_p=0.4); oracle is the offline ceiling, which knows "
-                    "every chunk's next use. Every policy is reported with its useful write fraction and its "
+                    "saria:admission=eq1+session,session_p=0.4); eq1&learned (both admit: fewer writes) or "
+                    "eq1|learned (either: more retention) joins a model trained on the oracle's labels to Eq. 1 "
+                    "(saria:admission=eq1&learned+deferred,learned_tau=0.3; learned_model=PATH, "
+                    "learned_retrain_s=S); oracle is the offline ceiling, which knows every chunk's next use. Every policy is reported with its useful write fraction and its "
                     "retention against dram-only and full-duplicate replayed alongside.")
     _add_common(p)
     p.add_argument("--policy", action="append", metavar="NAME",
@@ -376,7 +378,8 @@ def add_commands(sub) -> None:
         "tune", help="the theta_E / theta_R that meet an SSD write budget with the best CHAR",
         description="Search admission thresholds for the best CHAR whose SSD writes stay within --dwpd drive "
                     "writes per day of --ssd-capacity over the replayed duration (binary search over theta_E "
-                    "for each theta_R, each probe a replay).")
+                    "for each theta_R, each probe a replay; a policy with the learned rule, e.g. "
+                    "saria:admission=eq1&learned+deferred, searches learned_tau instead of theta_E).")
     _add_common(p, budget_required=True)
     p.add_argument("--policy", default="saria", metavar="NAME", help="the policy tuned (default saria)")
     p.add_argument("--theta-e", type=listed(_THRESHOLD), metavar="LIST",
