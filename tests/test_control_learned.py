@@ -184,10 +184,9 @@ def test_the_learned_rule_scores_what_the_observer_sees():
     scored = []
     cp = ControlPlane(cfg, observer=lambda node, features, now, retention: scored.append(list(features)))
     rule = cp._admission.learned
-    model = rule.model
     margins = []
-    real = model.margin
-    model.margin = lambda f: margins.append(list(f)) or real(f)
+    real = rule.decide
+    rule.decide = lambda f: margins.append(list(f)) or real(f)
     for now, keys in _random_requests(7, 60):
         drain(cp, cp.commit_prefill(keys, now, plan=cp.plan(keys, now)), now)
     assert margins and all(m in scored for m in margins)
@@ -218,10 +217,13 @@ def test_compiled_model_matches_a_tree_walk():
     for _ in range(5):
         data = _random_model(rng)
         model = TreeModel(data)
+        deciders = {threshold: model.decider(threshold) for threshold in (-2.0, 0.0, 0.7, 3.0)}
         for _ in range(300):
             f = [rng.uniform(-6, 10) for _ in FEATURES]
             assert model.margin(f) == pytest.approx(0.25 + sum(_walk(t, f) for t in data["trees"]), abs=1e-12)
             assert model.off_range(f) == model.off_range_slow(f)
+            for threshold, decide in deciders.items():
+                assert decide(f) == (model.margin(f) >= threshold)
             lo = [2 * a - b for a, b in data["ranges"]]
             hi = [2 * b - a for a, b in data["ranges"]]
             assert model.off_range(f) == any(not (a <= x <= b) for x, a, b in zip(f, lo, hi))

@@ -244,6 +244,10 @@ class TreeModel:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.data, separators=(",", ":")) + "\n")
 
+    def decider(self, threshold: float) -> Callable[[Sequence[float]], bool]:
+        """``margin(features) >= threshold``, compiled to stop at the first tree that settles it."""
+        return _compile(self.trees, float(self.data.get("base", 0.0)), threshold)
+
     def tau(self, join: str) -> float:
         """The threshold this model was shipped with for ``join`` (``"and"`` / ``"or"``; chosen on
         its training labels, see :func:`choose_tau`), 0.5 where it carries none."""
@@ -263,10 +267,20 @@ class TreeModel:
         return False
 
 
-def _compile(trees: list, base: float) -> Callable[[Sequence[float]], float]:
-    """One Python function: the sum of every tree's leaf for ``features``, plus ``base``."""
-    lines = ["def margin(f):", f"    {', '.join(f'f{i}' for i in range(len(FEATURES)))}, = f",
+def _leaves(node) -> list[float]:
+    return [float(node)] if not isinstance(node, list) else _leaves(node[2]) + _leaves(node[3])
+
+
+def _compile(trees: list, base: float, threshold: float | None = None) -> Callable[[Sequence[float]], float]:
+    """One Python function: the sum of every tree's leaf for ``features``, plus ``base``; with a
+    ``threshold``, whether that sum reaches it, returning as soon as the trees left cannot change
+    the answer (their largest and smallest leaves, summed, with 1e-9 to spare)."""
+    name = "margin" if threshold is None else "decide"
+    lines = [f"def {name}(f):", f"    {', '.join(f'f{i}' for i in range(len(FEATURES)))}, = f",
              f"    s = {base!r}"]
+    if threshold is not None:
+        highs = [max(_leaves(t)) for t in trees]
+        lows = [min(_leaves(t)) for t in trees]
 
     def emit(node, indent: str) -> None:
         if not isinstance(node, list):
@@ -280,12 +294,18 @@ def _compile(trees: list, base: float) -> Callable[[Sequence[float]], float]:
         lines.append(f"{indent}else:")
         emit(right, indent + "    ")
 
-    for tree in trees:
+    for k, tree in enumerate(trees):
         emit(tree, "    ")
-    lines.append("    return s")
+        if threshold is not None and k + 1 < len(trees):
+            most, least = sum(highs[k + 1:]), sum(lows[k + 1:])
+            lines.append(f"    if s < {threshold - most - 1e-9!r}:")
+            lines.append("        return False")
+            lines.append(f"    if s >= {threshold - least + 1e-9!r}:")
+            lines.append("        return True")
+    lines.append("    return s" if threshold is None else f"    return s >= {threshold!r}")
     namespace: dict = {}
     exec(compile("\n".join(lines), "<saria learned model>", "exec"), namespace)  # noqa: S102 (our own numbers)
-    return namespace["margin"]
+    return namespace[name]
 
 
 def _compile_range(lo: list[float], hi: list[float]) -> Callable[[Sequence[float]], bool]:
@@ -380,7 +400,7 @@ class LearnedRule:
     """The learned half of ``eq1&learned`` / ``eq1|learned`` (see the module docstring)."""
 
     __slots__ = ("model", "tau", "threshold", "tracker", "counters", "drift", "retrain_s", "next_retrain",
-                 "labels", "queue", "horizon_cap", "retrains")
+                 "labels", "queue", "horizon_cap", "retrains", "decide")
 
     def __init__(self, model: TreeModel, tau: float, tracker: FeatureTracker, counters, *,
                  retrain_s: float | None = None, horizon_cap: float = 3600.0) -> None:
@@ -393,6 +413,7 @@ class LearnedRule:
         self.model = model
         self.tau = tau
         self.threshold = math.log(tau / (1.0 - tau))
+        self.decide = model.decider(self.threshold)
         self.tracker = tracker
         self.counters = counters
         self.drift = 0.0
@@ -422,7 +443,7 @@ class LearnedRule:
         if self.drift > DRIFT_LIMIT:
             counters.learned_fallbacks += 1
             return None
-        if model.margin(features) >= self.threshold:
+        if self.decide(features):
             counters.learned_admitted += 1
             return True
         return False
@@ -467,6 +488,7 @@ class LearnedRule:
             return False
         self.model = train_model([f for f, _ in labels], [label for _, label in labels],
                                  note=f"online, {len(labels)} labels")
+        self.decide = self.model.decider(self.threshold)
         self.drift = 0.0
         self.retrains += 1
         self.counters.learned_retrains += 1
