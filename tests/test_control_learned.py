@@ -357,3 +357,35 @@ def test_without_lightgbm_training_is_refused_in_one_line(monkeypatch):
     for now, keys in _random_requests(1, 30):
         drain(cp, cp.commit_prefill(keys, now, plan=cp.plan(keys, now)), now)
     assert not cp.audit()
+
+
+def _admit_all(tmp_path) -> str:
+    path = tmp_path / "admit-all.json"
+    TreeModel({"format": MODEL_FORMAT, "feature_version": FEATURE_VERSION, "features": list(FEATURES), "trees": [9.0],
+               "ranges": [[-1e9, 1e9]] * len(FEATURES)}).save(path)
+    return str(path)
+
+
+def test_and_with_deferred_prewrites_nothing_before_dram_first_evicts(tmp_path):
+    """A chunk reused 8 times is a prewrite candidate under Eq. 1 (R_b >= theta_R) even while
+    everything fits; eq1&learned+deferred waits for the first eviction, as the reuse branch does,
+    and then prewrites what Eq. 1 and the model both admit."""
+    model = _admit_all(tmp_path)
+    runs = {}
+    for admission in ("eq1+deferred", "eq1&learned+deferred", "eq1|learned+deferred"):
+        cp = ControlPlane(config("saria", dram_chunks=8, ssd_chunks=40, admission=admission, learned_model=model))
+        writes = []
+        for i in range(10):
+            writes += [o for o in drain(cp, cp.commit_prefill(["a:0", "a:1"], float(i), plan=cp.plan(["a:0", "a:1"],
+                                                                                                      float(i))), i)
+                       if type(o).__name__ == "WriteOrder"]
+        before = len(writes)
+        for i in range(10, 20):  # other contexts: DRAM evicts
+            keys = [f"b{i}:{j}" for j in range(4)]
+            writes += [o for o in drain(cp, cp.commit_prefill(keys, float(i), plan=cp.plan(keys, float(i))), i)
+                       if type(o).__name__ == "WriteOrder"]
+        runs[admission] = (before, len(writes), cp.counters())
+    assert runs["eq1+deferred"][0] > 0  # Eq. 1's prewrite of the popular chunks
+    assert runs["eq1|learned+deferred"][0] == runs["eq1+deferred"][0]  # OR: prewrite is Eq. 1's
+    assert runs["eq1&learned+deferred"][0] == 0
+    assert runs["eq1&learned+deferred"][2].dram_evictions > 0 and runs["eq1&learned+deferred"][1] > 0

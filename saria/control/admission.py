@@ -24,8 +24,9 @@ rules that refine it (``Policy.admission``, rules joined by ``+``).
   the model admit it: fewer writes) or ``eq1|learned`` (when either does: more retention): a
   gradient-boosted tree model of the oracle's labels on features known at the eviction
   (:mod:`saria.control.learned`), admitting when its probability passes ``learned_tau``. It
-  decides at evictions: with ``&`` a prewrite needs the model too (asked about the next eviction)
-  and the reuse branch writes nothing early (a chunk with ``R_b >= theta_R`` is judged at its
+  decides at evictions: with ``&`` a prewrite needs the model too (asked about the next eviction;
+  with ``deferred``, nothing is prewritten before DRAM first evicts: until then there is no
+  eviction to judge, as for the reuse branch) and the reuse branch writes nothing early (a chunk with ``R_b >= theta_R`` is judged at its
   eviction, where the model sees it); with ``|`` prewrite and the reuse branch stay Eq. 1's, and
   what only the model admits is written at the eviction (its features are an eviction's). While the features drift off the model's training range Eq. 1 decides alone.
 * ``oracle`` (alone; ``saria replay --policy oracle`` only): the replay tells admission every
@@ -202,6 +203,8 @@ class Admission:
         if self.admit_all and not self._prefix and not self._cost:
             return list(objs)
         if self._learned_only:  # Eq. 1 (inlined); with AND the model too
+            if self._and and self._deferred and not self.dram_evicted:
+                return []  # AND + deferred: no prewrite before DRAM first evicts (the model judges evictions)
             if self.dither:
                 eq1 = [obj for obj in objs if self.admitted(obj.evidence, obj.eviction_step)]
             else:
