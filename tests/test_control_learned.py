@@ -372,7 +372,8 @@ def test_and_with_deferred_prewrites_nothing_before_dram_first_evicts(tmp_path):
     and then prewrites what Eq. 1 and the model both admit."""
     model = _admit_all(tmp_path)
     runs = {}
-    for admission in ("eq1+deferred", "eq1&learned+deferred", "eq1|learned+deferred"):
+    for admission in ("eq1+deferred", "eq1&learned+deferred", "eq1|learned+deferred", "eq1+deferred+prefix",
+                      "eq1|learned+deferred+prefix", "eq1&learned+deferred+prefix"):
         cp = ControlPlane(config("saria", dram_chunks=8, ssd_chunks=40, admission=admission, learned_model=model))
         writes = []
         for i in range(10):
@@ -388,4 +389,6 @@ def test_and_with_deferred_prewrites_nothing_before_dram_first_evicts(tmp_path):
     assert runs["eq1+deferred"][0] > 0  # Eq. 1's prewrite of the popular chunks
     assert runs["eq1|learned+deferred"][0] == runs["eq1+deferred"][0]  # OR: prewrite is Eq. 1's
     assert runs["eq1&learned+deferred"][0] == 0
+    assert runs["eq1|learned+deferred+prefix"][0] == runs["eq1+deferred+prefix"][0] > 0  # with other rules too
+    assert runs["eq1&learned+deferred+prefix"][0] == 0
     assert runs["eq1&learned+deferred"][2].dram_evictions > 0 and runs["eq1&learned+deferred"][1] > 0

@@ -26,9 +26,11 @@ rules that refine it (``Policy.admission``, rules joined by ``+``).
   (:mod:`saria.control.learned`), admitting when its probability passes ``learned_tau``. It
   decides at evictions: with ``&`` a prewrite needs the model too (asked about the next eviction;
   with ``deferred``, nothing is prewritten before DRAM first evicts: until then there is no
-  eviction to judge, as for the reuse branch) and the reuse branch writes nothing early (a chunk with ``R_b >= theta_R`` is judged at its
-  eviction, where the model sees it); with ``|`` prewrite and the reuse branch stay Eq. 1's, and
-  what only the model admits is written at the eviction (its features are an eviction's). While the features drift off the model's training range Eq. 1 decides alone.
+  eviction to judge, as for the reuse branch) and the reuse branch writes nothing early (a chunk
+  with ``R_b >= theta_R`` is judged at its eviction, where the model sees it); with ``|``
+  prewrite and the reuse branch stay Eq. 1's, and what only the model admits is written at the
+  eviction (its features are an eviction's). While the features drift off the model's training
+  range Eq. 1 decides alone.
 * ``oracle`` (alone; ``saria replay --policy oracle`` only): the replay tells admission every
   chunk's next use (:class:`FutureUses`); a chunk is admitted exactly when a request not yet
   planned will reference it within the SSD's retention time (the age of the SSD's latest LRU
@@ -87,8 +89,9 @@ class Admission:
         """``clock()``: the control plane's now (the rules ``session``, ``learned`` and ``oracle``
         read it); ``config``: bandwidths and chunk sizes (the rules ``cost`` and ``learned``);
         ``future``: the oracle's knowledge (required by the rule ``oracle``); ``counters``: where
-        the rule ``learned`` counts; ``observer(node, features, now, ssd_retention)``: called at every kv
-        object's DRAM eviction with its learned-rule features and the SSD's retention age (a replay's labeler, any policy)."""
+        the rule ``learned`` counts; ``observer(node, features, now, ssd_retention)``: called at
+        every kv object's DRAM eviction with its learned-rule features and the SSD's retention age
+        (a replay's labeler, under any policy)."""
         self.theta_E = math.inf if policy.theta_E is None else policy.theta_E
         self.theta_R = math.inf if policy.theta_R is None else policy.theta_R
         self.admit_all = policy.admit_all
@@ -107,7 +110,8 @@ class Admission:
                              "use it with saria replay --policy oracle")
         self._clock = clock
         self.future = future
-        self.sessions = SessionTracker(policy.session_p) if (self._session or learned or observer is not None) else None
+        tracked = self._session or learned or observer is not None
+        self.sessions = SessionTracker(policy.session_p) if tracked else None
         self.situations = self.sessions if self._session else None  # what the session rule files evictions under
         self._learned_only = learned and rules <= {"eq1", "deferred", "learned"}  # admits() fast path
         self.ssd_retention_s = math.inf  # the age of the SSD's latest LRU victim (oracle's horizon)
@@ -155,9 +159,10 @@ class Admission:
             return evidence.R_b + u >= self.theta_R or evictions + u >= self.theta_E
         return evidence.R_b >= self.theta_R or evictions >= self.theta_E
 
-    def admits(self, obj: CacheObject, extra_evictions: int = 0) -> bool:
+    def admits(self, obj: CacheObject, extra_evictions: int = 0, model: bool = True) -> bool:
         """Every rule of the policy on ``obj`` (see the module docstring), counting
-        ``extra_evictions`` more evictions of its evidence."""
+        ``extra_evictions`` more evictions of its evidence; ``model`` False leaves the learned
+        rule out (Eq. 1 alone where it is joined)."""
         if not self.enabled:
             return False
         if self.eq1_only:
@@ -169,7 +174,7 @@ class Admission:
                 evidence = obj.evidence
                 admitted = (self.admit_all or evidence.R_b >= self.theta_R
                             or evidence.E_b + extra_evictions >= self.theta_E)
-            if admitted is self._and:  # AND: Eq. 1 admits, the model decides; OR: it does not, the model decides
+            if model and admitted is self._and:  # AND: Eq. 1 admits, the model decides; OR: it rejects, likewise
                 verdict = self.learned.admits(obj.node, self._clock(), extra_evictions)
                 if verdict is not None:
                     return verdict
@@ -182,7 +187,7 @@ class Admission:
         evidence = obj.evidence
         admitted = self.admitted(evidence, extra_evictions)
         learned = self.learned
-        if learned is not None and admitted is self._and:  # AND: Eq. 1 admits; OR: it does not
+        if model and learned is not None and admitted is self._and:  # AND: Eq. 1 admits; OR: it does not
             verdict = learned.admits(node, self._clock(), extra_evictions)
             if verdict is not None:
                 admitted = verdict
@@ -202,9 +207,11 @@ class Admission:
             return []
         if self.admit_all and not self._prefix and not self._cost:
             return list(objs)
+        if self.learned is not None and self._and and self._deferred and not self.dram_evicted:
+            return []  # AND + deferred: no prewrite before DRAM first evicts (the model judges evictions)
+        if self.learned is not None and not self._learned_only:  # OR: prewrite is Eq. 1's (and the other rules')
+            return [obj for obj in objs if self.admits(obj, obj.eviction_step, self._and)]
         if self._learned_only:  # Eq. 1 (inlined); with AND the model too
-            if self._and and self._deferred and not self.dram_evicted:
-                return []  # AND + deferred: no prewrite before DRAM first evicts (the model judges evictions)
             if self.dither:
                 eq1 = [obj for obj in objs if self.admitted(obj.evidence, obj.eviction_step)]
             else:
