@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import pickle
 import sys
 import tempfile
 import time
@@ -63,7 +64,9 @@ def _base(scale: float) -> BaseSettings:
 def _labels(job: tuple[str, float]):
     spec, scale = job
     trace = open_trace(spec)
-    return collect(trace, spec, _base(scale), arrivals="rewindow")
+    labelled = collect(trace, spec, _base(scale), arrivals="rewindow")
+    labelled.future = None  # the trace's whole future: not needed for training, heavy to send back
+    return labelled
 
 
 def _name(spec: str) -> str:
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=Path, default=None, help="keep the leave-one-out models here")
     parser.add_argument("--write-model", action="store_true", help=f"train on every trace and write {MODEL}")
     parser.add_argument("--quick", action="store_true", help="small synth traces only (a smoke run)")
+    parser.add_argument("--labels-cache", type=Path, default=None,
+                        help="keep the labelled evictions in this pickle and reuse them when it exists")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.quick:
@@ -160,8 +165,20 @@ def main(argv: list[str] | None = None) -> int:
         evaluated = sorted(str(p) for p in args.traces.glob("*.jsonl"))
         train_only = list(TRAIN_ONLY)
     jobs = [(spec, scale) for spec in evaluated + train_only for scale, _ in SCALES]
-    with mp.get_context("fork").Pool(max(1, args.jobs)) as pool:
-        sets = dict(zip(jobs, pool.map(_labels, jobs, chunksize=1)))
+    jobs.sort(key=lambda job: -Path(job[0]).stat().st_size if Path(job[0]).exists() else -1e9)  # big ones first
+    if args.labels_cache is not None and args.labels_cache.exists():
+        with args.labels_cache.open("rb") as f:
+            sets = pickle.load(f)
+        if set(sets) != set(jobs):
+            raise SystemExit(f"{args.labels_cache} holds labels of other replays; remove it")
+    else:
+        with mp.get_context("fork").Pool(max(1, args.jobs)) as pool:
+            sets = dict(zip(jobs, pool.map(_labels, jobs, chunksize=1)))
+        for labelled in sets.values():
+            labelled.future = None  # the replay's future is not needed for training (nor picklable cheaply)
+        if args.labels_cache is not None:
+            with args.labels_cache.open("wb") as f:
+                pickle.dump(sets, f)
     print(f"labels: {sum(len(s) for s in sets.values()):,} evictions in {len(jobs)} replays "
           f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     folder = args.models or Path(tempfile.mkdtemp(prefix="saria-learned-"))
