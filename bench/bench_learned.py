@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=Path, default=None, help="keep the leave-one-out models here")
     parser.add_argument("--write-model", action="store_true", help=f"train on every trace and write {MODEL}")
     parser.add_argument("--quick", action="store_true", help="small synth traces only (a smoke run)")
+    parser.add_argument("--label-kind", choices=("oracle", "episodes"), default="oracle",
+                        help="train on the oracle's labels (default) or Baleen-style episodes within half the bytes "
+                             "the oracle's positives would write")
     parser.add_argument("--labels-cache", type=Path, default=None,
                         help="keep the labelled evictions in this pickle and reuse them when it exists")
     args = parser.parse_args(argv)
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in evaluated:
         name = _name(spec)
         training = [s for (other, _), s in sets.items() if other != spec]
-        model = fit(training, note=f"leave-one-out: every trace but {name}")
+        model = fit(training, kind=args.label_kind, note=f"leave-one-out: every trace but {name}")
         path = folder / f"without_{name.replace(':', '_').replace('=', '').replace(',', '_')}.json"
         model.save(path)
         importance[name] = {"importance": model.data["importance"], "tau": model.data["tau"]}
