@@ -3,7 +3,7 @@
 
 Protocol (nothing is tuned on an evaluated trace):
 
-1. **Labels.** Every shared trace (``../shared/traces/*.jsonl``) and two ``synth`` seeds (training
+1. **Labels.** Every shared trace (``../shared/traces/*.jsonl``) and two 120-session ``synth`` seeds (training
    only) are replayed under ``saria`` (Eq. 1 + deferred) at the paper's capacities (DRAM 1M / SSD 10M
    tokens) and one tenth, sessions re-windowed over 12 h as ``bench/bench_policy.py`` does, with the
    oracle's labeler on (``saria.replay.labels``): every DRAM eviction where admission decides, with
@@ -53,7 +53,7 @@ TRACES = ROOT.parent / "shared" / "traces"
 MODEL = ROOT / "saria" / "control" / "learned_model.json"
 GiB = 1 << 30
 SCALES = ((1.0, "paper"), (0.1, "one tenth"))
-TRAIN_ONLY = ("synth", "synth:seed=1")
+TRAIN_ONLY = ("synth:sessions=120", "synth:sessions=120,seed=1")  # training only (a third of the paper's 350 sessions)
 AGENT = ("agent_magentic_one", "agent_taubench")
 
 
