@@ -61,12 +61,14 @@ def fit(sets: Sequence[EvictionLabels], *, kind: str = "oracle", budget_fraction
     oracle would; ``episodes`` admits per set the best reuses per byte until ``budget_fraction``
     of the bytes the oracle's positives would write. Each set weighs the same in training
     (weights 1 / its deciding evictions), so a long trace does not drown a short one. The model
-    carries the thresholds :func:`~saria.control.learned.choose_tau` picks on the same labels."""
+    carries thresholds :func:`~saria.control.learned.choose_tau` picks on the same labels, ones
+    that hold on every set: for AND the lowest any set needs, for OR the highest."""
     if kind not in LABEL_KINDS:
         raise ValueError(f"label kind must be one of {LABEL_KINDS}, got {kind!r}")
     rows: list = []
     labels: list = []
     weights: list = []
+    parts: list[tuple[int, int]] = []  # each set's rows
     for labelled in sets:
         if kind == "episodes":
             budget = budget_fraction * labelled.ssd_kv_bytes * sum(
@@ -77,11 +79,16 @@ def fit(sets: Sequence[EvictionLabels], *, kind: str = "oracle", budget_fraction
         keep = [i for i, d in enumerate(labelled.decides) if d]
         if not keep:
             continue
+        parts.append((len(rows), len(rows) + len(keep)))
         rows += [labelled.rows[i] for i in keep]
         labels += [chosen[i] for i in keep]
         weights += [1.0 / len(keep)] * len(keep)
     scale = len(weights) / max(sum(weights), 1e-12)
     weights = [w * scale for w in weights]
     model = train_model(rows, labels, weights=weights, note=note, **params)
-    model.data["tau"] = choose_tau(model, rows, labels, weights)
+    # Thresholds that hold on every training replay: AND keeps the recall on each (the lowest tau
+    # any needs), OR the precision on each (the highest).
+    taus = [choose_tau(model, rows[a:b], labels[a:b]) for a, b in parts if any(labels[a:b])]
+    model.data["tau"] = dict(taus[0], **{"and": min(t["and"] for t in taus), "or": max(t["or"] for t in taus)}) \
+        if taus else choose_tau(model, rows, labels, weights)
     return model
