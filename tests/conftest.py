@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 LONG = os.environ.get("SARIA_LONG_TESTS", "") not in ("", "0")
 
 # pytest-xdist workers (make test runs two): each binds the engines it starts to cores of its own
-# (saria.harness.run.engine_env), so two engines never share one core while the other idles.
+# (saria.harness.engine.engine_env), so two engines never share one core while the other idles.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and "SARIA_ENGINE_FIRST_CORE" not in os.environ:
     os.environ["SARIA_ENGINE_FIRST_CORE"] = str(int(_WORKER[2:]) % (os.cpu_count() or 1))
@@ -41,10 +41,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_vllm_cache(tmp_path_factory):
-    """One vLLM cache for every engine the tests start (``saria.harness.run.engine_env``): each
+    """One vLLM cache for every engine the tests start (``saria.harness.engine.engine_env``): each
     start without one inspects the model in a child process again (about 10 s here). It lives in
     the session's temporary directory: nothing is kept between runs."""
-    from saria.harness.run import CACHE_VARIABLE
+    from saria.harness.engine import CACHE_VARIABLE
 
     previous = os.environ.get(CACHE_VARIABLE)
     os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("vllm-cache"))

@@ -36,6 +36,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# a server whose workers answer Server.snapshots(): vLLM's development endpoints on (tests only)
+SNAPSHOT_ARGS = ["--worker-extension-cls", "saria.harness.llm.SnapshotExtension",
+                 "--no-log-error-stack"]  # (dev mode would log each refused request as an ERROR)
+SNAPSHOT_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
 def server_env(cache: Path) -> dict[str, str]:
     """The environment of a server under test: nothing cached outside ``cache``, no network."""
     env = dict(os.environ, VLLM_CACHE_ROOT=str(cache / "vllm"), HF_HOME=str(cache / "hf"),
@@ -56,6 +62,7 @@ class Server:
     cache: Path
     port: int = field(default_factory=free_port)
     program: tuple[str, ...] = ("-m", "saria.commands.cli", "serve")  # after the interpreter, before args
+    env: dict[str, str] = field(default_factory=dict)  # on top of server_env
     proc: subprocess.Popen | None = None
     started_s: float = 0.0
 
@@ -69,7 +76,7 @@ class Server:
         t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, *self.program, *self.args, "--port", str(self.port),
                                       "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT,
-                                     env=server_env(self.cache), start_new_session=True)
+                                     env=dict(server_env(self.cache), **self.env), start_new_session=True)
         log.close()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
@@ -91,6 +98,17 @@ class Server:
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return r.read().decode()
+
+    def post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.loads(r.read())
+
+    def snapshots(self) -> list[dict]:
+        """Every worker rank's saria snapshot (``saria.harness.llm.SnapshotExtension``: a server
+        started with it and ``VLLM_SERVER_DEV_MODE=1``, :data:`SNAPSHOT_ARGS`)."""
+        return self.post("/collective_rpc", {"method": "saria_snapshot"})["results"]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -242,3 +242,55 @@ def test_bounce_buffers_are_registered_and_unregistered_once(tmp_path):
     del pool, buf
     gc.collect()
     assert not any(r[0] == ptr for r in REGISTRY.ranges())
+
+
+
+_COLLECTED_INSIDE = """
+import gc, json
+from saria.dataplane import HostPool
+from saria.dataplane.dram.host_pool import REGISTRY
+from saria.dataplane.ssd.files import AlignedBuffer, AlignedPool
+
+bounce = AlignedPool(4096)
+with bounce.acquire() as buf:
+    dropped = [buf.tensor.data_ptr()]
+host = HostPool(4 * 4096, 4096, segment_bytes=2 * 4096)
+dropped += [seg.data_ptr() for seg in host._segments]
+bounce.cycle, host.cycle = bounce, host  # garbage only collection frees
+del bounce, host, buf
+inside = []
+
+class CollectingPtr(int):
+    def __add__(self, other):  # register's overlap check adds: collection strikes there
+        if not inside:
+            gc.collect()
+            inside.extend(p for p in dropped if p in REGISTRY._ranges)
+        return int(self) + other
+
+mine = AlignedBuffer(4096)
+REGISTRY.register(CollectingPtr(mine.tensor.data_ptr()), 4096, pin=False)
+after = {start for start, _, _ in REGISTRY.ranges()}
+REGISTRY.unregister(mine.tensor.data_ptr())
+print(json.dumps({"dropped": len(dropped), "held_inside": len(inside), "left": len(after & set(dropped))}))
+"""
+
+
+def test_pools_collected_inside_a_registry_call_never_deadlock(tmp_path):
+    """Collection runs finalizers inside any code: ``make test`` on a fresh clone once hung 15
+    minutes (in test_ssd_store_faults), a dropped bounce pool collected while the same thread's
+    ``register`` held the registry's lock, its finalizer waiting for that lock. Here collection
+    strikes inside ``register`` on purpose, with a bounce pool and a host pool waiting as garbage, in
+    a child process (a deadlock fails the test instead of hanging the suite): their ranges stay
+    registered while the call runs (their memory still mapped) and none is left when it ends."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "collected_inside.py"
+    script.write_text(_COLLECTED_INSIDE)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a pool's finalizer deadlocked on the host registry's lock")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == {"dropped": 3, "held_inside": 3, "left": 0}

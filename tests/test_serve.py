@@ -31,8 +31,9 @@ import pytest
 from saria.commands import cli, serve
 from saria.integrations.vllm import logs
 from saria.harness import VOCAB, build_model, build_tokenizer
+from saria.harness.reference_runs import reference_job
 
-from serve_driver import Server, agent_sessions, completions, metric, prometheus, system_prompt, text
+from serve_driver import SNAPSHOT_ARGS, SNAPSHOT_ENV, Server, agent_sessions, completions, metric, prometheus, system_prompt, text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -430,12 +431,17 @@ def fixed_prompts() -> list[str]:
     return [system_prompt() + "\nTask: " + text(7000 + i, 180) for i in range(3)]
 
 
-def run_fixed(server: Server, model: str, loads: list[list[int]] | None = None) -> list[list[dict]]:
+def run_fixed(server: Server, model: str, loads: list[list[int]] | None = None,
+              picks: list[dict] | None = None) -> list[list[dict]]:
     """The fixed prompts twice, one after another (their own cache salt): the second time their
     prefixes come from the server's cache. ``loads``: per run and prompt, the tokens the reference
-    connector loads (what the saria server reused)."""
+    connector loads (what the saria server reused); ``picks``: which version of a page computed
+    twice the saria server served (its audit's, ``reference_job``)."""
     def params(run: int) -> list[dict] | None:
-        return None if loads is None else [{"load_tokens": n, "save": True, "history": FIXED_SALT} for n in loads[run]]
+        if loads is None:
+            return None
+        return [{"load_tokens": n, "save": True, "history": FIXED_SALT, **({"picks": picks} if picks else {})}
+                for n in loads[run]]
 
     return [completions(server.url, model, fixed_prompts(), cache_salt=FIXED_SALT, kv_transfer_params=params(run))
             for run in (0, 1)]
@@ -448,15 +454,16 @@ def served(tmp_path_factory):
     saria_args = [model, "--dram-gb", "0.002", "--ssd-path", str(root / "ssd"), "--ssd-gb", "0.05",
                   "--chunk-tokens", str(CHUNK), "--log-interval-s", "1", "--saria-option", "theta_E=1",
                   "--saria-option", "audit_kv=true", *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-log-requests",
-                  "--enable-prompt-tokens-details"]
+                  "--enable-prompt-tokens-details", *SNAPSHOT_ARGS]
     result = {"model": model}
-    with Server(saria_args, root / "saria.log", root / "cache") as server:  # one cache: the second starts faster
+    with Server(saria_args, root / "saria.log", root / "cache", env=SNAPSHOT_ENV) as server:  # one cache: the second starts faster
         result["saria_server"] = server
         result["saria_start_s"] = server.started_s
         try:
             result["outcomes"] = asyncio.run(agent_sessions(server.url, model, max_model_len=MAX_MODEL_LEN))
             result["metrics_before_fixed"] = server.get("/metrics")
             result["saria_fixed"] = run_fixed(server, model)
+            result["snapshots"] = server.snapshots()  # what its audit saw each reload serve
             result["healthy"] = server.healthy()
             result["metrics"] = server.get("/metrics")
             (root / "saria-metrics.txt").write_text(result["metrics"])
@@ -465,11 +472,14 @@ def served(tmp_path_factory):
             print(server.tail(), file=sys.stderr)
             raise
     loads = [[r["cached_tokens"] for r in run] for run in result["saria_fixed"]]
+    # a page vLLM computed twice (saria did not hold it yet, or no longer, when a prompt needed it)
+    # has two versions whose last bits can differ: the reference loads the one the saria server served
+    job = reference_job({"turns": [{"cached_tokens": n} for run in loads for n in run], "ranks": result["snapshots"]})
     with Server([model, *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-prompt-tokens-details"],
                 root / "plain.log", root / "cache", program=(str(ROOT / "tests" / "reference_server.py"),)) as reference:
         result["plain_server"] = reference
         try:
-            result["plain_fixed"] = run_fixed(reference, model, loads)
+            result["plain_fixed"] = run_fixed(reference, model, loads, job["picks"])
             result["plain_metrics"] = reference.get("/metrics")
             result["plain_log"] = reference.log()
         except BaseException:
@@ -565,4 +575,6 @@ def test_outputs_served_from_saria_are_vllms_with_the_same_history(served):
             assert got["logprobs"] == ref["logprobs"], f"run {run}, prompt {i}"
     assert sum(r["cached_tokens"] for r in served["saria_fixed"][1]) > 0  # the second time came from saria
     assert "saria audit:" not in served["log"]
+    audit = served["snapshots"][0]["audit"]  # the saria server's own audit, through its workers
+    assert audit["mismatched_pages"] == 0 and audit["checked_pages"] > 0, audit
     assert "saria reference:" not in served["plain_log"], served["plain_server"].tail()  # it replayed it all

@@ -91,8 +91,8 @@ def full_duplicate_writes(prompts: list[list[int]], dram_bytes: int, ssd_bytes: 
 @contextlib.contextmanager
 def _shared_vllm_cache(path: Path):
     """The demo's two engines share one vLLM cache (in its temp dir: removed with it): the second
-    start then skips vLLM's model inspection (``saria.harness.run.engine_env``)."""
-    from saria.harness.run import CACHE_VARIABLE
+    start then skips vLLM's model inspection (``saria.harness.engine.engine_env``)."""
+    from saria.harness.engine import CACHE_VARIABLE
 
     previous = os.environ.get(CACHE_VARIABLE)
     os.environ[CACHE_VARIABLE] = str(path)

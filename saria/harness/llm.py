@@ -35,6 +35,17 @@ def rank_snapshot(worker: Any = None) -> dict[str, Any]:
     return out
 
 
+class SnapshotExtension:
+    """A vLLM worker extension (``--worker-extension-cls saria.harness.llm.SnapshotExtension``):
+    ``collective_rpc("saria_snapshot")`` returns :func:`rank_snapshot` of every rank, JSON only (no
+    pickled function), so a server under test answers it too, through vLLM's development endpoint
+    (``VLLM_SERVER_DEV_MODE=1``: ``POST /collective_rpc {"method": "saria_snapshot"}``; never in
+    production: it runs methods on the workers)."""
+
+    def saria_snapshot(self) -> dict[str, Any]:
+        return rank_snapshot(self)
+
+
 def rank_loads(snapshots: list[dict[str, Any]]) -> list[dict[str, int]]:
     """Bytes each rank has loaded so far, per tier."""
     return [{"dram": s.get("engine", {}).get("dram_to_gpu_bytes", 0), "ssd": s.get("engine", {}).get("ssd_to_gpu_bytes", 0),

@@ -154,7 +154,7 @@ class ReferenceEngine:
 
     def _start(self) -> subprocess.Popen:
         """The engine process, started at the first job."""
-        from saria.harness.run import engine_env
+        from saria.harness.engine import engine_env
 
         if self._proc is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="saria-reference-")
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m saria.harness.reference_runs ENGINE.json  (jobs on stdin)", file=sys.stderr)
         return 2
-    from saria.harness.run import open_llm
+    from saria.harness.engine import open_llm
 
     done = os.fdopen(os.dup(1), "w")  # the caller reads job ends here; whatever else prints goes to the log
     os.dup2(2, 1)

@@ -14,17 +14,20 @@ before refusing with :class:`HostPoolFull`.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import threading
 import weakref
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 PAGE = 4096
+log = logging.getLogger("saria.dataplane.dram")
 
 
 class HostPoolFull(RuntimeError):
@@ -76,11 +79,23 @@ class HostRegistry:
     def __init__(self):
         self._lock = threading.Lock()
         self._ranges: dict[int, tuple[int, bool]] = {}  # start -> (bytes, pinned with CUDA)
+        # ranges of pools garbage collection dropped, with their memory: unregistered by whichever
+        # call holds the lock next (release(wait=False))
+        self._orphans: deque[tuple[list[int], object]] = deque()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._drain()
+            try:
+                yield
+            finally:
+                self._drain()
 
     def register(self, ptr: int, nbytes: int, pin: bool) -> None:
         if nbytes < 1:
             raise ValueError(f"cannot register {nbytes} bytes")
-        with self._lock:
+        with self._locked():
             for start, (length, _) in self._ranges.items():
                 if start < ptr + nbytes and ptr < start + length:
                     raise RuntimeError(
@@ -96,38 +111,63 @@ class HostRegistry:
             self._ranges[ptr] = (nbytes, pin)
 
     def unregister(self, ptr: int) -> None:
-        with self._lock:
-            entry = self._ranges.pop(ptr, None)
-            if entry is None:
-                raise RuntimeError(f"host range at {ptr:#x} is not registered (unregistered twice?)")
-            if entry[1]:
-                err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
-                if err != 0:
-                    _clear_last_cuda_error()
-                    raise RuntimeError(f"cudaHostUnregister of the range at {ptr:#x} failed with CUDA error {err}")
+        with self._locked():
+            self._unregister(ptr)
+
+    def release(self, starts: list[int], keep: object = None, *, wait: bool = True) -> None:
+        """Unregister every range in ``starts`` (emptying the list), and only then let go of
+        ``keep``, the memory they cover: a pool's ``close``, or its weakref finalizer when a pool
+        nobody closed is collected. Collection runs inside any code, a registry call on this very
+        thread included (seen: a pool dropped while ``register`` held the lock, a deadlock), so a
+        finalizer passes ``wait=False``: the ranges queue when the lock is taken and the call that
+        holds it (or the next one) unregisters them before it lets go; their memory stays mapped until
+        then. With ``wait`` the first failure is raised (after trying the others); without, logged."""
+        if wait:
+            with self._locked():
+                self._unregister_each(starts)
+            return
+        self._orphans.append((starts, keep))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
 
     def ranges(self) -> list[tuple[int, int, bool]]:
         """``(start, bytes, pinned)`` of every range registered now."""
-        with self._lock:
+        with self._locked():
             return [(start, length, pinned) for start, (length, pinned) in sorted(self._ranges.items())]
+
+    def _unregister(self, ptr: int) -> None:
+        entry = self._ranges.pop(ptr, None)
+        if entry is None:
+            raise RuntimeError(f"host range at {ptr:#x} is not registered (unregistered twice?)")
+        if entry[1]:
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+            if err != 0:
+                _clear_last_cuda_error()
+                raise RuntimeError(f"cudaHostUnregister of the range at {ptr:#x} failed with CUDA error {err}")
+
+    def _unregister_each(self, starts: list[int]) -> None:
+        errors = []
+        while starts:
+            try:
+                self._unregister(starts.pop())
+            except Exception as exc:  # keep unregistering the others
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _drain(self) -> None:
+        while self._orphans:  # an append during the drain (collection inside it) is drained too
+            starts, _keep = self._orphans.popleft()
+            try:
+                self._unregister_each(starts)
+            except Exception as exc:  # a finalizer's failure has no caller to raise to
+                log.error("unregistering a collected pool's host memory failed: %s", exc)
 
 
 REGISTRY = HostRegistry()
-
-
-def _release_segments(registered: list[int], maps: list[mmap.mmap]) -> None:
-    """Unregister a pool's segments (before their memory can be unmapped): run once, by
-    :meth:`HostPool.close` or, for a pool dropped without close, when it is garbage collected.
-    ``maps`` is held only so the memory outlives its registration."""
-    errors = []
-    while registered:
-        try:
-            REGISTRY.unregister(registered.pop())
-        except Exception as exc:  # keep unregistering the others
-            errors.append(exc)
-    maps.clear()
-    if errors:
-        raise errors[0]
 
 
 class HostPool:
@@ -169,7 +209,7 @@ class HostPool:
         self._segments: list[torch.Tensor] = []
         # Unregisters exactly once: at close(), or when a pool nobody closed is collected (before
         # its memory is unmapped; an unmapped range left registered breaks the next pool there).
-        self._release = weakref.finalize(self, _release_segments, self._registered, self._maps)
+        self._release = weakref.finalize(self, REGISTRY.release, self._registered, self._maps, wait=False)
         self._release.atexit = False  # at interpreter exit the process's registrations go with it
         per_segment = segment_bytes // slot_bytes
         try:
@@ -265,7 +305,9 @@ class HostPool:
         """Unregister (unpin) and drop the memory; idempotent. Tensors still viewing slots keep
         their segment mapped (as pageable memory): no copy may still be reading or writing them."""
         self._segments = []
-        self._release()
+        if self._release.detach():
+            REGISTRY.release(self._registered, self._maps)
+            self._maps.clear()
 
     @property
     def closed(self) -> bool:

@@ -94,9 +94,10 @@ class AlignedPool:
         self.nbytes = nbytes
         self.pin = pin
         self._free: list[AlignedBuffer] = []
-        self._made: list[AlignedBuffer] = []
+        self._made: list[AlignedBuffer] = []  # every buffer registered: kept until unregistered
+        self._registered: list[int] = []
         self._lock = threading.Lock()
-        self._release = weakref.finalize(self, _unregister_buffers, self._made)
+        self._release = weakref.finalize(self, REGISTRY.release, self._registered, self._made, wait=False)
         self._release.atexit = False  # at interpreter exit the registrations go with the process
 
     def _new(self) -> AlignedBuffer:
@@ -104,6 +105,7 @@ class AlignedPool:
         with self._lock:
             if self._release.alive:
                 REGISTRY.register(buf.tensor.data_ptr(), self.nbytes, pin=self.pin)
+                self._registered.append(buf.tensor.data_ptr())
                 self._made.append(buf)
         return buf
 
@@ -121,12 +123,9 @@ class AlignedPool:
     def close(self) -> None:
         """Unregister every buffer made so far (idempotent; they stay usable as plain memory)."""
         with self._lock:
-            self._release()
-
-
-def _unregister_buffers(made: list[AlignedBuffer]) -> None:
-    while made:  # the list holds the buffers (their memory mapped) until they are unregistered
-        REGISTRY.unregister(made.pop().tensor.data_ptr())
+            if self._release.detach():
+                REGISTRY.release(self._registered, self._made)
+                self._made.clear()
 
 
 def host_view(t: torch.Tensor) -> memoryview:
