@@ -185,6 +185,14 @@ def saria_config(ssd: Path, ssd_dtype: str) -> dict[str, Any]:
             "ssd_bytes": 1 << 30, "log_interval_s": 0, "audit_kv": True, "ssd_dtype": ssd_dtype}
 
 
+def vllm_fp8_cache_runs_here() -> bool:
+    """Whether vLLM can run ``kv_cache_dtype="fp8"`` here: on a GPU, or a CPU with AVX-512 or AMX
+    (vLLM's CPU attention refuses it otherwise, ``cpu_attn._get_attn_isa``, after its engine started)."""
+    import torch
+
+    return torch.cuda.is_available() or torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def main(args: argparse.Namespace) -> int:
     from saria.harness.model import build_model
     from saria.harness.run import run_in_subprocess
@@ -193,9 +201,17 @@ def main(args: argparse.Namespace) -> int:
     for path, flag in ((args.json, "--json"), (args.markdown, "--markdown")):
         if path is not None:
             check_output(path, flag)
-    configs = list(dict.fromkeys(args.configs.split(",")))
+    if args.configs is None:
+        configs = [c for c in CONFIGS if c != "b" or vllm_fp8_cache_runs_here()]
+        if "b" not in configs:
+            print("b left out: vLLM's own FP8 KV cache needs AVX-512 or AMX on a CPU, and this CPU has neither")
+    else:
+        configs = list(dict.fromkeys(args.configs.split(",")))
     if any(c not in CONFIGS for c in configs):
         raise SystemExit(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
+    if "b" in configs and not vllm_fp8_cache_runs_here():
+        raise SystemExit("--configs b: vLLM's own FP8 KV cache needs AVX-512 or AMX on a CPU, and this CPU has "
+                         "neither; leave b out (the other configurations run on any CPU)")
 
     session, source = session_prompts(args.turns, args.max_prompt_tokens, args.trace)
     heads, tails, prefix_lens = batch_prompts(args.prefixes, args.prompts, args.max_prefix_chunks, args.seed)
@@ -363,8 +379,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 + ". Always run: plain bf16 vLLM, full recomputation (the reference) and its own "
                                   "prefix cache. See the module docstring for the metrics.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="a,ae,b,be,c",
-                   help="comma-separated configurations to run besides the reference (default a,ae,b,be,c)")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configurations to run besides the reference (default a,ae,b,be,c; "
+                        "without b on a CPU with neither AVX-512 nor AMX, where vLLM refuses its FP8 cache)")
     p.add_argument("--quick", action="store_true",
                    help="a small run for the tests: a 4-turn session cut to 800 tokens, 3 prefixes, 6 prompts, "
                         "8 tokens (overrides the sizes below)")

@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
     trace = Path(args.trace) if args.trace is not None else DEFAULT_TRACE
     if trace.exists():  # read before vLLM starts: a malformed trace is refused here
         prompts = trace_session(trace, turns=args.turns, max_tokens=args.max_prompt_tokens)
-        source = f"{trace.name} (first session with {args.turns} requests)"
+        source = f"{trace.name} (the first {len(prompts)} requests of its first session)"
     else:
         prompts = synthetic_session(args.turns)
         source = f"a generated agent loop ({trace} not found)"
