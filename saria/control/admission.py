@@ -52,7 +52,8 @@ from typing import Hashable, Protocol
 
 from saria.config import Policy, SariaConfig, admission_rules, learned_join
 from saria.control.counters import Counters
-from saria.control.learned import FeatureTracker, LearnedRule, TreeModel, shipped_model
+from saria.control.features import FeatureTracker
+from saria.control.learned import LearnedRule, TreeModel, shipped_model
 from saria.control.sessions import SessionTracker
 from saria.control.tree import ABSENT, CacheObject, Evidence, Node
 
