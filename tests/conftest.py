@@ -44,15 +44,10 @@ def shared_vllm_cache(tmp_path_factory):
     """One vLLM cache for every engine the tests start (``saria.harness.engine.engine_env``): each
     start without one inspects the model in a child process again (about 10 s here). It lives in
     the session's temporary directory: nothing is kept between runs."""
-    from saria.harness.engine import CACHE_VARIABLE
+    from saria.harness.engine import shared_cache
 
-    previous = os.environ.get(CACHE_VARIABLE)
-    os.environ[CACHE_VARIABLE] = str(tmp_path_factory.mktemp("vllm-cache"))
-    yield
-    if previous is None:
-        os.environ.pop(CACHE_VARIABLE, None)
-    else:
-        os.environ[CACHE_VARIABLE] = previous
+    with shared_cache(tmp_path_factory.mktemp("vllm-cache")):
+        yield
 
 
 @pytest.fixture(scope="session")

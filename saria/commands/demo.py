@@ -22,10 +22,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -88,23 +86,6 @@ def full_duplicate_writes(prompts: list[list[int]], dram_bytes: int, ssd_bytes: 
     return cp.counters().ssd_bytes_written
 
 
-@contextlib.contextmanager
-def _shared_vllm_cache(path: Path):
-    """The demo's two engines share one vLLM cache (in its temp dir: removed with it): the second
-    start then skips vLLM's model inspection (``saria.harness.engine.engine_env``)."""
-    from saria.harness.engine import CACHE_VARIABLE
-
-    previous = os.environ.get(CACHE_VARIABLE)
-    os.environ[CACHE_VARIABLE] = str(path)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(CACHE_VARIABLE, None)
-        else:
-            os.environ[CACHE_VARIABLE] = previous
-
-
 def recompute_gap(turns: list[dict], baseline: list[dict]) -> tuple[int, float]:
     """(turns whose tokens differ, largest logprob difference) between saria's turns and the same
     turns computed in full: how much vLLM's own split moves outputs on this CPU (not a verdict)."""
@@ -116,6 +97,7 @@ def main(args: argparse.Namespace) -> int:
     from saria.commands import doctor
     from saria.harness.model import build_model
     from saria.harness.reference_runs import reference_job
+    from saria.harness.engine import shared_cache
     from saria.harness.run import run_in_subprocess
     from saria.harness.workload import synthetic_session, trace_session
 
@@ -134,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
           f"{device['device']}, storage {report['storage_backend']}")
     print(f"session: {len(prompts)} turns from {source}, {sum(map(len, prompts))} prompt tokens")
 
-    with tempfile.TemporaryDirectory(prefix="saria-demo-") as tmp, _shared_vllm_cache(Path(tmp) / "vllm-cache"):
+    with tempfile.TemporaryDirectory(prefix="saria-demo-") as tmp, shared_cache(Path(tmp) / "vllm-cache"):
         tmp = Path(tmp)
         model = str(build_model(tmp / "model", "dense"))
         (tmp / "ssd").mkdir()

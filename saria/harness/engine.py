@@ -5,9 +5,10 @@ engine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def open_llm(model: str, *, max_model_len: int = 8192, prefix_caching: bool = False, enforce_eager: bool = False,
@@ -55,3 +56,18 @@ def engine_env(ranks: int, tmp: Path, *, multiprocessing: bool = False) -> dict[
     env.pop("TRITON_INTERPRET", None)  # the worker runs the fast torch kernels on CPU
     env["VLLM_CACHE_ROOT"] = os.environ.get(CACHE_VARIABLE) or str(tmp / "vllm-cache")
     return env
+
+
+@contextlib.contextmanager
+def shared_cache(path: Path | str) -> Iterator[None]:
+    """Engines started inside share one vLLM cache in ``path`` (``$SARIA_VLLM_CACHE``; whoever
+    owns ``path`` removes it): a start after the first skips vLLM's model inspection."""
+    previous = os.environ.get(CACHE_VARIABLE)
+    os.environ[CACHE_VARIABLE] = str(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(CACHE_VARIABLE, None)
+        else:
+            os.environ[CACHE_VARIABLE] = previous
