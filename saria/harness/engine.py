@@ -11,6 +11,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+# What run_session runs unless told otherwise; a reference replaying a run runs the same engine (a
+# block size of vLLM's own choosing, 128 here, would tile and page the same prompts otherwise)
+ENGINE_DEFAULTS = {"block_size": 32, "max_model_len": 8192}
+
+
 def open_llm(model: str, *, max_model_len: int = 8192, prefix_caching: bool = False, enforce_eager: bool = False,
              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **kwargs: Any) -> Any:
     """A ``vllm.LLM`` as every session of the harness runs one: bf16, seeded, no tokenizer (token-id

@@ -26,9 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-# run_session's defaults: a saria run and its replay must run the same engine (a block size of
-# vLLM's own choosing, 128 here, would tile and page the same prompts otherwise)
-ENGINE_DEFAULTS = {"block_size": 32, "max_model_len": 8192}
+from saria.harness.engine import ENGINE_DEFAULTS
+
 CONNECTOR = {"kv_connector": "ReferenceConnector", "kv_connector_module_path": "saria.harness.reference",
              "kv_role": "kv_both"}
 DONE = "saria-reference: job done"

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from saria.harness.engine import engine_env, open_llm
+from saria.harness.engine import ENGINE_DEFAULTS, engine_env, open_llm
 from saria.harness.faults import corrupt_ssd, patch_faults, slow_packs
 from saria.harness.llm import (TurnResult, connectors, generate_and_abort, idle, prime_cache, primed_turn, rank_loads,
                                rank_snapshot, empty_prefix_cache, turn_result)
@@ -50,7 +50,8 @@ class SessionResult:
 
 
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
-                block_size: int | None = 32, max_model_len: int = 8192, corrupt_before: list[int] = (),
+                block_size: int | None = ENGINE_DEFAULTS["block_size"],
+                max_model_len: int = ENGINE_DEFAULTS["max_model_len"], corrupt_before: list[int] = (),
                 prefix_caching: bool = False, reset_prefix_cache: bool = True,
                 prime: list[int] | None = None, variants: list[list[int]] | None = None,
                 inject_faults: dict[str, list[int]] | None = None, progress: bool = False,
