@@ -56,6 +56,12 @@ class ObjectKey:
         if self.kind not in (KV, STATE):
             raise ControlPlaneError(f"ObjectKey.kind must be 'kv' or 'state', got {self.kind!r}")
 
+    def __repr__(self) -> str:
+        # logs and errors name objects by this: a bytes chunk hash (vLLM's block hash, or a sealed
+        # chunk id) is token-derived, so only its length shows (docs/security.md)
+        chunk = f"<{len(self.chunk)} bytes>" if isinstance(self.chunk, (bytes, bytearray)) else repr(self.chunk)
+        return f"ObjectKey({chunk}, {self.kind!r})"
+
 
 def split_keys(keys) -> tuple[tuple[Hashable, ...], tuple[Hashable, ...]]:
     """Objects as an order names them: the chunks of the kv objects and the chunks of the state

@@ -1,0 +1,180 @@
+"""The key file: the secrets a saria deployment seals its shared tiers with.
+
+A key file is a small JSON text file, mode 0400, owned by the user that runs saria::
+
+    {"saria_keys": 1,
+     "names": "<64 hex digits>",               # 256-bit root of the naming and tenant keys
+     "current": 2,                             # the epoch new objects are sealed under
+     "epochs": {"1": "<64 hex>", "2": "<64 hex>"}}   # 256-bit master key of each live epoch
+
+``saria keys new PATH`` writes one with epoch 1; ``saria keys rotate PATH`` adds an epoch and makes
+it current (objects sealed under older epochs stay readable); ``saria keys retire PATH --epoch N``
+removes an old epoch (its objects become misses). The naming root is kept across rotations, so an
+object's name does not change with the epoch it is sealed under. Every secret comes from
+``os.urandom``. A file that group or other can read or write is refused when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from saria.seal.errors import KeyFileError
+
+FORMAT = 1
+KEY_BYTES = 32
+MAX_EPOCH = (1 << 32) - 1
+MAX_FILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, repr=False)
+class KeyFile:
+    """A loaded key file. ``repr`` shows the epochs only, never a secret."""
+
+    names: bytes
+    current: int
+    epochs: dict[int, bytes]
+
+    def __repr__(self) -> str:
+        return f"KeyFile(current={self.current}, epochs={sorted(self.epochs)})"
+
+    def encode(self) -> bytes:
+        doc = {"saria_keys": FORMAT, "names": self.names.hex(), "current": self.current,
+               "epochs": {str(e): k.hex() for e, k in sorted(self.epochs.items())}}
+        return (json.dumps(doc, indent=1) + "\n").encode()
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "KeyFile":
+        """The key file at ``path``; :class:`KeyFileError` (one line naming the path) if it is
+        missing, not a regular file, readable or writable by group or other, or malformed."""
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise KeyFileError(f"key file {path} does not exist (make one with: saria keys new {path})") from None
+        except OSError as exc:
+            raise KeyFileError(f"key file {path} cannot be opened: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyFileError(f"key file {path} is not a regular file")
+            if st.st_mode & 0o077:
+                raise KeyFileError(f"key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: group and other "
+                                   f"must have no access (chmod 0400 {path})")
+            if st.st_size > MAX_FILE_BYTES:
+                raise KeyFileError(f"key file {path} is {st.st_size} bytes: not a saria key file")
+            data = os.read(fd, MAX_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
+        return KeyFile.decode(data, str(path))
+
+    @staticmethod
+    def decode(data: bytes, where: str = "key file") -> "KeyFile":
+        def bad(why: str) -> KeyFileError:
+            return KeyFileError(f"key file {where} is malformed: {why}")
+
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise bad("not JSON") from None
+        if not isinstance(doc, dict) or doc.get("saria_keys") != FORMAT:
+            raise bad(f"not a saria key file of format {FORMAT}")
+        names = _secret(doc.get("names"), "names", bad)
+        epochs_doc = doc.get("epochs")
+        if not isinstance(epochs_doc, dict) or not epochs_doc:
+            raise bad("no epochs")
+        epochs: dict[int, bytes] = {}
+        for name, value in epochs_doc.items():
+            if not (isinstance(name, str) and name.isdigit() and 1 <= int(name) <= MAX_EPOCH):
+                raise bad(f"epoch {name[:12]!r} is not an integer in 1..{MAX_EPOCH}")
+            epochs[int(name)] = _secret(value, f"epoch {int(name)}", bad)
+        current = doc.get("current")
+        if not isinstance(current, int) or isinstance(current, bool) or current not in epochs:
+            raise bad("the current epoch is not one of its epochs")
+        if len(set(epochs.values()) | {names}) != len(epochs) + 1:
+            raise bad("two of its keys are equal")
+        return KeyFile(names, current, epochs)
+
+
+def _secret(value, what: str, bad) -> bytes:
+    if not isinstance(value, str) or len(value) != 2 * KEY_BYTES:
+        raise bad(f"{what} is not {KEY_BYTES} bytes of hex")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise bad(f"{what} is not {KEY_BYTES} bytes of hex") from None
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Create ``path`` (mode 0400, never over an existing file) holding ``data``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o400)
+    try:
+        os.fchmod(fd, 0o400)  # whatever the umask
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+
+
+def _replace(path: Path, keys: KeyFile) -> None:
+    """Write ``keys`` to a new file beside ``path`` and rename it over ``path`` (atomic)."""
+    tmp = path.with_name(f".{path.name}.new")
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass
+    _write_new(tmp, keys.encode())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def new_key_file(path: str | os.PathLike) -> KeyFile:
+    """Write a new key file at ``path`` (epoch 1); :class:`KeyFileError` if ``path`` exists."""
+    path = Path(path)
+    keys = KeyFile(os.urandom(KEY_BYTES), 1, {1: os.urandom(KEY_BYTES)})
+    try:
+        _write_new(path, keys.encode())
+    except FileExistsError:
+        raise KeyFileError(f"{path} exists: saria keys new never overwrites a key file") from None
+    except OSError as exc:
+        raise KeyFileError(f"cannot write key file {path}: {exc.strerror}") from None
+    return keys
+
+
+def rotate_key_file(path: str | os.PathLike) -> KeyFile:
+    """Add an epoch to the key file at ``path`` and make it current; the older epochs stay (their
+    objects stay readable until retired)."""
+    path = Path(path)
+    keys = KeyFile.load(path)
+    epoch = max(keys.epochs) + 1
+    if epoch > MAX_EPOCH:
+        raise KeyFileError(f"key file {path} has used every epoch")
+    rotated = KeyFile(keys.names, epoch, {**keys.epochs, epoch: os.urandom(KEY_BYTES)})
+    _replace(path, rotated)
+    return rotated
+
+
+def retire_epoch(path: str | os.PathLike, epoch: int) -> KeyFile:
+    """Remove ``epoch`` from the key file at ``path``: objects sealed under it become misses.
+    The current epoch cannot be retired (rotate first)."""
+    path = Path(path)
+    keys = KeyFile.load(path)
+    if epoch not in keys.epochs:
+        raise KeyFileError(f"key file {path} has no epoch {epoch} (it has {sorted(keys.epochs)})")
+    if epoch == keys.current:
+        raise KeyFileError(f"epoch {epoch} is the current epoch of {path}: rotate first (saria keys rotate {path})")
+    retired = KeyFile(keys.names, keys.current, {e: k for e, k in keys.epochs.items() if e != epoch})
+    _replace(path, retired)
+    return retired
