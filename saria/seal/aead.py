@@ -50,10 +50,10 @@ class SealedPart:
         return f"SealedPart(epoch={self.epoch})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class PartContext:
-    """Where a part lives: its object's storage name, its index among ``count`` parts, the
-    object's length and its own."""
+    """Where a part lives: its object's storage name (at most 255 bytes), its index among ``count``
+    parts, the object's length and its own. ``repr`` leaves the name out (it holds a chunk id)."""
 
     name: bytes
     index: int
@@ -62,9 +62,15 @@ class PartContext:
     part_length: int
 
     def __post_init__(self) -> None:
-        if not (0 <= self.index < self.count and 0 < self.part_length <= self.object_length):
+        if not isinstance(self.name, (bytes, bytearray)) or len(self.name) > 255:
+            raise SealError("a part's storage name must be at most 255 bytes")
+        if not (0 <= self.index < self.count <= 0xFFFFFFFF and 0 < self.part_length <= self.object_length < 1 << 64):
             raise SealError(f"inconsistent part: index {self.index} of {self.count}, {self.part_length} of "
                             f"{self.object_length} bytes")
+
+    def __repr__(self) -> str:
+        return (f"PartContext(index={self.index}, count={self.count}, object_length={self.object_length}, "
+                f"part_length={self.part_length})")
 
 
 class Sealer:
@@ -125,6 +131,8 @@ class Sealer:
         dest = memoryview(out).cast("B")
         if plain.nbytes != ctx.part_length or dest.nbytes != ctx.part_length + GCM_TAG_BYTES:
             raise SealError(f"sealing {plain.nbytes} bytes into {dest.nbytes} for a part of {ctx.part_length}")
+        if dest.readonly:
+            raise SealError("sealing into a read-only buffer")
         tenant = self.tenant_of_name(ctx.name)
         epoch = self.keyring.current_epoch
         aead = self._aesgcm(epoch, tenant, sealing=True)
@@ -139,6 +147,8 @@ class Sealer:
         plaintext is left behind), :class:`UnknownEpoch` for an epoch the key file lacks."""
         data = memoryview(ciphertext_and_tag).cast("B")
         dest = memoryview(out).cast("B")
+        if dest.readonly:
+            raise SealError("opening into a read-only buffer")
         if data.nbytes != ctx.part_length + GCM_TAG_BYTES or dest.nbytes != ctx.part_length:
             raise Unauthentic("a sealed part's length does not match its place")
         if len(sealed.nonce) != NONCE_BYTES:

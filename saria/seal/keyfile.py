@@ -52,7 +52,8 @@ class KeyFile:
         missing, not a regular file, readable or writable by group or other, or malformed."""
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            # O_NONBLOCK: a FIFO at the path must be refused below, not block the open for a writer
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise KeyFileError(f"key file {path} does not exist (make one with: saria keys new {path})") from None
         except OSError as exc:
@@ -78,9 +79,9 @@ class KeyFile:
 
         try:
             doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: "[[[[..."
             raise bad("not JSON") from None
-        if not isinstance(doc, dict) or doc.get("saria_keys") != FORMAT:
+        if not isinstance(doc, dict) or type(doc.get("saria_keys")) is not int or doc["saria_keys"] != FORMAT:
             raise bad(f"not a saria key file of format {FORMAT}")
         names = _secret(doc.get("names"), "names", bad)
         epochs_doc = doc.get("epochs")
@@ -88,7 +89,8 @@ class KeyFile:
             raise bad("no epochs")
         epochs: dict[int, bytes] = {}
         for name, value in epochs_doc.items():
-            if not (isinstance(name, str) and name.isdigit() and 1 <= int(name) <= MAX_EPOCH):
+            # ASCII digits, no leading zero: "²" or "١" (str.isdigit) would break int(), "01" would alias "1"
+            if not (name.isascii() and name.isdigit() and str(int(name)) == name and 1 <= int(name) <= MAX_EPOCH):
                 raise bad(f"epoch {name[:12]!r} is not an integer in 1..{MAX_EPOCH}")
             epochs[int(name)] = _secret(value, f"epoch {int(name)}", bad)
         current = doc.get("current")
