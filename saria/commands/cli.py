@@ -37,6 +37,11 @@ def _cmd_roundtrip(args: argparse.Namespace) -> int:
     return roundtrip.main(args)
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from saria.commands import keys
+    return keys.main(args)
+
+
 def one_line_errors(p: argparse.ArgumentParser) -> None:
     """Bad arguments: one line and exit 2, without the usage (serve's, with its passthrough, is long;
     cluster start's would bury the one line that matters)."""
@@ -90,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     one_line_errors(p)
     one_line_errors(start)
     start.set_defaults(func=_cmd_cluster)
+
+    from saria.commands import keys  # light: the seal package is imported only when an action runs
+
+    p = sub.add_parser("keys", help="make, show, rotate and retire the key file that seals shared tiers",
+                       description=keys.__doc__, epilog=keys.EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    for action in keys.add_arguments(p):
+        one_line_errors(action)
+        action.set_defaults(func=_cmd_keys)
+    one_line_errors(p)
 
     from saria.commands import demo  # light: vLLM is imported only by the session subprocesses
 
