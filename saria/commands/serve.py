@@ -38,7 +38,8 @@ CONNECTOR = {"kv_connector": "SariaConnector", "kv_connector_module_path": "sari
 # vLLM options that would set its KV connector themselves: saria builds that one.
 REFUSED = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend")
 MAX_GB = 1 << 30  # settings' own limit (2**60 bytes)
-CLUSTER_FLAGS = ("cluster_host", "cluster_admission", "cluster_staging_gb")  # each needs the master's address
+CLUSTER_FLAGS = ("cluster_host", "cluster_admission", "cluster_staging_gb",
+                 "cluster_insecure")  # each needs the master's address
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster-staging-gb", type=float_range(0, MAX_GB), metavar="GB",
                    help="host memory per rank, beside the DRAM tier, that cluster reloads land in before they go "
                         "to the GPU (default 0.25); needs --cluster")
+    g.add_argument("--secret-file", metavar="PATH",
+                   help="a saria key file (saria keys new PATH; mode 0400): every SSD and cluster object is sealed "
+                        "(AES-256-GCM) and named by a MAC, each request's cache_salt selecting its tenant's keys "
+                        "(docs/security.md). Without one, SSD objects are neither sealed nor authenticated")
+    g.add_argument("--cluster-insecure", action="store_true", default=None,
+                   help="run the cluster tier without --secret-file: its objects unsealed, readable and replaceable "
+                        "by anyone who reaches the Mooncake master (refused without this flag); needs --cluster")
     g.add_argument("--saria-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other connector option (settings.py), e.g. theta_E=3, r=0.5, p_tau_s=30; "
                         "VALUE is read as JSON, else as a string")
@@ -133,7 +141,8 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
              "on_load_failure": args.on_load_failure, "b_gpu_gbps": args.b_gpu_gbps,
              "b_disk_gbps": args.b_disk_gbps, "b_dram_gbps": args.b_dram_gbps, "cluster": args.cluster,
              "cluster_host": args.cluster_host, "cluster_admission": args.cluster_admission,
-             "cluster_staging_gb": args.cluster_staging_gb}
+             "cluster_staging_gb": args.cluster_staging_gb, "cluster_insecure": args.cluster_insecure,
+             "secret_file": str(Path(args.secret_file).expanduser().absolute()) if args.secret_file else None}
     for key, value in flags.items():
         if value is None:
             continue
@@ -146,6 +155,8 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
         if "ssd_paths" in extra:
             raise ValueError("--saria-option ssd_paths=... repeats --ssd-path: give one")
         extra["ssd_paths"] = [str(Path(p).expanduser().absolute()) for p in args.ssd_path]
+    if args.secret_file is not None and not args.secret_file.strip():
+        raise ValueError("--secret-file must not be empty")
     if extra.get("ssd_gb") is not None and not extra.get("ssd_paths"):
         raise ValueError("--ssd-gb needs --ssd-path (without a drive there is no SSD tier)")
     if extra.get("ssd_dtype") == "fp8" and not extra.get("ssd_paths"):
@@ -160,12 +171,29 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
     flagged = {k: v for k, v in extra.items() if k not in given}
     if "cluster" in given and flagged.keys() & set(CLUSTER_FLAGS):
         flagged["cluster"] = given["cluster"]  # the flags' cluster options need the master's address
+    if flagged.get("cluster"):  # the key (or the leave to run without one) may come by --saria-option
+        flagged.update({k: given[k] for k in ("secret_file", "cluster_insecure") if k in given})
     settings.from_extra_config(flagged)
     try:
         settings.from_extra_config(extra)
     except ValueError as exc:
         raise ValueError(f"--saria-option: {exc}") from None
     return extra
+
+
+def sealing_line(extra: dict[str, Any]) -> str:
+    """The start line about sealing: the key file loaded (its one line and exit 2 if it cannot be
+    used: missing, readable by group or other, malformed) and what it seals, or that nothing is."""
+    from saria.integrations.vllm.sealing import describe, load_keyring  # no vLLM import
+    from saria.integrations.vllm.settings import ConnectorSettings
+    from saria.seal import KeyFileError
+
+    settings = ConnectorSettings.from_extra_config(extra)
+    try:
+        keyring = load_keyring(settings)
+    except KeyFileError as exc:
+        raise ValueError(str(exc)) from None
+    return f"saria serve: {'sealed' if keyring is not None else 'NOT sealed'}: {describe(settings, keyring)}"
 
 
 def split_passthrough(rest: list[str]) -> tuple[str | None, list[str]]:
@@ -313,6 +341,7 @@ def main(args: argparse.Namespace) -> int:
     dist = vllm_distribution()
     env = environment(rest, dist)
     argv = command(model, rest, None if args.no_connector else extra)
+    start_line = sealing_line(extra)  # the key file is checked before anything runs
     if args.print_command:
         print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "vllm", *map(shlex.quote, argv)]))
         return 0
@@ -320,6 +349,8 @@ def main(args: argparse.Namespace) -> int:
         Path(path).mkdir(parents=True, exist_ok=True)  # OSError: one line, exit 2
     if extra.get("cluster") and not args.no_connector:
         check_cluster(extra["cluster"], extra.get("cluster_host", "127.0.0.1"))
+    if not args.no_connector:
+        print(start_line, file=sys.stderr, flush=True)
     try:
         return run_vllm(argv, env)
     except (SystemExit, KeyboardInterrupt):

@@ -106,8 +106,9 @@ class KVAudit:
         self.mismatched_pages += len(bad)
         if bad and chunk not in self._reported:
             self._reported.add(chunk)
-            log.error("saria audit: reloaded chunk %s differs from the KV vLLM computed in page(s) %s of %d",
-                      _short(chunk), bad, len(blocks))
+            # the chunk is not named: its hash is token-derived (docs/security.md); the blocks are vLLM's ids
+            log.error("saria audit: reloaded chunk in vLLM blocks %s differs from the KV vLLM computed in page(s) "
+                      "%s of %d", list(blocks)[:4], bad, len(blocks))
         return len(bad)
 
     def _record_served(self, chunk: Hashable, digests: list[bytes | None]) -> None:
@@ -124,10 +125,6 @@ class KVAudit:
     def counters(self) -> dict[str, int]:
         return {"stored_pages": self.stored_pages, "checked_pages": self.checked_pages,
                 "mismatched_pages": self.mismatched_pages, "unverified_pages": self.unverified_pages}
-
-
-def _short(chunk: Hashable) -> str:
-    return chunk.hex()[:12] if isinstance(chunk, bytes) else repr(chunk)[:24]
 
 
 def fp8_round_trip(page: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from .layout import ParallelLayout, model_identity
 from .logs import route_to_vllm
 from .metrics import Deltas, SariaPromMetrics, SariaStats, worker_stats
 from .scheduler import SariaScheduler, open_cluster_index
+from .sealing import ChunkNames, announce, load_keyring, seal_scope
 from .settings import ConnectorSettings
 from .worker import SariaWorker
 
@@ -60,7 +61,10 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         route_to_vllm()  # again: vLLM has configured its logging by now (its level applies)
         self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        # a key file that cannot be used fails the start here, in each process, with its one line
+        keyring = load_keyring(self.settings)
         geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
+        model = model_identity(vllm_config)  # once: a rebuilt control plane names chunks alike
         self._scheduler: SchedulerGuard | None = None
         self._worker: SariaWorker | None = None
         self._cluster: ClusterIndex | None = None
@@ -69,16 +73,21 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
             workers = ParallelLayout.of_server(vllm_config.parallel_config).shards
             builds = itertools.count()  # the first control plane takes over the SSD objects of a previous run
+            chunk_tokens = self.settings.chunk_tokens_for(geometry.block_size, geometry.hybrid)
+            scope = seal_scope(model, block_size=geometry.block_size, hash_tokens=geometry.hash_tokens,
+                               chunk_tokens=chunk_tokens, kv_bytes_per_token=geometry.kv_bytes_per_token,
+                               kv_element_bytes=geometry.kv_element_bytes, state_bytes=geometry.state_bytes)
+            announce(self.settings, keyring)
             self._cluster = open_cluster_index(self.settings, workers)  # outlives rebuilt control planes
             self._scheduler = SchedulerGuard(
                 lambda: SariaScheduler(self.settings, geometry, workers=workers,
                                        recover=next(builds) == 0 and bool(self.settings.ssd_paths),
-                                       cluster=self._cluster),
+                                       cluster=self._cluster, names=ChunkNames(keyring, scope)),
                 log_interval_s=self.settings.log_interval_s)
         else:
             self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks,
                                        layout=ParallelLayout.of_this_worker(vllm_config.parallel_config),
-                                       model=model_identity(vllm_config))
+                                       model=model, keyring=keyring)
         self._totals = Deltas()  # the scheduler half's counters reported to vLLM so far
 
     @property

@@ -18,15 +18,57 @@ It stands aside when saria's logging is someone else's business:
 
 With vLLM's logger left without handlers (a custom ``VLLM_LOGGING_CONFIG_PATH`` without one),
 warnings go to Python's last-resort handler, as they would without this module.
+
+Whatever handles them, the connector's records (the ``saria.vllm`` logger) pass :class:`Redact`
+first: a fault's message comes from anywhere below (the control plane, a store, Mooncake) and may
+name an object by its bytes, so every run of 16 or more hex digits and every bytes literal in a
+message or a traceback is replaced before any handler sees it (docs/security.md: no block hash,
+chunk id, salt or token-derived value in a log line).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import traceback
 
 SARIA = "saria"
 VLLM = "vllm"
+CONNECTOR = "saria.vllm"  # the connector's own logger
+_SECRETS = re.compile(r"[0-9a-fA-F]{16,}" r"|(?<!\w)b'(?:[^'\\]|\\.)*'" r'|(?<!\w)b"(?:[^"\\]|\\.)*"')
+REDACTED = "<redacted>"
+
+
+def redact(text: str) -> str:
+    """``text`` with every run of 16+ hex digits and every bytes literal replaced by ``<redacted>``."""
+    return _SECRETS.sub(REDACTED, text)
+
+
+class Redact(logging.Filter):
+    """Redacts a record's message and traceback in place (module docstring); never drops one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot format: keep its template only
+            message = str(record.msg)
+        record.msg, record.args = redact(message), None
+        if record.exc_info and record.exc_info[1] is not None:
+            record.exc_text = redact("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+def protect(name: str = CONNECTOR) -> None:
+    """Put :class:`Redact` on the logger ``name`` (once)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, Redact) for f in logger.filters):
+        logger.addFilter(Redact())
 
 
 class VllmHandler(logging.Handler):
@@ -62,6 +104,7 @@ def route_to_vllm() -> bool:
     """Route the ``saria`` loggers through vLLM's handlers unless logging is configured otherwise
     (module docstring). Idempotent: a second call only refreshes the level. Returns whether
     saria's records now go through vLLM's handlers."""
+    protect()
     logger = logging.getLogger(SARIA)
     ours = [h for h in logger.handlers if isinstance(h, VllmHandler)]
     if ours:

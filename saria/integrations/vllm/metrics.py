@@ -41,7 +41,16 @@ counter                                        what it counts
                                                ``scheduler`` or ``worker`` half
 ``vllm:saria_drops{tier}``                     objects dropped from a tier by the data plane
 ``vllm:saria_host_pool_full``                  stores refused for want of a free DRAM slot
+``vllm:saria_auth_failures{tier}``             sealed parts (``secret_file``) whose AES-GCM tag
+                                               failed in the ``ssd`` or ``cluster`` tier: planted,
+                                               moved, flipped, truncated or another key file's
+                                               bytes; each a miss, never served
+``vllm:saria_unknown_epoch{tier}``             sealed parts of a key epoch the key file no longer
+                                               holds (retired): each a miss
 =============================================  ===================================================
+
+No label value carries anything of a request: labels are the fixed names above (tiers, paths,
+reasons) and vLLM's ``model_name`` and ``engine``.
 
 Names begin with ``vllm:`` as vLLM's own: vLLM unregisters every ``vllm:`` collector when it
 builds its Prometheus logger again, so these are rebuilt with it instead of colliding.
@@ -101,7 +110,21 @@ METRICS: tuple[Metric, ...] = (
            {"dram_drops": "dram", "ssd_drops": "ssd"}),
     Metric("vllm:saria_host_pool_full", "Stores refused for want of a free DRAM slot.", None,
            {"host_pool_full": None}),
+    Metric("vllm:saria_auth_failures", "Sealed parts whose AES-GCM tag failed (planted, moved, flipped, truncated "
+           "or another key file's), by tier (ssd, cluster); each a miss, never served.", "tier",
+           {"ssd_auth_failures": "ssd", "cluster_auth_failures": "cluster"}),
+    Metric("vllm:saria_unknown_epoch", "Sealed parts of a key epoch the key file does not hold (retired), by tier "
+           "(ssd, cluster); each a miss.", "tier", {"ssd_unknown_epoch": "ssd", "cluster_unknown_epoch": "cluster"}),
 )
+
+SEAL_COUNTERS = ("auth_failures", "unknown_epoch")
+
+
+def seal_counters(tier: str, counters: Mapping[str, Any] | None) -> dict[str, int]:
+    """``{tier}_auth_failures`` and ``{tier}_unknown_epoch`` from a store's counters (an SSD store's
+    snapshot, a cluster store's), 0 where the store has none (unsealed, or closed)."""
+    counters = counters or {}
+    return {f"{tier}_{name}": int(counters.get(name, 0) or 0) for name in SEAL_COUNTERS}
 
 
 def _number(value: Any) -> bool:
@@ -148,6 +171,20 @@ class Deltas:
             if delta:
                 out[key] = delta
         return out
+
+
+def worker_totals(snapshot: Mapping[str, Any], faults: int) -> dict[str, int | float]:
+    """A worker rank's cumulative counters for vLLM's connector stats, from its snapshot
+    (``SariaWorker.snapshot``): the engine's transfer counters (bytes and seconds per path,
+    failures), the cluster tier's puts, the sealed parts each store refused (:func:`seal_counters`)
+    and ``faults``."""
+    totals = dict(snapshot.get("engine", {}), faults=faults)
+    totals.update(seal_counters("ssd", snapshot.get("ssd")))
+    cluster = snapshot.get("cluster")
+    if cluster:
+        totals.update(cluster_shared=cluster["shared"], cluster_share_failed=cluster["share_failed"])
+        totals.update(seal_counters("cluster", cluster.get("store")))
+    return {k: v for k, v in totals.items() if _number(v)}
 
 
 def worker_stats(delta: Mapping[str, Any]) -> dict[str, int | float]:

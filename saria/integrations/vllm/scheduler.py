@@ -52,6 +52,7 @@ from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, Sa
 from .prewarm import PrewarmSession, PrewarmSessions
 from .recovery import InventoryTakeover
 from .requests import TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
+from .sealing import ChunkNames
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
@@ -65,7 +66,8 @@ class SariaScheduler:
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, workers: int = 1,
                  recover: bool = False, recover_wait_s: float = RECOVER_WAIT_S,
-                 clock: Callable[[], float] = time.monotonic, cluster: ClusterIndex | None = None):
+                 clock: Callable[[], float] = time.monotonic, cluster: ClusterIndex | None = None,
+                 names: ChunkNames | None = None):
         if cluster is not None and geometry.hybrid:
             raise ValueError("saria: the cluster tier serves dense (attention-only) models; this one is hybrid "
                              "(GDN states): drop the cluster option")
@@ -98,6 +100,7 @@ class SariaScheduler:
         self.loaded = LoadCounters()
         self.prewarm = PrewarmSessions(self.control, self.config)
         self._sessions: dict[str, PrewarmSession] = {}  # request id -> its session (prewarming only)
+        self.names = names or ChunkNames(None)  # block hashes, or with a key file the tenant's chunk ids
 
     # --- hashing ---------------------------------------------------------------------------------
 
@@ -105,10 +108,11 @@ class SariaScheduler:
         """Hashes of the request's full chunks within its first ``max_tokens`` tokens: vLLM's
         block hash at each chunk's last token (block hashes are prefix-chained; vLLM computes one
         every ``hash_block_size`` tokens, a block or, for hybrid models with partial prefix hits,
-        a fraction of one)."""
+        a fraction of one). With a key file, each is the tenant's chunk id of that block hash
+        (:class:`~.sealing.ChunkNames`): nothing past this method sees a block hash or a salt."""
         k = self.config.chunk.chunk_tokens // self.geometry.hash_tokens  # hashes per chunk
         chunks = min(len(request.block_hashes) // k, max(0, max_tokens) // self.config.chunk.chunk_tokens)
-        return [request.block_hashes[(i + 1) * k - 1] for i in range(chunks)]
+        return self.names.names(request, [request.block_hashes[(i + 1) * k - 1] for i in range(chunks)])
 
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
@@ -264,6 +268,7 @@ class SariaScheduler:
         if session is not None:
             self.prewarm.finished(session, self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
         state = self._requests.pop(request.request_id, None)
+        self.names.forget(request.request_id)
         return state is not None and state.reads_pages, None
 
     def totals(self) -> dict[str, int]:

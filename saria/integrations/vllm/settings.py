@@ -44,6 +44,14 @@ key                           meaning (default)
 ``cluster_lookup_timeout_s``  the longest the scheduler waits for a cluster lookup (0.5)
 ``cluster_staging_gb`` /      host memory beside the DRAM tier that cluster reloads land in before they
 ``cluster_staging_bytes``     go to the GPU (256 MiB per rank)
+``secret_file``               a saria key file (``saria keys new PATH``, mode 0400): every SSD and cluster
+                              object is sealed (AES-256-GCM, bound to its name, store, tenant and
+                              epoch) and named by a MAC, each request's ``cache_salt`` selecting its
+                              tenant's keys (docs/security.md); empty: objects are neither sealed nor
+                              authenticated, said once at start (``""``)
+``cluster_insecure``          let the cluster tier run without ``secret_file`` (its objects then
+                              unsealed: anyone who reaches the Mooncake master can plant or read
+                              KV); without it a cluster tier without a key is refused (``false``)
 ``on_load_failure``           ``recompute``: a reload that fails (corrupt SSD object, I/O error)
                               makes vLLM recompute those tokens; ``fail``: the request fails.
                               Sets vLLM's ``kv_load_failure_policy`` (``recompute``)
@@ -65,7 +73,8 @@ _POLICY_FIELDS = {f.name for f in dataclasses.fields(Policy)} - {"name"}
 _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", "chunk_tokens",
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
          "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
-         "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes"} | _POLICY_FIELDS
+         "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes",
+         "cluster_insecure", "secret_file"} | _POLICY_FIELDS
 CLUSTER_ADMISSIONS = ("all", "evicted")
 
 
@@ -132,11 +141,35 @@ def _cluster_options(extra: Mapping[str, Any]) -> dict[str, Any]:
                cluster_admission=_choice(extra, "cluster_admission", "all", CLUSTER_ADMISSIONS),
                cluster_timeout_s=_number(extra, "cluster_timeout_s", 5.0, 0.0, 3600.0, strict=True),
                cluster_lookup_timeout_s=_number(extra, "cluster_lookup_timeout_s", 0.5, 0.0, 60.0, strict=True),
-               cluster_staging_bytes=_size(extra, "cluster_staging", 256 << 20))
+               cluster_staging_bytes=_size(extra, "cluster_staging", 256 << 20),
+               cluster_insecure=_flag(extra, "cluster_insecure"))
     if not out["cluster"] and any(k.startswith("cluster_") for k in extra):
         raise ValueError(f"{sorted(k for k in extra if k.startswith('cluster_'))[0]} is set but cluster (the Mooncake "
                          "master's address) is not")
     return out
+
+
+def _flag(extra: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r:.60}")
+    return value
+
+
+def _secret_file(extra: Mapping[str, Any], cluster: str, insecure: bool) -> str:
+    """The key file's path (``""``: none), checked against the cluster options: a cluster tier needs
+    a key unless ``cluster_insecure`` says to run it unsealed, and never both."""
+    path = extra.get("secret_file", "")
+    if not isinstance(path, str) or "\0" in path:
+        raise ValueError("secret_file must be the path of a saria key file (saria keys new PATH)")
+    if cluster and not path and not insecure:
+        raise ValueError("the cluster tier needs a key: give secret_file (saria serve --secret-file PATH; make one with "
+                         "saria keys new PATH), or cluster_insecure (--cluster-insecure) to share unsealed objects that "
+                         "anyone who reaches the Mooncake master can read or replace")
+    if path and insecure:
+        raise ValueError("cluster_insecure with secret_file: the cluster tier is sealed with the key; drop "
+                         "cluster_insecure")
+    return path
 
 
 @dataclass(frozen=True)
@@ -161,6 +194,13 @@ class ConnectorSettings:
     cluster_timeout_s: float = 5.0
     cluster_lookup_timeout_s: float = 0.5
     cluster_staging_bytes: int = 256 << 20
+    cluster_insecure: bool = False  # a cluster tier without a key (unsealed objects)
+    secret_file: str = ""  # the key file that seals SSD and cluster objects; "" for none
+
+    @property
+    def sealed(self) -> bool:
+        """Whether SSD and cluster objects are sealed (a key file is set)."""
+        return bool(self.secret_file)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorSettings":
@@ -193,6 +233,8 @@ class ConnectorSettings:
             raise ValueError("admission=oracle (policy oracle) knows every chunk's next use, which only a replay of a "
                              "recorded trace can tell it; a serving engine cannot use it: choose an online policy "
                              "(saria, paper, ...) or evaluate the oracle with saria replay --policy oracle")
+        cluster = _cluster_options(extra)
+        secret_file = _secret_file(extra, cluster["cluster"], cluster["cluster_insecure"])
         return cls(policy=policy, policy_overrides=overrides, dram_bytes=_size(extra, "dram", 8 * GiB),
                    ssd_paths=tuple(paths), ssd_bytes=_size(extra, "ssd", 64 * GiB if paths else 0),
                    ssd_dtype=_choice(extra, "ssd_dtype", "auto", SSD_DTYPES),
@@ -201,7 +243,7 @@ class ConnectorSettings:
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
                    log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
                    on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")),
-                   audit_kv=audit_kv, **_cluster_options(extra))
+                   audit_kv=audit_kv, secret_file=secret_file, **cluster)
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
         """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only

@@ -51,6 +51,7 @@ from saria.orders import STATE, DataPlane, DropOrder, ObjectKey, Order, PromoteO
 from saria.dataplane.build import DataPlaneParts
 from saria.dataplane.transfer.engine import LoadJob, LoadResult
 from saria.kernels import PageTable
+from saria.seal import Keyring
 
 from .audit import KVAudit
 from .cluster import WorkerCluster
@@ -58,6 +59,7 @@ from .cluster_loads import CombinedLoad
 from .faults import Faults
 from .geometry import EngineGeometry
 from .layout import ParallelLayout
+from .metrics import worker_totals
 from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata,
                        SariaWorkerMetadata)
 from .settings import ConnectorSettings
@@ -72,11 +74,12 @@ class SariaWorker:
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, num_blocks: int,
                  faults: Faults | None = None, layout: ParallelLayout | None = None,
-                 model: dict | None = None):
+                 model: dict | None = None, keyring: Keyring | None = None):
         self.settings = settings
         self.geometry = geometry
         self.layout = layout or ParallelLayout()
         self.model = dict(model or {})  # the model identity (layout.model_identity) the SSD store records
+        self.keyring = keyring  # secret_file's keys: the SSD and cluster stores seal their objects with them
         self.block_size = geometry.block_size
         self.num_blocks = num_blocks
         self.faults = faults or Faults("worker")
@@ -117,7 +120,8 @@ class SariaWorker:
             self._turn_off("its data plane could not start")
 
     def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        rank = open_rank(self.settings, self.geometry, self.layout, self.model, self.num_blocks, kv_caches)
+        rank = open_rank(self.settings, self.geometry, self.layout, self.model, self.num_blocks, kv_caches,
+                         keyring=self.keyring)
         self.data, self.state_table, self._inventory = rank.parts, rank.state_table, rank.inventory
         self.cluster = rank.cluster
         if rank.cluster is not None:
@@ -453,15 +457,9 @@ class SariaWorker:
         return out
 
     def stats_delta(self) -> dict[str, int | float]:
-        """What changed since the last call, for vLLM's connector stats: the engine's transfer
-        counters (bytes and seconds per path, failures), the cluster tier's puts and ``faults``."""
-        snapshot = self.snapshot()
-        totals = dict(snapshot.get("engine", {}), faults=self.faults.count)
-        cluster = snapshot.get("cluster")
-        if cluster:
-            totals.update(cluster_shared=cluster["shared"], cluster_share_failed=cluster["share_failed"])
-        delta = {k: v - self._stats_seen.get(k, 0) for k, v in totals.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        """What changed since the last call, for vLLM's connector stats (:func:`~.metrics.worker_totals`)."""
+        totals = worker_totals(self.snapshot(), self.faults.count)
+        delta = {k: v - self._stats_seen.get(k, 0) for k, v in totals.items()}
         self._stats_seen = totals
         return {k: v for k, v in delta.items() if v}
 

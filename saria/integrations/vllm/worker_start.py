@@ -16,6 +16,7 @@ from saria.dataplane.build import DataPlaneParts, open_data_plane
 from saria.dataplane.ssd.keys import parse_object_key
 from saria.kernels import PageTable
 from saria.orders import ObjectKey
+from saria.seal import Keyring, Sealer
 from saria.ssd_dtype import FP8_FORMAT
 
 from .cluster import WorkerCluster
@@ -55,9 +56,11 @@ class RankDataPlane:
 
 
 def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: ParallelLayout, model: dict[str, Any],
-              num_blocks: int, kv_caches: dict[str, torch.Tensor]) -> RankDataPlane:
+              num_blocks: int, kv_caches: dict[str, torch.Tensor], *, keyring: Keyring | None = None) -> RankDataPlane:
     """Open this rank's data plane over vLLM's registered ``kv_caches``; ``ValueError`` where they
-    are not what vLLM's spec said."""
+    are not what vLLM's spec said. ``keyring`` (the connector's ``secret_file``): the SSD store and
+    the cluster tier seal their objects, each with a :class:`~saria.seal.Sealer` bound to its kind
+    and its identity (this rank's: an object moved to another rank, model or layout fails its tag)."""
     g = geometry
     block_size = g.block_size
     views = _views(g.attention_layers + g.state_layers, kv_caches, num_blocks)
@@ -82,10 +85,11 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
                     kv_bytes_per_token=g.kv_bytes_per_token, state_bytes=g.state_bytes, pages=page_format(views))
     identity = store_identity(model, layout, **geometry, **stored)
     directories = rank_directories(settings.ssd_paths, layout) if config.ssd_bytes else []
+    sealed = {} if keyring is None else {"ssd_sealer": Sealer(keyring, "ssd", identity)}
     parts = open_data_plane(config, table, block_tokens=block_size, state_table=state_table,
                             ssd_paths=directories, ssd_identity=identity, coordinator_mode=settings.coordinator,
                             durable=settings.durable,
-                            staging_bytes=settings.cluster_staging_bytes if settings.cluster else 0)
+                            staging_bytes=settings.cluster_staging_bytes if settings.cluster else 0, **sealed)
     inventory = _take_inventory(parts)
     cluster = None
     if settings.cluster:
@@ -93,17 +97,20 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
             parts.close()
             raise ValueError("saria: the cluster tier serves dense (attention-only) models; this one is hybrid")
         try:  # cluster objects are the DRAM tier's exact bytes, whatever the SSD stores
-            cluster = WorkerCluster(parts.engine, settings.cluster, store_identity(model, layout, **geometry),
+            cluster_identity = store_identity(model, layout, **geometry)
+            sealer = {} if keyring is None else {"sealer": Sealer(keyring, "cluster", cluster_identity)}
+            cluster = WorkerCluster(parts.engine, settings.cluster, cluster_identity,
                                     staging_bytes=settings.cluster_staging_bytes, local_hostname=settings.cluster_host,
-                                    timeout_s=settings.cluster_timeout_s)
+                                    timeout_s=settings.cluster_timeout_s, **sealer)
         except BaseException:
             parts.close()
             raise
     # what the user asked for and what is taken: pinned host memory, preallocated drive files
-    log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page; %s%s",
+    log.info("saria worker rank %d of %d: %d attention + %d GDN layers, %d B per page; %s%s%s",
              layout.rank, layout.shards, len(g.attention_layers), len(g.state_layers), table.bytes_per_page,
              parts.sizing.describe(), f"; SSD store {parts.ssd.backend_name}, {len(inventory)} object(s) from a "
-             "previous run" if parts.ssd else "")
+             "previous run" if parts.ssd else "",
+             "; SSD and cluster objects sealed" if keyring is not None else "")
     return RankDataPlane(parts, kv_views, state_table, inventory, cluster)
 
 
