@@ -47,6 +47,7 @@ class SessionResult:
     variants: list[dict[int, TurnResult]] = field(default_factory=list)  # per turn: primed prefix length -> result
     baseline: list[TurnResult] = field(default_factory=list)  # a reference's turns computed in full (its job's baseline)
     reference: list[dict[str, int]] = field(default_factory=list)  # a reference's connector counters, per rank
+    block_hashes: list[list[str]] = field(default_factory=list)  # record_block_hashes: vLLM's, per request looked up
 
 
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
@@ -59,7 +60,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
                 num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
                 abort_turns: list[int] = (), gap_s: float = 0.0, kv_cache_dtype: str = "auto",
-                emulate_ssd_fp8: bool | str = False, reference: dict | None = None) -> SessionResult:
+                emulate_ssd_fp8: bool | str = False, reference: dict | None = None,
+                cache_salts: list[str | None] | None = None, record_block_hashes: bool = False) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -95,7 +97,12 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     (:func:`~saria.harness.fp8.emulate_fp8_ssd_reloads`; an engine in this process).
     ``reference``: instead of all that, replay a saria run's history through plain vLLM with the
     reference connector (a job of :func:`~saria.harness.reference_runs.reference_job`; with
-    ``batches``, ``max_tokens`` and the engine's arguments, nothing else)."""
+    ``batches``, ``max_tokens`` and the engine's arguments, nothing else).
+    ``cache_salts``: per prompt, vLLM's ``cache_salt`` (a tenant: vLLM folds it into the prompt's
+    block hashes; with a key file saria derives the tenant's keys from it), or None for none.
+    ``record_block_hashes``: keep vLLM's block hashes of every request saria looks up, hex
+    (``SessionResult.block_hashes``: what must never appear in saria's files, logs or metrics; an
+    engine in this process)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -116,6 +123,12 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         raise ValueError("prime or variants need prefix_caching, no saria connector, and counts for every prompt")
     if variants is not None and any(not 0 <= c < len(p) for counts, p in zip(variants, prompts) for c in counts):
         raise ValueError("a primed prefix must be shorter than its prompt")
+    if cache_salts is not None and (len(cache_salts) != len(prompts) or variants is not None or abort_turns):
+        raise ValueError("cache_salts needs one salt (or None) per prompt, and no prime, variants or abort_turns")
+    salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+
+    def prompt_of(i: int) -> Any:
+        return TokensPrompt(prompt_token_ids=prompts[i], **({"cache_salt": salts[i]} if salts[i] is not None else {}))
 
     kwargs: dict[str, Any] = {}
     if extra_config is not None:
@@ -161,6 +174,11 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
 
         restore = emulate_fp8_ssd_reloads(restore, fmt="saria" if emulate_ssd_fp8 is True else emulate_ssd_fp8)
     result = SessionResult([], block_size=llm.llm_engine.vllm_config.cache_config.block_size)
+    if record_block_hashes:
+        if guard is None:
+            raise ValueError("record_block_hashes needs saria in an engine in this process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        _record_block_hashes(scheduler_side, result.block_hashes)
     start = time.perf_counter()
     first = 0
     for size in batches:
@@ -184,7 +202,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         if turn in abort_turns:
             outs = [generate_and_abort(llm, group[0], params, f"abort-{turn}")]
         else:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in group], params, use_tqdm=False)
+            outs = llm.generate([prompt_of(i) for i in range(turn, turn + size)], params, use_tqdm=False)
         wall = time.perf_counter() - t0
         dram = ssd = cluster = 0
         if guard is not None:  # tokens the loads delivered (SchedulerGuard.totals: over rebuilds too)
@@ -233,6 +251,19 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     return result
 
 
+def _record_block_hashes(connector: Any, into: list[list[str]]) -> None:
+    """Keep vLLM's block hashes (hex) of each request the scheduler half looks up (once per request)."""
+    lookup, seen = connector.get_num_new_matched_tokens, set()
+
+    def recording(request: Any, num_computed_tokens: int) -> Any:
+        if request.request_id not in seen:
+            seen.add(request.request_id)
+            into.append([bytes(h).hex() for h in request.block_hashes])
+        return lookup(request, num_computed_tokens)
+
+    connector.get_num_new_matched_tokens = recording
+
+
 def _run_reference(model: str, prompts: list[list[int]], job: dict, *, max_tokens: int, block_size: int | None,
                    max_model_len: int, enforce_eager: bool, batches: list[int] | None, prefix_caching: bool,
                    extra_config: dict | None, variants: Any, prime: Any, tensor_parallel_size: int,
@@ -256,9 +287,11 @@ def _run_reference(model: str, prompts: list[list[int]], job: dict, *, max_token
 
 
 def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: float = 900,
-                      echo: str | None = None) -> dict:
+                      echo: str | None = None, keep_log: bool = False) -> dict:
     """:func:`run_session` in a fresh Python process (vLLM's process-wide state stays there).
-    ``echo``: print the child's per-turn progress lines as they come, prefixed with ``echo``."""
+    ``echo``: print the child's per-turn progress lines as they come, prefixed with ``echo``.
+    ``keep_log``: the child's output in the result's ``log`` (its stdout, where vLLM's handler writes
+    vLLM's and saria's log lines, then its stderr)."""
     with tempfile.TemporaryDirectory(prefix="saria-session-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(dict(spec, progress=echo is not None)))
@@ -285,7 +318,10 @@ def run_in_subprocess(spec: dict, *, multiprocessing: bool = False, timeout: flo
         if proc.returncode != 0:
             raise RuntimeError(f"vLLM session failed (exit {proc.returncode}):\n{''.join(lines)[-3000:]}\n"
                                f"{log_path.read_text()[-6000:]}")
-        return json.loads(out_path.read_text())
+        result = json.loads(out_path.read_text())
+        if keep_log:
+            result["log"] = "".join(lines) + log_path.read_text()  # vLLM logs to stdout, Python to stderr
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:
