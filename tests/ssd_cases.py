@@ -1,9 +1,11 @@
-"""Helpers for the SSD store tests: deterministic payloads, drive directories, and ``FaultyOps``,
-the real syscall layer with faults injected at chosen calls (the store itself is never mocked)."""
+"""Helpers for the SSD store tests: deterministic payloads, drive directories, ``FaultyOps``, the
+real syscall layer with faults injected at chosen calls (the store itself is never mocked), and for
+sealed stores a sealer over a real key file and header edits whose checksum is made valid again."""
 
 from __future__ import annotations
 
 import errno as errno_mod
+import hashlib
 import os
 import threading
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import torch
 
 from saria.dataplane import IoOps
 from saria.dataplane.ssd.format import BLOCK, FILE_NAME, HEADER_BYTES, SUPERBLOCK_BYTES, Geometry
+from saria.seal import Keyring, Sealer, new_key_file
 
 PB = 16384  # part_bytes of most tests: small parts keep the interpreted checksum cheap
 
@@ -203,5 +206,44 @@ def geometry(slots: int, part_bytes: int = PB) -> Geometry:
     return Geometry(part_bytes, slots)
 
 
-__all__ = ["BLOCK", "Call", "Fault", "FaultyOps", "PB", "capacity", "drive_file", "drives", "flip_byte",
-           "geometry", "is_header", "is_payload", "payload"]
+# ------------------------------------------------------------------ sealed stores
+
+SEALED_FIELDS = 128  # a version-2 (sealed) header's fields start here, after the version-1 ones
+SEALED_SUMMED = 176  # ... and its blake2b-64 covers bytes 0..176 (version 1: 0..128)
+
+
+def header_block(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(HEADER_BYTES)
+
+
+def put_header(path: Path, offset: int, block: bytes) -> None:
+    """Write ``block`` as the header at ``offset`` after recomputing its blake2b-64 for its slot
+    version (laid out here independently of the encoder): what an attacker with the file can do."""
+    block = bytearray(block)
+    version = int.from_bytes(block[8:10], "little")
+    summed = SEALED_SUMMED if version == 2 else 128
+    block[summed:summed + 8] = hashlib.blake2b(bytes(block[:summed]), digest_size=8).digest()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(block))
+
+
+def patch_header(path: Path, offset: int, at: int, data: bytes) -> None:
+    """Overwrite bytes ``at..`` of the header at ``offset`` with ``data``, checksum made valid."""
+    block = bytearray(header_block(path, offset))
+    block[at:at + len(data)] = data
+    put_header(path, offset, bytes(block))
+
+
+def make_sealer(key_file: Path, identity: str = "") -> Sealer:
+    """A store's sealer over the key file at ``key_file`` (made there first when missing)."""
+    if not key_file.exists():
+        new_key_file(key_file)
+    return Sealer(Keyring.load(key_file), "ssd", identity)
+
+
+__all__ = ["BLOCK", "Call", "Fault", "FaultyOps", "PB", "SEALED_FIELDS", "SEALED_SUMMED", "capacity", "drive_file",
+           "drives", "flip_byte", "geometry", "header_block", "is_header", "is_payload", "make_sealer", "patch_header",
+           "payload", "put_header"]

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from saria.config import SariaConfig
 from saria.kernels import PageTable
+from saria.seal import Sealer
 from saria.sizing import TierSizing, size_tiers
 
 from saria.dataplane.transfer.coordinator import Coordinator
@@ -55,7 +56,7 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
                     state_table: PageTable | None = None, state_pages: int = 1,
                     ssd_paths: Sequence[str] | None = None, coordinator_mode: str = "coordinated",
                     durable: bool = True, direct: bool | str = "auto", ssd_identity: str = "",
-                    staging_bytes: int = 0) -> DataPlaneParts:
+                    staging_bytes: int = 0, ssd_sealer: Sealer | None = None) -> DataPlaneParts:
     """A data plane whose host pool and SSD store are laid out by :func:`saria.sizing.size_tiers`:
     never more pinned memory than ``config.dram_bytes`` (+ ``staging_bytes``) and never more bytes
     preallocated per drive than ``config.ssd_bytes / drives``; a tier that holds no object of some
@@ -66,7 +67,9 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
 
     ``ssd_paths`` defaults to ``config.ssd_paths``; a policy that uses SSD needs at least one.
     ``ssd_identity`` is what the SSD store's objects are written for (see :class:`SSDStore`): drive
-    files written for another identity are wiped at open. ``staging_bytes``: host memory beyond
+    files written for another identity are wiped at open. ``ssd_sealer``: a
+    :class:`saria.seal.Sealer` of kind ``"ssd"`` made for ``ssd_identity``, to seal every SSD part
+    (docs/ssd.md, "Sealed objects"); ``None``: unsealed. ``staging_bytes``: host memory beyond
     the DRAM tier's, in whole slots (rounded down), which the control plane never places objects in
     (the cluster tier's reloads land there before they go to the GPU).
     """
@@ -84,7 +87,7 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
     try:
         if sizing.ssd.units:
             ssd = SSDStore(paths, sizing.ssd.file_bytes, sizing.ssd.unit_bytes, durable=durable, direct=direct,
-                           identity=ssd_identity)
+                           identity=ssd_identity, sealer=ssd_sealer)
             if ssd.total_parts != sizing.ssd.units:  # the store's own rule for its files' slots
                 raise RuntimeError(f"the SSD store holds {ssd.total_parts} parts, its layout says {sizing.ssd.units}")
         coordinator = Coordinator(config.bandwidth, mode=coordinator_mode)

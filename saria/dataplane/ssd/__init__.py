@@ -13,13 +13,15 @@ One job per module:
 * ``files``: the syscall layer (:class:`IoOps`), drive files, directory locks, aligned buffers,
   :func:`probe_direct_io`; ``backends``: the payload backends (POSIX, kvikio) over them;
   ``kvikio_status``: what kvikio would do here (shared with ``saria doctor``).
-* ``format``: the on-disk format; ``index``: the index and how headers rebuild it; ``alloc``: slot
+* ``sealing``: sealed parts (AES-256-GCM through :class:`saria.seal.Sealer`, private bounce buffers);
+  ``format``: the on-disk format; ``index``: the index and how headers rebuild it; ``alloc``: slot
   allocation; ``counters``, ``errors``; ``keys``: stable object keys (:func:`object_key`).
 """
 
 from saria.dataplane.ssd.counters import PathCounters, SSDCounters
-from saria.dataplane.ssd.errors import (DriveLost, ObjectCorrupt, ObjectNotFound, ObjectReadError, ObjectUnreadable,
-                                        ObjectWriteError, SSDStoreError, StoreClosed, StoreConfigError, StoreFull)
+from saria.dataplane.ssd.errors import (DriveLost, ObjectCorrupt, ObjectEpochUnknown, ObjectNotFound, ObjectReadError,
+                                        ObjectUnauthentic, ObjectUnreadable, ObjectWriteError, SSDStoreError,
+                                        StoreClosed, StoreConfigError, StoreFull)
 from saria.dataplane.ssd.files import IoOps, probe_direct_io
 from saria.dataplane.ssd.index import ObjectInfo, PartLocation
 from saria.dataplane.ssd.keys import object_key, parse_object_key
@@ -27,8 +29,8 @@ from saria.dataplane.ssd.kvikio_status import KvikioStatus, kvikio_status
 from saria.dataplane.ssd.store import SSDStore
 
 __all__ = [
-    "DriveLost", "IoOps", "KvikioStatus", "ObjectCorrupt", "ObjectInfo", "ObjectNotFound", "ObjectReadError",
-    "ObjectUnreadable", "ObjectWriteError", "PartLocation", "PathCounters", "SSDCounters", "SSDStore",
-    "SSDStoreError", "StoreClosed", "StoreConfigError", "StoreFull", "kvikio_status", "object_key",
-    "parse_object_key", "probe_direct_io",
+    "DriveLost", "IoOps", "KvikioStatus", "ObjectCorrupt", "ObjectEpochUnknown", "ObjectInfo", "ObjectNotFound",
+    "ObjectReadError", "ObjectUnauthentic", "ObjectUnreadable", "ObjectWriteError", "PartLocation", "PathCounters",
+    "SSDCounters", "SSDStore", "SSDStoreError", "StoreClosed", "StoreConfigError", "StoreFull", "kvikio_status",
+    "object_key", "parse_object_key", "probe_direct_io",
 ]

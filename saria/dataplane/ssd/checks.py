@@ -15,15 +15,21 @@ import torch
 
 from saria.dataplane.ssd.format import BLOCK, HEADER_BYTES, MAX_KEY_BYTES, SUPERBLOCK_BYTES, Geometry, encode_identity
 from saria.dataplane.ssd.index import ObjectInfo
+from saria.seal import Sealer
 
 CHECKSUM_LIMIT = 1 << 64
 
 
 def check_options(paths: Sequence[str | os.PathLike], capacity_bytes_per_drive: int, part_bytes: int,
-                  direct: bool | str, read_threads: int, write_threads: int, identity: str
-                  ) -> tuple[Geometry, list[Path]]:
+                  direct: bool | str, read_threads: int, write_threads: int, identity: str, sealer: Any = None,
+                  backend: str = "auto") -> tuple[Geometry, list[Path]]:
     """The geometry of each drive file and the drive directories of a store opened with these
     arguments (those of :class:`~saria.dataplane.ssd.store.SSDStore`)."""
+    if sealer is not None and not isinstance(sealer, Sealer):
+        raise TypeError(f"sealer must be a saria.seal.Sealer or None, got {type(sealer).__name__}")
+    if sealer is not None and backend == "kvikio":
+        raise ValueError("backend='kvikio' with a sealer: sealed parts are opened on the CPU, they never move by "
+                         "kvikio or GDS (use backend='auto' or 'posix')")
     if isinstance(paths, (str, os.PathLike)) or not len(paths):
         raise ValueError("paths must be a non-empty list of directories, one per drive")
     if not isinstance(part_bytes, int) or part_bytes < BLOCK or part_bytes % BLOCK:

@@ -40,6 +40,11 @@ class SSDCounters:
     store_full: int = 0  # writes refused for lack of free slots
     drives_lost: int = 0  # drive files found deleted or replaced while open (drive taken out of service)
     objects_lost: int = 0  # objects dropped because a drive they had a part on was lost
+    auth_failures: int = 0  # sealed parts whose GCM tag did not verify (each dropped its object)
+    unknown_epoch: int = 0  # sealed parts of a key epoch the key file lacks (each dropped its object)
+    unsealed_dropped_at_open: int = 0  # objects a sealed store found unsealed at open (not served, freed)
+    other_key_dropped_at_open: int = 0  # objects sealed under another key file found at open (not read, freed)
+    sealed_dropped_at_open: int = 0  # sealed objects an unsealed store found at open (not read, freed)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

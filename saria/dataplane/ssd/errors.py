@@ -75,3 +75,14 @@ class ObjectUnreadable(ObjectReadError):
 
 class ObjectCorrupt(ObjectReadError):
     """A part's bytes do not match the checksum recorded when it was written."""
+
+
+class ObjectUnauthentic(ObjectCorrupt):
+    """A sealed part failed its AES-GCM tag: its bytes, its name, its place, its tenant or its key
+    are not the ones it was sealed with (docs/ssd.md, "Sealed objects"). Nothing of it is served;
+    the message names no key, object name or hash."""
+
+
+class ObjectEpochUnknown(ObjectUnauthentic):
+    """A sealed part's key epoch is not in the key file (retired, or never had): it cannot be
+    opened, so it is a miss like a failed tag."""

@@ -38,6 +38,17 @@ header never reads as valid::
 
 The header's own checksum is blake2b (stdlib): headers are host-side metadata parsed on the CPU at
 open, while payload checksums use the kernels' device checksum so reads verify where they land.
+
+A sealed store (docs/ssd.md, "Sealed objects") writes slot format version 2: bytes 0..128 as in
+version 1 with the payload checksum 0 (the part's AES-GCM tag replaces it), then::
+
+    128 B   flags (1 = sealed; the only value)       148 16s GCM tag of the part
+    129 3s  reserved (0)                              164 8s  key id of the key file it was sealed under
+    132 I   key epoch                                 172 I   reserved (0)
+    136 12s nonce                                     176 Q   blake2b-64 of bytes 0..176
+
+The payload of a sealed part is its ciphertext (as long as the plaintext). Unsealed stores write
+version 1, exactly as before.
 """
 
 from __future__ import annotations
@@ -46,11 +57,14 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from saria.seal import SealedPart
+
 BLOCK = 4096  # O_DIRECT alignment of buffer addresses, lengths and file offsets used here
 HEADER_BYTES = 4096
 SUPERBLOCK_BYTES = 4096
 FORMAT_VERSION = 2  # of the superblock written; version 1 superblocks are read too
-SLOT_VERSION = 1  # of slot headers (unchanged since format version 1)
+SLOT_VERSION = 1  # of unsealed slot headers (unchanged since format version 1)
+SEALED_SLOT_VERSION = 2  # of sealed slot headers
 MAX_IDENTITY_BYTES = 3000  # UTF-8 bytes of a superblock's identity
 MAX_KEY_BYTES = 64
 FILE_NAME = "saria-ssd-store.bin"
@@ -65,6 +79,9 @@ _SUPER_SUMMED = SUPERBLOCK_BYTES - 8  # version 2: the checksum covers the block
 _SLOT = struct.Struct("<8sHBBIIIQQQQQ64s")  # 128 bytes, then the checksum
 _CSUM = struct.Struct("<Q")
 _SLOT_USED = _SLOT.size + _CSUM.size
+_SEAL = struct.Struct("<B3sI12s16s8sI")  # version 2, at _SLOT.size: flags .. reserved (48 bytes)
+SEALED_FLAG = 1
+_SEALED_SUMMED = _SLOT.size + _SEAL.size  # version 2: its checksum covers bytes 0..176
 
 
 def _digest(data: bytes) -> int:
@@ -180,9 +197,26 @@ class SuperBlock:
         return SuperBlock(part_bytes, slots, identity)
 
 
+@dataclass(frozen=True, repr=False)
+class SealFields(SealedPart):
+    """What a sealed part's header keeps beside its ciphertext: its epoch, nonce and tag (a
+    :class:`~saria.seal.SealedPart`, as :meth:`~saria.seal.Sealer.open_into` takes it) and the
+    key id of the key file it was sealed under. ``repr`` shows the epoch only."""
+
+    key_id: bytes = b""
+
+    def __post_init__(self) -> None:
+        if len(self.nonce) != 12 or len(self.tag) != 16 or len(self.key_id) != 8:
+            raise ValueError("sealed fields: a nonce is 12 bytes, a tag 16 and a key id 8")
+
+    def __repr__(self) -> str:
+        return f"SealFields(epoch={self.epoch})"
+
+
 @dataclass(frozen=True)
 class SlotHeader:
-    """A committed slot header: part ``part_index`` of ``part_count`` of object ``key``."""
+    """A committed slot header: part ``part_index`` of ``part_count`` of object ``key``;
+    ``seal``: its sealed fields (slot version 2), ``None`` for an unsealed part (version 1)."""
 
     key: bytes
     generation: int
@@ -192,11 +226,16 @@ class SlotHeader:
     part_length: int
     part_capacity: int
     checksum: int
+    seal: SealFields | None = None
 
     def encode(self) -> bytes:
-        body = _SLOT.pack(SLOT_MAGIC, SLOT_VERSION, STATE_COMMITTED, len(self.key), self.part_index,
+        version = SLOT_VERSION if self.seal is None else SEALED_SLOT_VERSION
+        body = _SLOT.pack(SLOT_MAGIC, version, STATE_COMMITTED, len(self.key), self.part_index,
                           self.part_count, 0, self.generation, self.object_length, self.part_length,
                           self.part_capacity, self.checksum, self.key)
+        if self.seal is not None:
+            body += _SEAL.pack(SEALED_FLAG, bytes(3), self.seal.epoch, self.seal.nonce, self.seal.tag,
+                               self.seal.key_id, 0)
         return (body + _CSUM.pack(_digest(body))).ljust(HEADER_BYTES, b"\0")
 
 
@@ -208,20 +247,28 @@ def decode_header(block: bytes) -> SlotHeader | None:
 
     Raises ``ValueError`` saying why for a header that is torn, flipped, or not committed.
     """
-    used = block[:_SLOT_USED]
-    if len(used) < _SLOT_USED:
+    if len(block) < _SLOT_USED:
         raise ValueError(f"header cut short ({len(block)} bytes)")
-    if not any(used):
+    if not any(block[:_SLOT_USED]):
         return None
     (magic, version, state, key_len, part_index, part_count, reserved, generation, object_length,
-     part_length, part_capacity, checksum, key) = _SLOT.unpack_from(used)
+     part_length, part_capacity, checksum, key) = _SLOT.unpack_from(block)
     if magic != SLOT_MAGIC:
         raise ValueError(f"bad header magic {magic!r}")
-    (stored,) = _CSUM.unpack_from(used, _SLOT.size)
-    if stored != _digest(used[:_SLOT.size]):
+    summed = _SEALED_SUMMED if version == SEALED_SLOT_VERSION else _SLOT.size
+    if len(block) < summed + _CSUM.size:
+        raise ValueError(f"header cut short ({len(block)} bytes)")
+    (stored,) = _CSUM.unpack_from(block, summed)
+    if stored != _digest(block[:summed]):
         raise ValueError("header checksum mismatch (torn or corrupt header)")
-    if version != SLOT_VERSION:
+    if version not in (SLOT_VERSION, SEALED_SLOT_VERSION):
         raise ValueError(f"header format version {version}")
+    seal = None
+    if version == SEALED_SLOT_VERSION:
+        flags, pad, epoch, nonce, tag, key_id, pad2 = _SEAL.unpack_from(block, _SLOT.size)
+        if flags != SEALED_FLAG or any(pad) or pad2 or checksum:
+            raise ValueError("malformed sealed fields")
+        seal = SealFields(epoch, nonce, tag, key_id)
     if state != STATE_COMMITTED:
         raise ValueError(f"header state {state} is not committed")
     if not 1 <= key_len <= MAX_KEY_BYTES or any(key[key_len:]) or reserved:
@@ -229,4 +276,4 @@ def decode_header(block: bytes) -> SlotHeader | None:
     if not part_index < part_count or not 0 < part_length <= part_capacity:
         raise ValueError("inconsistent part fields")
     return SlotHeader(key[:key_len], generation, part_index, part_count, object_length, part_length,
-                      part_capacity, checksum)
+                      part_capacity, checksum, seal)

@@ -6,17 +6,19 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from saria.dataplane.ssd.format import SlotHeader
+from saria.dataplane.ssd.format import SealFields, SlotHeader
 
 
 @dataclass(frozen=True)
 class PartLocation:
-    """One part of an object: slot ``slot`` of drive ``drive`` holds ``length`` payload bytes."""
+    """One part of an object: slot ``slot`` of drive ``drive`` holds ``length`` payload bytes;
+    ``checksum`` verifies them, or, for a sealed part (``checksum`` 0), ``seal`` opens them."""
 
     drive: int
     slot: int
     length: int
     checksum: int
+    seal: SealFields | None = None
 
 
 @dataclass
@@ -28,14 +30,19 @@ class IndexEntry:
     dead: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ObjectInfo:
-    """A committed object: ``length`` bytes in ``parts`` (part ``i`` is bytes ``[i*part_bytes, ...)``)."""
+    """A committed object: ``length`` bytes in ``parts`` (part ``i`` is bytes ``[i*part_bytes, ...)``).
+    ``repr`` leaves a sealed object's key out (it holds a chunk id)."""
 
     key: bytes
     length: int
     generation: int
     parts: tuple[PartLocation, ...]
+
+    def __repr__(self) -> str:
+        key = "<sealed>" if any(p.seal is not None for p in self.parts) else repr(self.key)
+        return f"ObjectInfo(key={key}, length={self.length}, generation={self.generation}, parts={self.parts!r})"
 
 
 @dataclass
@@ -84,7 +91,7 @@ def assemble(headers: list[tuple[int, int, SlotHeader]], part_bytes: int) -> Rec
         if best.get(key) == gen:
             ordered = sorted(parts, key=lambda p: p[2].part_index)
             out.objects[key] = ObjectInfo(key, ordered[0][2].object_length, gen, tuple(
-                PartLocation(d, s, h.part_length, h.checksum) for d, s, h in ordered))
+                PartLocation(d, s, h.part_length, h.checksum, h.seal) for d, s, h in ordered))
         else:
             out.dropped_objects += 1
             out.erase.extend((d, s) for d, s, _ in parts)

@@ -8,6 +8,11 @@ truncated file, older generations) is erased and counted. A drive file whose sup
 was written for another identity (or, with an identity given, another ``part_bytes``, or a damaged
 or blank superblock over committed headers) is wiped: truncated to nothing, then preallocated and
 formatted like a new file, with one warning line.
+
+Sealing (docs/ssd.md, "Sealed objects"): a sealed store (``key_id`` given) serves only parts sealed
+under its key file; unsealed parts (a plaintext object must never be served by a sealed store) and
+parts sealed under another key file are not read and their slots freed. An unsealed store cannot
+open sealed parts and frees them too. Each case is one warning line with a count per start-up.
 """
 
 from __future__ import annotations
@@ -53,6 +58,15 @@ class Started:
     quarantined: set[tuple[int, int]]
 
 
+_REFUSED = {  # the warning of each kind of part a store does not serve by its sealing (count, drive directories)
+    "unsealed": "SSD store: %d object(s) on %s were not sealed: a sealed store never serves plaintext objects, "
+                "their slots are freed",
+    "other_key": "SSD store: %d object(s) on %s were sealed under another key file: not read, their slots are freed",
+    "sealed": "SSD store: %d object(s) on %s are sealed and this store has no key file: not read, their slots "
+              "are freed",
+}
+
+
 def written_for(identity: str, part_bytes: int) -> str:
     """How a log line names what a drive file is (or was) written for."""
     return f"{f'identity {identity!r}' if identity else 'no identity'} with part_bytes={part_bytes}"
@@ -61,7 +75,9 @@ def written_for(identity: str, part_bytes: int) -> str:
 class Startup:
     """Opens and recovers the drive files of one store of ``geometry`` written for ``identity``."""
 
-    def __init__(self, geometry: Geometry, identity: str, ops: IoOps, counters: SSDCounters, durable: bool):
+    def __init__(self, geometry: Geometry, identity: str, ops: IoOps, counters: SSDCounters, durable: bool,
+                 key_id: bytes | None = None):
+        self._key_id = key_id  # of the key file the store seals with (None: an unsealed store)
         self._geometry = geometry
         self._identity = identity
         self._ops = ops
@@ -126,9 +142,9 @@ class Startup:
         (``erase(drive, slot)``: ``False`` when the header could not be erased), size the files."""
         g = self._geometry
         scans = list(pool.map(self._scan_drive, files, range(len(files))))
-        headers = [h for scan in scans for h in scan.found]
+        headers, refused = self._by_seal([h for scan in scans for h in scan.found], files)
         rec = assemble(headers, g.part_bytes)
-        to_erase = [(d, s) for d, s in rec.erase if s < g.slots]
+        to_erase = [(d, s) for d, s in rec.erase + refused if s < g.slots]
         for key, info in list(rec.objects.items()):  # parts cut off by a smaller capacity
             if any(p.slot >= g.slots for p in info.parts):
                 del rec.objects[key]
@@ -156,6 +172,30 @@ class Startup:
                         rec.dropped_objects)
         return Started({k: IndexEntry(info) for k, info in rec.objects.items()}, alloc, rec.max_generation + 1,
                        failed)
+
+    def _by_seal(self, headers: list[tuple[int, int, SlotHeader]], files: list[DriveFile]
+                 ) -> tuple[list[tuple[int, int, SlotHeader]], list[tuple[int, int]]]:
+        """The headers this store can serve by their sealing, and the slots of the others (to
+        erase), counted and logged once per kind (names and key ids are never logged)."""
+        kept: list[tuple[int, int, SlotHeader]] = []
+        refused: dict[str, list[tuple[int, int, SlotHeader]]] = {}
+        for d, s, h in headers:
+            if self._key_id is None:
+                why = None if h.seal is None else "sealed"
+            elif h.seal is None:
+                why = "unsealed"
+            else:
+                why = None if h.seal.key_id == self._key_id else "other_key"
+            if why is None:
+                kept.append((d, s, h))
+            else:
+                refused.setdefault(why, []).append((d, s, h))
+        for why, found in refused.items():
+            objects = len({(h.key, h.generation) for _, _, h in found})
+            where = ", ".join(str(files[d].path.parent) for d in sorted({d for d, _, _ in found}))
+            self._counters.add(**{f"{why}_dropped_at_open": objects})
+            log.warning(_REFUSED[why], objects, where)
+        return kept, [(d, s) for found in refused.values() for d, s, _ in found]
 
     def _scan_drive(self, f: DriveFile, drive: int) -> DriveScan:
         """Committed headers, corrupt slots, and the slot cut mid-payload of drive ``drive``'s file

@@ -17,6 +17,8 @@ drives, backends, durability) is in docs/ssd.md. In short, for a reader of this 
 * Misuse of caller memory is refused before any I/O (``checks``, ``memory``) and drops nothing.
 * Start-up (locking, opening, scanning, recovery, wiping, sizing) is in ``startup``; drives whose
   file is deleted or replaced while open are taken out of service by ``lost``.
+* With a ``sealer`` every part is sealed (AES-256-GCM, ``sealing``) instead of checksummed, a part
+  whose tag fails is a miss that drops its object, and no message names an object.
 
 Threads: the index, the allocator, ``_pending`` / ``_tombstones`` and ``_lost`` change under
 ``_lock``; header erasures and payload I/O run outside it.
@@ -44,7 +46,9 @@ from saria.dataplane.ssd.format import EMPTY_HEADER
 from saria.dataplane.ssd.index import IndexEntry, ObjectInfo, PartLocation
 from saria.dataplane.ssd.jobs import ReadJob, WorkerStreams, WriteJob, ready_events
 from saria.dataplane.ssd.memory import Claim, MemoryInUse, WritableProbe
+from saria.dataplane.ssd.sealing import SealedParts
 from saria.dataplane.ssd.startup import Startup
+from saria.seal import Sealer
 
 log = logging.getLogger("saria.dataplane.ssd")
 
@@ -60,7 +64,8 @@ class SSDStore:
             ``(capacity - 4096) // (4096 + part_bytes)`` slots.
         part_bytes: payload bytes per slot, the striping unit (a multiple of 4096).
         backend: ``"auto"`` (kvikio when CUDA and kvikio are there, else POSIX), ``"posix"``, or
-            ``"kvikio"`` (an error where it cannot run).
+            ``"kvikio"`` (an error where it cannot run, and with a ``sealer``: a sealed store's parts
+            move by POSIX, ``auto`` picks it).
         direct: O_DIRECT policy: ``"auto"`` (use it where the filesystem allows it), ``True``
             (required: an error where refused), ``False`` (buffered I/O).
         durable: ``fdatasync`` payloads before headers and headers before a write completes.
@@ -68,14 +73,17 @@ class SSDStore:
         io_ops: the syscall layer (default the real ``os`` calls); tests pass a wrapper to inject faults.
         identity: what the objects are written for (at most 3,000 UTF-8 bytes; ``""``: none). Drive
             files written for another identity are wiped at open (docs/ssd.md, "Identity").
+        sealer: a :class:`saria.seal.Sealer` of kind ``"ssd"`` made for this ``identity``: every part
+            is then sealed, and only parts sealed under its key file are served (docs/ssd.md,
+            "Sealed objects"). ``None``: unsealed, as before.
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike], capacity_bytes_per_drive: int,
                  part_bytes: int = 4 << 20, *, backend: str = "auto", direct: bool | str = "auto",
                  durable: bool = True, read_threads: int = 8, write_threads: int = 2,
-                 io_ops: IoOps | None = None, identity: str = ""):
+                 io_ops: IoOps | None = None, identity: str = "", sealer: Sealer | None = None):
         self._geometry, dirs = check_options(paths, capacity_bytes_per_drive, part_bytes, direct, read_threads,
-                                             write_threads, identity)
+                                             write_threads, identity, sealer, backend)
         self._durable = bool(durable)
         self._identity = identity
         self._counters = SSDCounters()
@@ -91,17 +99,22 @@ class SSDStore:
         self._closed = False
         self._files: list[DriveFile] = []
         self._payload: PayloadIO | None = None
+        self._sealing: SealedParts | None = None
         self._read_threads = read_threads
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="saria-ssd-read")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="saria-ssd-write")
         try:
-            startup = Startup(self._geometry, identity, io_ops or IoOps(), self._counters, self._durable)
+            startup = Startup(self._geometry, identity, io_ops or IoOps(), self._counters, self._durable,
+                              None if sealer is None else sealer.key_id)
             for d in dirs:
                 self._files.append(startup.open_drive(d, direct))
             started = startup.recover(self._files, self._readers, self._erase_header)
             self._index, self._alloc, self._next_gen = started.index, started.alloc, started.next_gen
             self._quarantined |= started.quarantined
-            self._payload = open_payload_io(backend, self._files, part_bytes, self._counters)
+            # sealed parts go through the CPU: their store moves payloads by POSIX
+            self._payload = open_payload_io("posix" if sealer else backend, self._files, part_bytes, self._counters)
+            if sealer is not None:
+                self._sealing = SealedParts(sealer, self._files, part_bytes)
         except BaseException as exc:
             self._shutdown(sync=False)
             if isinstance(exc, OSError):  # a drive failing while its headers are scanned or written
@@ -123,6 +136,11 @@ class SSDStore:
     def identity(self) -> str:
         """What this store's objects are written for (recorded in every drive file's superblock)."""
         return self._identity
+
+    @property
+    def sealed(self) -> bool:
+        """Whether parts are sealed (AES-256-GCM under the store's key file) instead of checksummed."""
+        return self._sealing is not None
 
     @property
     def backend_name(self) -> str:
@@ -149,7 +167,7 @@ class SSDStore:
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
-                raise ObjectNotFound(f"no object under key {key.hex()}")
+                raise self._not_found(key)
             return [(self._files[p.drive].path, self._geometry.payload_offset(p.slot), p.length)
                     for p in entry.info.parts]
 
@@ -204,7 +222,8 @@ class SSDStore:
         ``data`` is a contiguous uint8 tensor (cut into parts of ``part_bytes``) or a list of
         per-part tensors (every part ``part_bytes`` long except the last, e.g. host pool slots).
         ``checksums`` are the parts' ``saria.kernels.checksum`` values if the caller has them
-        (they are trusted, not recomputed). The source must stay unchanged until the Future is done.
+        (they are trusted, not recomputed; a sealed store ignores them: each part's tag replaces its
+        checksum). The source must stay unchanged until the Future is done.
 
         Sources may share memory with each other (the same tensor twice is fine: writes only read
         it) but not with the destination of a read in flight.
@@ -226,7 +245,7 @@ class SSDStore:
             none_left = lost.none_left_error(self)
             if none_left is not None:
                 raise none_left
-            claim = self._memory.claim(f"the write of object {key.hex()}", False, named)
+            claim = self._memory.claim(f"the write of {self._name(key)}", False, named)
             try:
                 slots = self._alloc.allocate(len(parts))
             except StoreFull:
@@ -255,7 +274,8 @@ class SSDStore:
         Raises at once, with nothing read and the object still served: :class:`ObjectNotFound`,
         ``TypeError`` / ``ValueError`` for a bad ``out`` (wrong type, dtype, device, size, layout,
         overlapping or read-only memory), :class:`StoreClosed`. The Future fails with
-        :class:`ObjectCorrupt` (checksum mismatch) or :class:`ObjectUnreadable` (I/O error, short
+        :class:`ObjectCorrupt` (checksum mismatch; in a sealed store :class:`ObjectUnauthentic`: a
+        tag that fails or a retired key epoch) or :class:`ObjectUnreadable` (I/O error, short
         read), and the object is then dropped; or with ``ValueError`` (the object kept) when the
         kernel finds a destination page read-only (EFAULT) that the up-front probe missed.
         """
@@ -297,9 +317,9 @@ class SSDStore:
             self._check_open()
             entry = self._index.get(key)
             if entry is None:
-                raise ObjectNotFound(f"no object under key {key.hex()}")
+                raise self._not_found(key)
             targets = read_targets(entry.info, out, self._geometry.part_bytes)
-            claim = self._memory.claim(f"the read of object {key.hex()}", True, targets)
+            claim = self._memory.claim(f"the read of {self._name(key)}", True, targets)
             entry.pins += 1
         try:
             for name, dest in targets:
@@ -360,8 +380,18 @@ class SSDStore:
             self._probe.close()
             if self._payload is not None:
                 self._payload.close()
+            if self._sealing is not None:
+                self._sealing.close()
             for f in self._files:
                 f.close()
+
+    def _name(self, key: bytes) -> str:
+        """How messages name the object under ``key``: never by its key in a sealed store."""
+        return "sealed object (its name is not shown)" if self._sealing is not None else f"object {key.hex()}"
+
+    def _not_found(self, key: bytes) -> ObjectNotFound:
+        return ObjectNotFound("no sealed object under that key" if self._sealing is not None
+                              else f"no object under key {key.hex()}")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -4,9 +4,11 @@ stream).
 A reload's SSD objects travel in batches of at most ``batch_bytes``: a batch's objects are read
 with one :meth:`~saria.dataplane.ssd.store.SSDStore.read_many` into one staging (GDS through
 kvikio, or POSIX, with O_DIRECT straight into the page-aligned CPU staging), each part verified
-against its checksum by the store on the reader thread; the reader that finishes an object hands
-it to the unpack thread (the one hand-off), which unpacks every run of arrived objects adjacent in
-their staging with one launch.
+against its checksum by the store on the reader thread (a sealed store opens and authenticates it
+there instead); the reader that finishes an object hands it to the unpack thread (the one
+hand-off), which unpacks every run of arrived objects adjacent in their staging with one launch.
+An object whose read failed (I/O, checksum, tag) is never unpacked: its load fails and vLLM
+recomputes it.
 """
 
 from __future__ import annotations

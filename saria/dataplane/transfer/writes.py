@@ -117,8 +117,8 @@ class Writes:
         return data
 
     def _write_staging(self, key: ObjectKey, staging: torch.Tensor) -> Future | BaseException:
-        try:
-            sums = self.packer.part_checksums(staging, self.ssd.part_bytes)
+        try:  # a sealed store's tags replace the checksums: no pass over the bytes for them
+            sums = None if self.ssd.sealed else self.packer.part_checksums(staging, self.ssd.part_bytes)
             # the store holds the staging tensor until the write is done
             return self.ssd.write(object_key(key.chunk, key.kind), staging, sums)
         except Exception as exc:
