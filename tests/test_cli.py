@@ -69,6 +69,35 @@ def test_bad_arguments(args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _kv_config(proc) -> dict:
+    return json.loads(proc.stdout.strip().split(" '", 1)[1].rstrip("'"))["kv_connector_extra_config"]
+
+
+def test_serve_takes_a_key_file_and_says_the_cluster_tier_needs_one(tmp_path):
+    """--secret-file becomes the connector's secret_file (an absolute path; the file is loaded first:
+    it must be usable); a cluster tier without a key is refused in one line unless --cluster-insecure."""
+    from saria.seal import new_key_file
+
+    key = tmp_path / "saria.key"
+    new_key_file(key)
+    proc = saria("serve", "m", "--secret-file", str(key), "--cluster", "h:1", "--print-command")
+    assert proc.returncode == 0, proc.stderr
+    assert _kv_config(proc) == {"secret_file": str(key), "cluster": "h:1"}
+    proc = saria("serve", "m", "--cluster", "h:1", "--cluster-insecure", "--print-command")
+    assert proc.returncode == 0 and _kv_config(proc) == {"cluster": "h:1", "cluster_insecure": True}
+    for args, message in [(["--cluster", "h:1"], "the cluster tier needs a key: give secret_file"),
+                          (["--cluster", "h:1", "--saria-option", "cluster_timeout_s=2"], "the cluster tier needs a key"),
+                          (["--cluster-insecure"], "--cluster-insecure needs --cluster HOST:PORT"),
+                          (["--cluster", "h:1", "--cluster-insecure", "--secret-file", str(key)],
+                           "cluster_insecure with secret_file"),
+                          (["--secret-file", str(tmp_path / "none")], "does not exist (make one with: saria keys new"),
+                          (["--secret-file", ""], "--secret-file must not be empty"),
+                          (["--saria-option", "secret_file=3"], "secret_file must be the path of a saria key file")]:
+        proc = saria("serve", "m", *args, "--print-command")
+        assert proc.returncode == 2 and proc.stdout == "", (args, proc.stdout)
+        assert proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+
+
 def test_bench_kernels_runs_and_writes_csv(tmp_path):
     out = tmp_path / "k.csv"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_kernels.py"), "--min-seconds", "0",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pickle
 import re
 import socket
@@ -247,3 +248,47 @@ def test_doctor_refuses_a_bad_cluster_address(value, message):
     assert proc.returncode == 2 and proc.stdout == ""
     assert "saria doctor: error: argument --cluster: " in proc.stderr and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --- the key file: which tiers are sealed ------------------------------------------------------------
+
+def test_doctor_without_a_key_file_says_no_tier_is_sealed():
+    seal = doctor.collect()["seal"]
+    assert seal["secret_file"] is None and seal["ok"] is None and seal["sealed_tiers"] == []
+    assert seal["tiers"]["ssd"].startswith("NOT sealed") and "refused without a key" in seal["tiers"]["cluster"]
+
+
+def test_doctor_cli_reports_a_key_file_and_the_tiers_it_seals_and_never_a_key(tmp_path):
+    from saria.seal import KeyFile, new_key_file, rotate_key_file
+
+    key = tmp_path / "saria.key"
+    new_key_file(key)
+    rotate_key_file(key)
+    keys = KeyFile.load(key)
+    run = [sys.executable, "-m", "saria.commands.cli", "doctor", "--secret-file", str(key)]
+    proc = subprocess.run(run + ["--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    seal = json.loads(proc.stdout)["seal"]
+    assert seal["ok"] and seal["sealed_tiers"] == ["ssd", "cluster"]
+    assert seal["current_epoch"] == 2 and seal["epochs"] == [1, 2]
+    text = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert text.returncode == 0
+    assert re.search(r"^key file +.*saria\.key: loads; epoch 2 seals, epochs \[1, 2\] readable$", text.stdout, re.M)
+    assert re.search(r"^sealed tiers +SSD and cluster \(", text.stdout, re.M)
+    for secret in [keys.names, *keys.epochs.values()]:
+        for out in (proc.stdout, text.stdout):
+            assert secret.hex() not in out and secret.hex().upper() not in out
+
+
+@pytest.mark.parametrize("mode, why", [(0o440, "has mode 0440"), (0o404, "has mode 0404"), (None, "does not exist")])
+def test_doctor_says_a_key_file_saria_serve_would_refuse_and_why(tmp_path, mode, why):
+    from saria.seal import new_key_file
+
+    key = tmp_path / "saria.key"
+    if mode is not None:
+        new_key_file(key)
+        os.chmod(key, mode)
+    seal = doctor.collect(secret_file=str(key))["seal"]
+    assert seal["ok"] is False and why in seal["error"] and "\n" not in seal["error"]
+    assert seal["sealed_tiers"] == []
+    assert "NOT usable, saria serve would refuse it" in doctor.render(doctor.collect(secret_file=str(key)))

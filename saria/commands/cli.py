@@ -17,7 +17,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from saria.commands import doctor
-    report = doctor.collect(ssd_path=args.ssd_path, cluster=args.cluster)
+    report = doctor.collect(ssd_path=args.ssd_path, cluster=args.cluster, secret_file=args.secret_file)
     print(json.dumps(report, indent=2) if args.json else doctor.render(report))
     return 0
 
@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="report torch / triton / CUDA / NVML / kvikio and the backends saria would use",
                        description="Report what this machine offers saria: torch, triton, CUDA devices, NVML, "
-                                   "kvikio, which kernel and storage backends would be used, pinned-memory limits; "
-                                   "with --cluster, whether a Mooncake master is usable as saria's cluster tier. "
+                                   "kvikio, which kernel and storage backends would be used, pinned-memory limits, "
+                                   "which tiers are sealed (--secret-file); with --cluster, whether a Mooncake master is usable as saria's cluster tier. "
                                    "The exit status is 0 whatever the report finds (--json: cluster.ok says "
                                    "whether the cluster is usable).")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also check this Mooncake master (its RPC address, as given to saria serve --cluster): "
                         "Mooncake importable, the port open, a client that sets up against it and answers a "
                         "probe (within a few seconds, whatever the master does)")
+    p.add_argument("--secret-file", metavar="PATH", default=None,
+                   help="also load this key file as saria serve --secret-file would (refused if group or other "
+                        "can read it) and report which tiers it seals (without it: which tiers are unsealed)")
     p.set_defaults(func=_cmd_doctor)
 
     from saria.commands import cluster  # light: Mooncake is imported only when a cluster starts

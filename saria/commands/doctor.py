@@ -152,10 +152,38 @@ def _cluster_report(master: str) -> dict[str, Any]:
             "port": port, "client": client}
 
 
-def collect(ssd_path: str | None = None, cluster: str | None = None) -> dict[str, Any]:
+def _seal_report(secret_file: str | None) -> dict[str, Any]:
+    """The ``seal`` section: whether the key file loads (as ``saria serve --secret-file`` would load
+    it: a file group or other can read is refused), its epochs (never a key or key id), and what
+    each tier promises with it or without one (docs/security.md)."""
+    from saria.seal import KeyFile, KeyFileError
+
+    report: dict[str, Any] = {"secret_file": secret_file, "ok": None, "error": None, "current_epoch": None,
+                              "epochs": []}
+    if secret_file is not None:
+        try:
+            keys = KeyFile.load(secret_file)
+        except KeyFileError as exc:
+            report.update(ok=False, error=str(exc))
+        else:
+            report.update(ok=True, current_epoch=keys.current, epochs=sorted(keys.epochs))
+    sealed = bool(report["ok"])
+    report["sealed_tiers"] = ["ssd", "cluster"] if sealed else []
+    report["tiers"] = {
+        "dram": "not sealed: pinned memory of the serving process, never written elsewhere",
+        "ssd": ("sealed: each part AES-256-GCM under its tenant's key, bound to its name, store and epoch; names are "
+                "MACs" if sealed else "NOT sealed: objects neither sealed nor authenticated (give --secret-file)"),
+        "cluster": ("sealed: parts and metadata AES-256-GCM under the tenant's key; names are MACs" if sealed else
+                    "refused without a key file (saria serve --cluster-insecure runs it unsealed)"),
+    }
+    return report
+
+
+def collect(ssd_path: str | None = None, cluster: str | None = None, secret_file: str | None = None) -> dict[str, Any]:
     """Everything ``saria doctor`` reports, as plain data (``ssd_path``: directory to probe for
     O_DIRECT, default the system temp dir; ``cluster``: a Mooncake master's ``host:port`` to check,
-    reported under ``"cluster"``)."""
+    reported under ``"cluster"``; ``secret_file``: a key file to load, reported under ``"seal"``
+    with which tiers it seals, as is what each tier promises without one)."""
     from saria import __version__
     from saria.kernels import INTERPRETED, default_backend
 
@@ -190,6 +218,7 @@ def collect(ssd_path: str | None = None, cluster: str | None = None) -> dict[str
             "mem_available_bytes": _meminfo_bytes("MemAvailable"),
         },
     }
+    report["seal"] = _seal_report(secret_file)
     if cluster is not None:
         report["cluster"] = _cluster_report(cluster)
     return report
@@ -240,6 +269,7 @@ def render(report: dict[str, Any]) -> str:
         ("pinned memory", f"{pin['pinning']}; memlock limit {memlock}; "
                           f"host memory {_gib(pin['mem_available_bytes'])} free of {_gib(pin['mem_total_bytes'])}"),
     ]
+    rows += _seal_rows(report["seal"])
     if "cluster" in report:
         rows += _cluster_rows(report["cluster"])
     width = max(len(name) for name, _ in rows)
@@ -257,3 +287,20 @@ def _cluster_rows(cluster: dict[str, Any]) -> list[tuple[str, str]]:
     verdict = f"usable: saria serve --cluster {cluster['master']}" if cluster["ok"] else "not usable (see above)"
     return [("mooncake", mooncake), ("cluster master", f"{cluster['master']}: {port['reason']}"),
             ("cluster client", client["reason"]), ("cluster", verdict)]
+
+
+def _seal_rows(seal: dict[str, Any]) -> list[tuple[str, str]]:
+    if seal["secret_file"] is None:
+        key = "none given (--secret-file PATH; saria keys new PATH makes one)"
+    elif seal["ok"]:
+        key = (f"{seal['secret_file']}: loads; epoch {seal['current_epoch']} seals, epochs {seal['epochs']} "
+               "readable")
+    else:
+        key = f"NOT usable, saria serve would refuse it: {seal['error']}"
+    tiers = seal["tiers"]
+    if seal["sealed_tiers"]:
+        sealed = f"SSD and cluster ({tiers['ssd'].split(': ', 1)[1]}); DRAM {tiers['dram']}"
+    else:
+        sealed = (f"none: SSD objects neither sealed nor authenticated; cluster {tiers['cluster']}; "
+                  f"DRAM {tiers['dram']}")
+    return [("key file", key), ("sealed tiers", sealed)]
