@@ -8,7 +8,8 @@ address, for ``saria serve --cluster`` (and ``saria doctor --cluster``), and the
 master, and a storage node on every host.
 
   saria cluster start --node-gb 16
-  saria serve Qwen/Qwen3-8B --cluster 127.0.0.1:50051 ...
+  saria keys new saria.key
+  saria serve Qwen/Qwen3-8B --cluster 127.0.0.1:50051 --secret-file saria.key ...
 """
 
 from __future__ import annotations
@@ -228,14 +229,18 @@ def _started(cluster: Any, note: str) -> str:
         f"{cluster.node_port})",
         f"  health:   curl -s http://{cluster.host}:{cluster.metrics}/health   (metrics at /metrics)",
         f"  logs:     {cluster.logdir}",
-        f"  use it:   saria serve MODEL --cluster {cluster.master} ...",
-        f"            saria doctor --cluster {cluster.master}",
+        f"  use it:   saria serve MODEL --cluster {cluster.master} --secret-file KEY_FILE ...",
+        f"            saria doctor --cluster {cluster.master} --secret-file KEY_FILE",
+        "            (KEY_FILE: one saria keys new KEY_FILE, copied to every serving host, mode 0400; it seals",
+        "            every object, which this cluster's nodes then hold and serve without being able to read or",
+        "            forge; --cluster-insecure instead runs the tier unsealed)",
         "",
         "The same by hand, over several hosts: the master on one host, a storage node on every host",
         "(MASTER_ADDRESS and NODE_ADDRESS: the hosts' network addresses; the node's size in bytes):",
         "  " + shlex.join(cluster.master_command("mooncake_master")),
         "  " + shlex.join(cluster.node_command("mooncake_client", master=master, host="NODE_ADDRESS")),
-        f"and on every serving host: saria serve MODEL --cluster {master} --cluster-host NODE_ADDRESS ...",
+        f"and on every serving host: saria serve MODEL --cluster {master} --cluster-host NODE_ADDRESS "
+        "--secret-file KEY_FILE ...",
     ]
     if loopback:
         lines.append(f"(this cluster serves this host only: --host {cluster.host}; give this host's network "

