@@ -4,7 +4,7 @@
 #   bench/gpu_check.sh OUTDIR [STEP ...]
 # With no STEP, every step runs in order (about 6 minutes on an H200); naming steps reruns only
 # those (e.g. `bench/gpu_check.sh out bench_kernels bench_ingress` after a fix).
-# Steps: doctor kernel_tests bench_kernels dataplane_tests stress bench_ingress bench_pacer ncu
+# Steps: doctor kernel_tests bench_kernels dataplane_tests stress bench_ingress bench_seal bench_pacer ncu
 # Each step has its own time limit and its own log; a failing step does not hide the others, and the
 # script exits non-zero if any step failed. Every target is printed as one line,
 #   target <what> <relation> <goal>: <value> -> MET|MISSED
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
-ALL="doctor kernel_tests bench_kernels dataplane_tests stress bench_ingress bench_pacer ncu"
+ALL="doctor kernel_tests bench_kernels dataplane_tests stress bench_ingress bench_seal bench_pacer ncu"
 steps=${*:-$ALL}
 failed=()
 start=$SECONDS
@@ -68,6 +68,11 @@ step stress 90 "$PY" bench/gpu_stress.py --seconds "${SARIA_STRESS_SECONDS:-40}"
 step bench_ingress 200 "$PY" bench/bench_ingress.py --tokens "${SARIA_INGRESS_TOKENS:-16384}" \
   --ssd-dir "${SARIA_SSD_DIR:-$out/ssd}" \
   --png "$out/ingress_timeline.png" --csv "$out/ingress_timeline.csv" --json
+# Sealing's cost (issue 33, docs/security.md): AES-256-GCM per core, the SSD-only reload sealed /
+# unsealed on the same drive into GPU pages (target >= 0.90; sealed parts are decrypted on the CPU,
+# the unsealed store reads by kvikio where installed), the cluster get sealed / Mooncake's own
+# (>= 0.80; "not measured" where Mooncake is not installed).
+step bench_seal 300 "$PY" bench/bench_seal.py --ssd-dir "${SARIA_SSD_DIR:-$out/ssd}" --json "$out/bench_seal.json"
 step bench_pacer 90 "$PY" bench/bench_pacer.py --json
 rm -rf "$out/ssd"
 step ncu 60 profiling/ncu_kernels.sh "$out/ncu"
