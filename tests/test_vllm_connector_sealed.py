@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from saria.harness import run_in_subprocess
 from saria.integrations.vllm.metrics import METRICS, SariaStats, worker_stats, worker_totals
@@ -227,3 +229,185 @@ def test_a_key_file_readable_by_others_is_refused_in_one_line(tmp_path):
                            "--print-command"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("saria serve: error: key file "), proc.stderr
+
+
+# --- without an engine: the scheduler's names, the worker's metadata, logs, settings, counters ---------
+
+BLOCK = 32
+UNIT_CHUNK = 64
+UNIT_KV_BYTES_PER_TOKEN = 2 * 2 * 64 * 2
+
+
+def unit_scheduler(keyring=None, scope=b"scope"):
+    from saria.integrations.vllm.geometry import EngineGeometry
+    from saria.integrations.vllm.scheduler import SariaScheduler
+    from saria.integrations.vllm.sealing import ChunkNames
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    geometry = EngineGeometry(block_size=BLOCK, attention_group=0, attention_layers=("l0",),
+                              kv_bytes_per_token=UNIT_KV_BYTES_PER_TOKEN)
+    settings = ConnectorSettings.from_extra_config({"chunk_tokens": UNIT_CHUNK, "log_interval_s": 0,
+                                                    "dram_bytes": 16 * UNIT_CHUNK * UNIT_KV_BYTES_PER_TOKEN})
+    return SariaScheduler(settings, geometry, names=ChunkNames(keyring, scope))
+
+
+def unit_request(req_id: str, salt, chunks: int = 3):
+    import types
+
+    hashes = [hashlib.sha256(f"block {i}".encode()).digest() for i in range(chunks * UNIT_CHUNK // BLOCK + 1)]
+    return types.SimpleNamespace(request_id=req_id, block_hashes=hashes, num_prompt_tokens=len(hashes) * BLOCK,
+                                 cache_salt=salt)
+
+
+def commit(scheduler, request):
+    """Run ``request``'s whole prompt through one step: its commit's metadata, completions reported."""
+    import types
+
+    from saria.integrations.vllm.metadata import CompletionReport, SariaWorkerMetadata
+
+    n = len(request.block_hashes)
+    out = types.SimpleNamespace(
+        num_scheduled_tokens={request.request_id: request.num_prompt_tokens},
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=request.request_id, block_ids=(list(range(1, n + 1)),),
+                                                  num_computed_tokens=0)],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                    num_computed_tokens=[]), preempted_req_ids=set())
+    meta = scheduler.build_connector_meta(out)
+    done = [CompletionReport(o.order_id, True) for batch in meta.orders for o in batch.orders
+            if type(o).__name__ != "DropOrder"]
+    scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=SariaWorkerMetadata([], done, 0)))
+    scheduler.request_finished(request, [])
+    return meta
+
+
+def test_with_a_key_the_scheduler_names_chunks_by_the_tenants_chunk_ids_and_tenants_never_meet(tmp_path):
+    import pickle
+
+    from saria.seal import Keyring
+
+    new_key_file(tmp_path / "k")
+    keyring = Keyring.load(tmp_path / "k")
+    scheduler = unit_scheduler(keyring)
+    a = unit_request("a1", SALTS["A"])
+    assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+    meta = commit(scheduler, a)
+    chunks = [c for batch in meta.orders for o in batch.orders for c in o.kv]
+    boundaries = [a.block_hashes[(i + 1) * UNIT_CHUNK // BLOCK - 1] for i in range(3)]
+    assert chunks == keyring.chunk_ids(keyring.tenant(SALTS["A"]), b"scope", boundaries)
+    assert all(keyring.tenant_of(c) == keyring.tenant(SALTS["A"]) for c in chunks)
+    # what crosses to the workers names chunks by their ids only: no block hash, no salt
+    sent = pickle.dumps(meta)
+    for secret in [*a.block_hashes, SALTS["A"].encode(), hashlib.sha256(SALTS["A"].encode()).digest()]:
+        assert secret not in sent
+    # another tenant, and no salt, with the very same block hashes: nothing; the same tenant: all
+    for req_id, salt in (("b1", SALTS["B"]), ("n1", None), ("e1", "")):
+        assert scheduler.get_num_new_matched_tokens(unit_request(req_id, salt), 0) == (0, False), salt
+        scheduler.request_finished(unit_request(req_id, salt), [])
+    assert scheduler.get_num_new_matched_tokens(unit_request("a2", SALTS["A"]), 0) == (3 * UNIT_CHUNK, True)
+    # another scope (another model or geometry): other names, nothing found
+    other = unit_scheduler(keyring, scope=b"another model")
+    other.control = scheduler.control
+    assert other.get_num_new_matched_tokens(unit_request("a3", SALTS["A"]), 0) == (0, False)
+
+
+def test_without_a_key_chunks_are_named_by_vllms_block_hashes(tmp_path):
+    scheduler = unit_scheduler(None)
+    a = unit_request("a1", SALTS["A"])
+    scheduler.get_num_new_matched_tokens(a, 0)
+    chunks = [c for batch in commit(scheduler, a).orders for o in batch.orders for c in o.kv]
+    assert chunks == [a.block_hashes[(i + 1) * UNIT_CHUNK // BLOCK - 1] for i in range(3)]
+
+
+def test_chunk_names_are_computed_once_per_request_and_forgotten_when_it_ends(tmp_path):
+    from saria.integrations.vllm.sealing import ChunkNames
+    from saria.seal import Keyring
+
+    new_key_file(tmp_path / "k")
+    names = ChunkNames(Keyring.load(tmp_path / "k"), b"s")
+    request = unit_request("r", "salt")
+    short, full = names.names(request, request.block_hashes[:2]), names.names(request, request.block_hashes)
+    assert full[:2] == short and len(set(full)) == len(full)
+    again = unit_request("r", "other salt")  # a request id used again by another request: named afresh
+    assert names.names(again, again.block_hashes[:1]) != short[:1]
+    names.forget("r")
+    assert names._requests == {}
+
+
+@given(st.binary(min_size=8, max_size=64), st.sampled_from(["%s", "%r", "key %s of %d", "[%r]"]))
+@settings(max_examples=300, deadline=None)
+def test_the_connectors_log_records_never_carry_bytes_or_long_hex(value, template):
+    import logging
+
+    from saria.integrations.vllm.logs import Redact
+
+    arg = value if "%r" in template else value.hex()
+    args = (arg, 3) if "%d" in template else (arg,)
+    try:
+        raise ValueError(f"object {value!r} ({value.hex()}) failed")
+    except ValueError as exc:
+        record = logging.LogRecord("saria.vllm", logging.ERROR, __file__, 1, template, args, (ValueError, exc, None))
+    assert Redact().filter(record)
+    text = logging.Formatter().format(record)
+    assert value.hex() not in text and repr(value) not in text and "<redacted>" in text
+    assert "ValueError" in text  # the traceback stays, less its secrets
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"cluster": "h:1"}, "the cluster tier needs a key"),
+    ({"cluster": "h:1", "secret_file": "/k", "cluster_insecure": True}, "cluster_insecure with secret_file"),
+    ({"cluster_insecure": True}, "cluster_insecure is set but cluster"),
+    ({"cluster": "h:1", "cluster_insecure": "yes"}, "cluster_insecure must be true or false"),
+    ({"secret_file": 7}, "secret_file must be the path of a saria key file"),
+])
+def test_settings_refuse_a_cluster_tier_without_a_key_and_bad_key_options(extra, message):
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    with pytest.raises(ValueError, match=message):
+        ConnectorSettings.from_extra_config(extra)
+    ok = ConnectorSettings.from_extra_config({"cluster": "h:1", "cluster_insecure": True})
+    assert ok.cluster_insecure and not ok.sealed
+    assert ConnectorSettings.from_extra_config({"cluster": "h:1", "secret_file": "/k"}).sealed
+
+
+def test_the_start_line_warns_once_only_where_objects_leave_the_process_unsealed(tmp_path, caplog):
+    import logging
+
+    from saria.integrations.vllm.sealing import announce, load_keyring
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    new_key_file(tmp_path / "k")
+    cases = [({"ssd_paths": [str(tmp_path)]}, logging.WARNING, UNSEALED_WARNING),
+             ({"cluster": "h:1", "cluster_insecure": True}, logging.WARNING, "cluster objects are neither sealed"),
+             ({}, logging.INFO, "nothing is written elsewhere"),
+             ({"ssd_paths": [str(tmp_path)], "secret_file": str(tmp_path / "k")}, logging.INFO, "sealed (AES-256-GCM)")]
+    for extra, level, text in cases:
+        settings = ConnectorSettings.from_extra_config(extra)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="saria.vllm"):
+            announce(settings, load_keyring(settings))
+        (record,) = caplog.records
+        assert record.levelno == level and text in record.getMessage(), (extra, record.getMessage())
+        assert str(tmp_path / "k") not in record.getMessage() or settings.sealed
+
+
+def test_auth_failures_reach_prometheus_by_tier():
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from saria.integrations.vllm.metrics import SariaPromMetrics
+
+    snapshot = {"engine": {"load_failures": 1}, "ssd": {"auth_failures": 3, "unknown_epoch": 1},
+                "cluster": {"shared": 2, "share_failed": 0, "store": {"auth_failures": 5, "unknown_epoch": 0}}}
+    totals = worker_totals(snapshot, 0)
+    assert totals["ssd_auth_failures"] == 3 and totals["cluster_auth_failures"] == 5
+    assert totals["ssd_unknown_epoch"] == 1 and totals["cluster_unknown_epoch"] == 0
+    registry = CollectorRegistry()
+    prom = SariaPromMetrics(type("Config", (), {"kv_transfer_config": None})(),
+                            {t: partial(t, registry=registry) for t in (Counter, Gauge, Histogram)},
+                            ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(worker_stats(totals))
+    text = generate_latest(registry).decode()
+    assert 'vllm:saria_auth_failures_total{engine="0",model_name="m",tier="ssd"} 3.0' in text
+    assert 'vllm:saria_auth_failures_total{engine="0",model_name="m",tier="cluster"} 5.0' in text
+    assert 'vllm:saria_unknown_epoch_total{engine="0",model_name="m",tier="ssd"} 1.0' in text
