@@ -411,3 +411,30 @@ def test_auth_failures_reach_prometheus_by_tier():
     assert 'vllm:saria_auth_failures_total{engine="0",model_name="m",tier="ssd"} 3.0' in text
     assert 'vllm:saria_auth_failures_total{engine="0",model_name="m",tier="cluster"} 5.0' in text
     assert 'vllm:saria_unknown_epoch_total{engine="0",model_name="m",tier="ssd"} 1.0' in text
+
+
+def test_the_handler_into_vllms_log_redacts_every_saria_record(caplog):
+    """saria's records reach vLLM's handlers through ``VllmHandler``: those of the data plane's
+    loggers, which have no filter of their own, come out redacted too."""
+    import logging
+
+    from saria.integrations.vllm.logs import VllmHandler
+
+    seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(self.format(record))
+
+    vllm_logger = logging.getLogger("vllm")
+    collect = Collect()
+    vllm_logger.addHandler(collect)
+    try:
+        secret = hashlib.sha256(b"a block").digest()
+        record = logging.LogRecord("saria.dataplane.ssd", logging.WARNING, __file__, 1, "object %r at %s",
+                                   (secret, secret.hex()), None)
+        VllmHandler().handle(record)
+    finally:
+        vllm_logger.removeHandler(collect)
+    (line,) = seen
+    assert secret.hex() not in line and repr(secret) not in line and line.count("<redacted>") == 2

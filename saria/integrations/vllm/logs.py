@@ -23,7 +23,8 @@ Whatever handles them, the connector's records (the ``saria.vllm`` logger) pass 
 first: a fault's message comes from anywhere below (the control plane, a store, Mooncake) and may
 name an object by its bytes, so every run of 16 or more hex digits and every bytes literal in a
 message or a traceback is replaced before any handler sees it (docs/security.md: no block hash,
-chunk id, salt or token-derived value in a log line).
+chunk id, salt or token-derived value in a log line). The handler that passes ``saria`` records to
+vLLM's redacts every record it passes (the data plane's loggers too).
 """
 
 from __future__ import annotations
@@ -72,7 +73,12 @@ def protect(name: str = CONNECTOR) -> None:
 
 
 class VllmHandler(logging.Handler):
-    """Hands a record to the ``vllm`` logger's handlers (looked up per record)."""
+    """Hands a record to the ``vllm`` logger's handlers (looked up per record), redacted
+    (:class:`Redact`): every ``saria`` record it carries, the data plane's included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(Redact())
 
     def emit(self, record: logging.LogRecord) -> None:
         handlers = logging.getLogger(VLLM).handlers
