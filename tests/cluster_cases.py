@@ -117,3 +117,24 @@ def fill(views: list[torch.Tensor], seed: int) -> None:
 
 def matches(views: list[torch.Tensor], seed: int) -> bool:
     return torch.equal(torch.cat([v for v in views]), pattern(sum(v.numel() for v in views), seed))
+
+
+def mooncake_keys(cluster) -> list[str]:
+    """Every key the master of ``cluster`` holds, as anyone who reaches its HTTP port lists them
+    (``/get_all_keys``: how a rogue client learns the names of live objects)."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://{cluster.host}:{cluster.metrics}/get_all_keys", timeout=5) as r:
+        return [line for line in r.read().decode().splitlines() if line]
+
+
+def raw_values(raw, keys: list[str]) -> dict[str, bytes]:
+    """The stored values of ``keys`` read with a plain Mooncake client (every key must be there)."""
+    values = raw.get_batch(list(keys))
+    assert all(len(v) for v in values), "a value to copy is missing"
+    return {k: bytes(v) for k, v in zip(keys, values)}
+
+
+def raw_write(raw, values: dict[str, bytes]) -> None:
+    """Write ``values`` with a plain Mooncake client, replacing what is there (a rogue's writes)."""
+    for key, value in values.items():
+        assert raw.upsert(key, value) == 0, "Mooncake refused a rogue write"

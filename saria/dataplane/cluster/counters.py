@@ -24,6 +24,9 @@ class ClusterCounters:
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_CAUSES, 0))
     timeouts: int = 0  # objects whose batch timed out (also in misses["timeout"])
     corrupt: int = 0  # objects found corrupt and dropped (also in misses["corrupt"])
+    auth_failures: int = 0  # sealed objects that failed authentication (also in misses["unauthentic"])
+    unknown_epoch: int = 0  # sealed objects of a key epoch the key file lacks (also in misses["unknown_epoch"])
+    present: int = 0  # objects a sealed put found in the cluster already and did not write again
     off_calls: int = 0  # calls answered at once because the tier was off
     dropped: int = 0  # objects removed from Mooncake after evidence against them
     went_off: int = 0  # times the tier was turned off (master unreachable)
@@ -42,6 +45,10 @@ class ClusterCounters:
                 self.timeouts += n
             elif cause == "corrupt":
                 self.corrupt += n
+            elif cause == "unauthentic":
+                self.auth_failures += n
+            elif cause == "unknown_epoch":
+                self.unknown_epoch += n
 
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy as plain data."""

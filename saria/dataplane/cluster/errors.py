@@ -4,7 +4,9 @@ Every way an object cannot be served from the cluster tier is a :class:`ClusterM
 caller through the object's Future, never bytes handed back as valid: the object is absent
 (never written, evicted, removed, a part missing), corrupt (a metadata value that does not parse
 or does not belong to its key, a value of the wrong size, a part whose checksum does not match),
-the batch timed out, the tier is off (master unreachable), or Mooncake returned an error code.
+unauthentic or of an unknown key epoch (a sealed store's object, docs/cluster.md "Sealed
+objects"), the batch timed out, the tier is off (master unreachable), or Mooncake returned an
+error code.
 ``cause`` names which, as counted in ``misses`` (:mod:`~saria.dataplane.cluster.counters`).
 
 Bad arguments (``TypeError`` / ``ValueError``: a key that is not an object key, memory outside the
@@ -48,6 +50,27 @@ class ObjectCorrupt(ClusterMiss):
     cause = "corrupt"
 
 
+class ObjectUnauthentic(ClusterMiss):
+    """A sealed store's object whose stored values do not authenticate: a metadata value or part
+    that fails its tag, is of the wrong size or names another key file, metadata whose clear fields
+    disagree with its sealed body, or of another layout. Planted, moved, swapped, flipped, truncated
+    or extended values all end here; no byte of it is served. The object is dropped."""
+
+    cause = "unauthentic"
+
+
+class ObjectUnknownEpoch(ClusterMiss):
+    """A sealed store's object sealed under a key epoch its key file lacks: a retired one (older
+    than every epoch it holds: the object is dropped) or a newer one (another server rotated first:
+    left in place)."""
+
+    cause = "unknown_epoch"
+
+    def __init__(self, message: str, code: int | None = None, retired: bool = False):
+        super().__init__(message, code)
+        self.retired = retired  # older than every epoch of the key file: the object is dropped
+
+
 class ClusterTimeout(ClusterMiss):
     """The batch did not finish within the store's ``timeout_s``.
 
@@ -78,4 +101,4 @@ class ClusterWriteError(ClusterMiss):
     cause = "write_failed"
 
 
-MISS_CAUSES = ("absent", "corrupt", "timeout", "off", "write_failed", "error")
+MISS_CAUSES = ("absent", "corrupt", "unauthentic", "unknown_epoch", "timeout", "off", "write_failed", "error")

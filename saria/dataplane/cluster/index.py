@@ -21,7 +21,7 @@ from saria.dataplane.cluster import queries
 from saria.dataplane.cluster.connection import Connection
 from saria.dataplane.cluster.counters import ClusterCounters
 from saria.dataplane.cluster.errors import ClusterOff
-from saria.dataplane.cluster.layout import Layout
+from saria.dataplane.cluster.layout import Layout, layout_of
 from saria.dataplane.ssd.keys import parse_object_key
 
 log = logging.getLogger("saria.dataplane.cluster")
@@ -74,7 +74,7 @@ class ClusterIndex:
             if identity not in self._layouts:
                 if len(self._layouts) >= self.ranks:
                     raise ValueError(f"more cluster layouts reported than the {self.ranks} rank(s) of this server")
-                self._layouts[identity] = Layout(identity)
+                self._layouts[identity] = layout_of(identity)
 
     def leading(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (object keys, in request order) are complete for every rank, counted

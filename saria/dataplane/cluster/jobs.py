@@ -14,6 +14,9 @@ were sent after its deadline writes no metadata. Protocols:
   objects whose metadata matched their destinations, straight into them; then each part's length
   and checksum are checked. An object with a part missing or wrong is dropped from Mooncake
   (``batch_remove(force=True)``), so ``exists`` stops reporting it.
+
+A sealed store's batches (:class:`~saria.dataplane.cluster.sealed_jobs.SealedBatch`) run their own
+put and get protocols over the same Futures, deadline and workspace.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +40,16 @@ from saria.kernels.checksum import checksum
 
 OBJECT_NOT_FOUND = -704
 BUFFER_OVERFLOW = -600
+
+
+@dataclass
+class Workspace:
+    """What one worker holds while it runs a batch, registered with Mooncake: its metadata arena,
+    and (a sealed store's) two ciphertext buffers, one on the wire while the other is sealed or
+    opened."""
+
+    arena: torch.Tensor
+    cipher: list[torch.Tensor] = field(default_factory=list)
 
 
 class Batch:
@@ -52,6 +66,10 @@ class Batch:
         self.released = threading.Event()
         self.lock = threading.Lock()
         self.timed_out = False
+
+    def name(self, i: int) -> str:
+        """How messages name object ``i`` (a sealed batch names no key: it holds a chunk id)."""
+        return self.keys[i].hex()
 
     def settle(self, i: int, result: Any = None, miss: ClusterMiss | None = None) -> bool:
         """Resolve object ``i`` unless the deadline did; whether this call did."""
@@ -92,11 +110,11 @@ class Batch:
                 store._counters.add(off_calls=1)
                 self.fail_all(ClusterOff, f"cluster tier off (master {store._conn.master} unreachable)")
                 return
-            arena = store._arenas.get()
+            workspace = store._workspaces.get()
             try:
-                (self._put if kind == "put" else self._get)(client, arena)
+                (self._put if kind == "put" else self._get)(client, workspace)
             finally:
-                store._arenas.put(arena)
+                store._workspaces.put(workspace)
         except BaseException as exc:  # noqa: BLE001 - a worker never dies and never leaves a Future hanging
             self.fail_all(ClusterMiss, f"cluster {kind} failed: {exc!r}")
         finally:
@@ -105,8 +123,8 @@ class Batch:
 
     # ------------------------------------------------------------------------ put
 
-    def _put(self, client: Any, arena: torch.Tensor) -> None:
-        store, layout = self.store, self.store._layout
+    def _put(self, client: Any, workspace: Workspace) -> None:
+        store, layout, arena = self.store, self.store._layout, workspace.arena
         sums = [list(s) if s is not None else [checksum(v) for v in views]
                 for s, views in zip(self.sums, self.views)]
         keys, ptrs, sizes, owner = [], [], [], []
@@ -126,7 +144,7 @@ class Batch:
                 bad.setdefault(i, code)
         good = [i for i in range(len(self.keys)) if i not in bad]
         for i, code in bad.items():
-            self.settle(i, miss=ClusterWriteError(f"Mooncake refused a part of {self.keys[i].hex()}", code))
+            self.settle(i, miss=ClusterWriteError(f"Mooncake refused a part of {self.name(i)}", code))
         with self.lock:
             if self.timed_out or not good:
                 return
@@ -145,7 +163,7 @@ class Batch:
         for i, code in zip(good, codes):
             nbytes = sum(v.numel() for v in self.views[i])
             if code != 0:
-                self.settle(i, miss=ClusterWriteError(f"Mooncake refused the metadata of {self.keys[i].hex()}", code))
+                self.settle(i, miss=ClusterWriteError(f"Mooncake refused the metadata of {self.name(i)}", code))
             elif self.settle(i, nbytes):
                 store._counters.add(puts=1, put_bytes=nbytes)
 
@@ -168,12 +186,12 @@ class Batch:
         for i in objects:
             for j, (v, (_, c)) in enumerate(zip(self.views[i], metas[i].parts)):
                 if checksum(v) != c:
-                    failed[i] = ObjectCorrupt(f"part {j} of {self.keys[i].hex()} fails its checksum")
+                    failed[i] = ObjectCorrupt(f"part {j} of {self.name(i)} fails its checksum")
                     break
         return failed
 
-    def _get(self, client: Any, arena: torch.Tensor) -> None:
-        store, layout = self.store, self.store._layout
+    def _get(self, client: Any, workspace: Workspace) -> None:
+        store, layout, arena = self.store, self.store._layout, workspace.arena
         t0 = time.perf_counter()
         mkeys = [layout.meta_key(k) for k in self.keys]
         msizes = [meta_bytes(len(v)) for v in self.views]
@@ -184,7 +202,7 @@ class Batch:
         metas: dict[int, Meta] = {}
         failed: dict[int, ClusterMiss] = {}  # settled last, after the objects found wrong are dropped
         for i, code in enumerate(codes):
-            key = self.keys[i].hex()
+            key = self.name(i)
             if code == OBJECT_NOT_FOUND:
                 failed[i] = ObjectAbsent(f"no object {key} in the cluster", code)
             elif code == msizes[i]:
@@ -218,7 +236,7 @@ class Batch:
             for (i, j), code, size in zip(where, codes, sizes):
                 if i in failed or code == size:
                     continue
-                key = self.keys[i].hex()
+                key = self.name(i)
                 if code == OBJECT_NOT_FOUND:
                     failed[i] = ObjectAbsent(f"part {j} of {key} is gone from the cluster (evicted)", code)
                 elif code == BUFFER_OVERFLOW or code >= 0:

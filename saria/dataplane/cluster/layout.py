@@ -17,6 +17,10 @@ Metadata (little-endian): magic ``SRCM``, format version (u16), 0 (u16), part co
 object length (u64), the identity digest (16 bytes), a digest of the object key (16 bytes), then
 per part its length and checksum (u64, u64), then a CRC-32 of all the bytes before it (u32) and 0
 (u32). A value that fails any check is a corrupt object, never a guess.
+
+A sealed store's objects have a layout of their own (:mod:`.sealed`, format version 2), under
+an identity that ends in :data:`SEALED`: sealed and plain stores of one model never see each
+other's objects. :func:`layout_of` gives the layout of an identity either way.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ _HEAD = struct.Struct("<4sHHIIQ16s16s")
 _PART = struct.Struct("<QQ")
 _TAIL = struct.Struct("<II")
 PREFIX = "saria"
+SEALED = "|sealed"  # the end of a sealed store's layout identity
 
 
 def meta_bytes(parts: int) -> int:
@@ -64,6 +69,15 @@ class Layout:
         self.identity = identity
         self.digest = identity_digest(identity)
         self._root = f"{PREFIX}/{self.digest.hex()}/"
+
+    def meta_bytes(self, parts: int) -> int:
+        """Size of the metadata value of an object of ``parts`` parts."""
+        return meta_bytes(parts)
+
+    def peek_part_keys(self, key: bytes, value: bytes | memoryview) -> list[str]:
+        """The part keys a metadata value names (``ValueError`` if it does not parse): what a lookup
+        checks and a removal removes. For this layout, the checked metadata's."""
+        return self.part_keys(key, self.decode(key, value))
 
     def prefix(self, key: bytes) -> str:
         return f"{self._root}{key.hex()}/"
@@ -105,3 +119,12 @@ class Layout:
         if nparts < 1 or sum(n for n, _ in parts) != length or any(n < 1 for n, _ in parts):
             raise ValueError(f"metadata lengths do not add up: {length} vs parts {[n for n, _ in parts]}")
         return Meta(length, parts)
+
+
+def layout_of(identity: str) -> Layout:
+    """The layout of a store's ``layout_identity``: sealed (:class:`.sealed.SealedLayout`) when it
+    ends in :data:`SEALED`, else this module's."""
+    if identity.endswith(SEALED):
+        from saria.dataplane.cluster.sealed import SealedLayout
+        return SealedLayout(identity)
+    return Layout(identity)

@@ -53,11 +53,15 @@ def check_view(t: Any, what: str) -> torch.Tensor:
 
 
 class Registered:
-    """Lookup of the registered ranges: whether a view lies wholly inside one."""
+    """Lookup of a store's memory ranges: whether a view lies wholly inside one. ``mooncake``: the
+    ranges are registered with Mooncake (a plain store's); else they are the store's private
+    memory, which only its own sealing and opening touch (a sealed store's)."""
 
-    def __init__(self, ranges: Sequence[tuple[int, int]]):
+    def __init__(self, ranges: Sequence[tuple[int, int]], mooncake: bool = True):
         self.ranges = list(ranges)
         self._starts = [p for p, _ in self.ranges]
+        self._what = ("the memory registered with the cluster store (the host pool it was opened with)" if mooncake
+                      else "the memory the sealed cluster store was opened with (not registered with Mooncake)")
 
     def check(self, t: torch.Tensor, what: str, max_bytes: int) -> None:
         check_view(t, what)
@@ -66,5 +70,4 @@ class Registered:
         ptr = t.data_ptr()
         i = bisect.bisect_right(self._starts, ptr) - 1
         if i < 0 or ptr + t.numel() > self.ranges[i][0] + self.ranges[i][1]:
-            raise ValueError(f"{what} is not inside the memory registered with the cluster store "
-                             "(the host pool it was opened with)")
+            raise ValueError(f"{what} is not inside {self._what}")

@@ -16,7 +16,8 @@ from saria.dataplane.cluster.layout import Layout, Meta
 def exists(conn: Any, objects: list[tuple[Layout, bytes]]) -> list[bool]:
     """Whether each object (a layout, i.e. an identity's keys, and an object key) is complete now:
     its metadata exists and parses, and every part it names exists (three calls: metadata
-    existence, metadata values, part existence, each one batch over every object)."""
+    existence, metadata values, part existence, each one batch over every object). A sealed
+    layout's metadata is read from its clear fields, without a key: a hint, as every answer here."""
     client = conn.client()
     if client is None:
         raise ClusterOff("cluster tier off")
@@ -29,10 +30,10 @@ def exists(conn: Any, objects: list[tuple[Layout, bytes]]) -> list[bool]:
     for i, value in zip(found, values):
         layout, key = objects[i]
         try:
-            meta = layout.decode(key, value)
+            names = layout.peek_part_keys(key, value)
         except ValueError:
             continue  # an unreadable metadata value: not an object (a get drops it)
-        parts += [(i, pk) for pk in layout.part_keys(key, meta)]
+        parts += [(i, pk) for pk in names]
     present = {i for i, _ in parts}
     codes = client.batch_is_exist([pk for _, pk in parts]) if parts else []
     if conn.check(codes, "batch_is_exist"):
@@ -45,20 +46,20 @@ def exists(conn: Any, objects: list[tuple[Layout, bytes]]) -> list[bool]:
 
 def drop(store: Any, client: Any, objects: list[tuple[bytes, Meta | None]]) -> int:
     """Remove objects from Mooncake, forced (a reader's lease does not stop it): their metadata
-    and the parts it names (read here when not given). How many metadata values were there."""
+    and the parts it names (read here when not given: the parts a stored metadata value names,
+    unchecked). How many metadata values were there."""
     layout = store._layout
     need = [k for k, m in objects if m is None]
-    metas = dict(objects)
+    keys = [layout.meta_key(k) for k, _ in objects]
+    for k, m in objects:
+        if m is not None:
+            keys += layout.part_keys(k, m)
     if need:
         for k, value in zip(need, client.get_batch([layout.meta_key(k) for k in need])):
             try:
-                metas[k] = layout.decode(k, value)
+                keys += layout.peek_part_keys(k, value)
             except ValueError:
                 pass
-    keys = [layout.meta_key(k) for k, _ in objects]
-    for k, m in metas.items():
-        if m is not None:
-            keys += layout.part_keys(k, m)
     codes = client.batch_remove(keys, True)
     removed = sum(1 for c in codes[:len(objects)] if c == 0)
     store._counters.add(dropped=removed)

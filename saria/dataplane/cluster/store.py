@@ -15,6 +15,9 @@ docs/cluster.md. In short, for a reader of this file:
   through the object's Future; a get hands back only bytes whose lengths and checksums matched.
 * The tier's health (``connection``): a master found unreachable turns it off with one warning;
   calls are then quick misses while a background thread reconnects.
+* Sealed (a :class:`~saria.seal.Sealer` given): every part and the metadata are sealed with
+  AES-256-GCM (``sealed``, ``sealed_jobs``); only the store's own metadata arenas and ciphertext
+  buffers are registered with Mooncake, never the host memory, so plaintext stays private.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from saria.dataplane.cluster import queries
 from saria.dataplane.cluster.connection import Connection, import_store_class
 from saria.dataplane.cluster.counters import ClusterCounters
 from saria.dataplane.cluster.errors import ClusterClosed, ClusterOff
-from saria.dataplane.cluster.jobs import Batch, Watchdog
-from saria.dataplane.cluster.layout import Layout, meta_bytes
+from saria.dataplane.cluster.jobs import Batch, Watchdog, Workspace
+from saria.dataplane.cluster.layout import SEALED, layout_of
 from saria.dataplane.cluster.memory import Registered, memory_ranges
+from saria.dataplane.cluster.sealed import TAG_BYTES
+from saria.dataplane.cluster.sealed_jobs import SealedBatch
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.keys import parse_object_key
+from saria.seal import Sealer
 
 log = logging.getLogger("saria.dataplane.cluster")
 
@@ -51,7 +57,8 @@ class ClusterStore:
             rank and stage, as the SSD store's identity); objects of another identity are never seen.
             ``max_part_bytes`` is added to it: stores with other part sizes do not see each other's objects.
         memory: the :class:`HostPool` whose slots the objects move from and into (or a list of
-            contiguous uint8 CPU tensors); registered with Mooncake once per client, at open.
+            contiguous uint8 CPU tensors); registered with Mooncake once per client, at open
+            (unless sealed: then Mooncake never sees it).
         local_hostname: this host's address as the storage nodes reach it.
         max_part_bytes: the largest part (default: the host pool's slot size).
         threads: workers running batches (each holds one metadata arena of ``arena_bytes``).
@@ -62,7 +69,13 @@ class ClusterStore:
         protocol: Mooncake's transport, ``"tcp"`` (or ``"rdma"`` where the hosts have it).
         arena_bytes: each worker's registered buffer for metadata values (bounds a batch's parts).
         pipeline_bytes: a get fetches its parts in runs of about this many bytes, verifying one run
-            (on a verifier thread) while the next is on the wire.
+            (on a verifier thread) while the next is on the wire. A sealed store moves parts both
+            ways in runs of this size at most (and one part at least), through two ciphertext
+            buffers of that size per worker (registered with Mooncake): one run is sealed or opened
+            while the other is on the wire.
+        sealer: seal every object (docs/cluster.md "Sealed objects"): a
+            ``Sealer(keyring, "cluster", identity)``. Sealed objects live under a layout of their own
+            (plain stores never see them, nor they plain objects); no checksum is computed or checked.
 
     Raises ``ImportError`` (saying what to install) when Mooncake is not importable.
     """
@@ -71,10 +84,10 @@ class ClusterStore:
                  local_hostname: str = "127.0.0.1", max_part_bytes: int | None = None, threads: int = 2,
                  timeout_s: float = 5.0, setup_wait_s: float = 10.0, retry_min_s: float = 0.5,
                  retry_max_s: float = 10.0, protocol: str = "tcp", arena_bytes: int = 1 << 20,
-                 pipeline_bytes: int = 32 << 20):
+                 pipeline_bytes: int = 32 << 20, sealer: Sealer | None = None):
         import_store_class()  # ImportError (what to install) before anything is started
-        if threads < 1 or timeout_s <= 0 or arena_bytes < meta_bytes(1):
-            raise ValueError("threads must be >= 1, timeout_s > 0, arena_bytes >= one metadata value")
+        if sealer is not None and not isinstance(sealer, Sealer):
+            raise TypeError(f"sealer must be a saria.seal.Sealer, got {type(sealer).__name__}")
         if isinstance(memory, HostPool):
             max_part_bytes = max_part_bytes or memory.slot_bytes
         if not max_part_bytes or max_part_bytes < 1:
@@ -82,16 +95,22 @@ class ClusterStore:
         # The part size is part of the layout: a host whose slots differ would see another part
         # structure (each part is one slot); it sees no object instead of corrupt ones.
         self._identity = identity
-        self._layout = Layout(f"{identity}|cluster parts of {max_part_bytes} bytes")
-        self._registered = Registered(memory_ranges(memory))
+        self._sealer = sealer
+        self._layout = layout_of(f"{identity}|cluster parts of {max_part_bytes} bytes" + (SEALED if sealer else ""))
+        if threads < 1 or timeout_s <= 0 or arena_bytes < self._layout.meta_bytes(1):
+            raise ValueError("threads must be >= 1, timeout_s > 0, arena_bytes >= one metadata value")
+        self._registered = Registered(memory_ranges(memory), mooncake=sealer is None)
         self._max_part = int(max_part_bytes)
         self._timeout = float(timeout_s)
         self._counters = ClusterCounters()
         self._arena_bytes = arena_bytes
-        arenas = [torch.zeros(arena_bytes, dtype=torch.uint8) for _ in range(threads)]
-        self._arenas: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        for a in arenas:
-            self._arenas.put(a)
+        run = max(1, int(pipeline_bytes) // self._max_part) * (self._max_part + TAG_BYTES)  # whole parts, tags
+        workspaces = [Workspace(torch.zeros(arena_bytes, dtype=torch.uint8),
+                                [torch.zeros(run, dtype=torch.uint8) for _ in range(2 if sealer else 0)])
+                      for _ in range(threads)]
+        self._workspaces: queue.SimpleQueue[Workspace] = queue.SimpleQueue()
+        for w in workspaces:
+            self._workspaces.put(w)
         self._lock = threading.Lock()
         self._inflight: set[Batch] = set()
         self._closed = False
@@ -100,7 +119,10 @@ class ClusterStore:
         self._verifier = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster-verify")
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="saria-cluster-lookup")
         self._watchdog = Watchdog()
-        ranges = self._registered.ranges + [(a.data_ptr(), a.numel()) for a in arenas]
+        # Mooncake's memory: the arenas, a sealed store's ciphertext buffers, a plain store's host memory
+        ranges = [] if sealer else list(self._registered.ranges)
+        ranges += [(t.data_ptr(), t.numel()) for w in workspaces for t in [w.arena, *w.cipher]]
+        self._mooncake_ranges = sorted(ranges)
         self._conn = Connection(master, local_hostname, ranges, self._counters, setup_wait_s,
                                 retry_min_s, retry_max_s, protocol)
 
@@ -109,6 +131,18 @@ class ClusterStore:
     @property
     def identity(self) -> str:
         return self._identity
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the store seals its objects (opened with a sealer)."""
+        return self._sealer is not None
+
+    @property
+    def mooncake_ranges(self) -> list[tuple[int, int]]:
+        """``(pointer, bytes)`` of every range registered with Mooncake: a sealed store's own
+        arenas and ciphertext buffers only (its host memory is private), a plain store's host
+        memory too."""
+        return list(self._mooncake_ranges)
 
     @property
     def on(self) -> bool:
@@ -137,8 +171,10 @@ class ClusterStore:
         stored, or failing with a :class:`~saria.dataplane.cluster.errors.ClusterMiss`
         (``ClusterWriteError``, ``ClusterTimeout``, ``ClusterOff``, ...). ``checksums[i]`` are the
         parts' ``saria.kernels.checksum`` values if the caller has them (trusted, not recomputed;
-        else computed on the worker). The views must stay unchanged until the Future is done
-        (after a timeout: until its ``released`` event is set).
+        else computed on the worker; a sealed store neither takes nor computes any: the tag is its
+        check). The views must stay unchanged until the Future is done (after a timeout: until its
+        ``released`` event is set). A sealed store does not write an object whose metadata is in the
+        cluster already (the Future resolves to its length; ``present`` counts it).
 
         Raises at once, with nothing sent: ``TypeError`` / ``ValueError`` for bad arguments (a key
         that is not an object key, a view outside the registered memory or too large, a batch
@@ -153,8 +189,12 @@ class ClusterStore:
         object's length once every part arrived with its length and checksum, or failing with a
         :class:`~saria.dataplane.cluster.errors.ClusterMiss`: ``ObjectAbsent`` (never written,
         evicted, removed, a part gone), ``ObjectCorrupt`` (wrong sizes, bad metadata, a checksum
-        mismatch: the object is dropped), ``ClusterTimeout``, ``ClusterOff``. After a miss the
-        destination bytes are undefined. Raises at once as :meth:`put_many` does.
+        mismatch: the object is dropped), ``ObjectUnauthentic`` / ``ObjectUnknownEpoch`` (a sealed
+        store's: a value that fails its tag, of the wrong size or another key file's; a key epoch
+        the key file lacks), ``ClusterTimeout``, ``ClusterOff``. After a miss the destination bytes
+        are undefined (a sealed store's: zeroed, never unverified bytes). A sealed store's
+        destinations are written only by its own decryption, never by Mooncake. Raises at once as
+        :meth:`put_many` does.
         """
         self._check("get", keys, outs, None)
         return self._submit("get", keys, outs, [None] * len(keys))
@@ -226,7 +266,7 @@ class ClusterStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"ClusterStore(master={self._conn.master}, {'on' if self.on else 'off'})"
+        return f"ClusterStore(master={self._conn.master}, {'on' if self.on else 'off'}{', sealed' if self.sealed else ''})"
 
     # ---------------------------------------------------------------- internals
 
@@ -250,8 +290,8 @@ class ClusterStore:
                 raise ValueError(f"object {i}: views must be a non-empty list of part views")
             for j, v in enumerate(parts):
                 self._registered.check(v, f"object {i} part {j}", self._max_part)
-            total += meta_bytes(len(parts))
-            s = None if checksums is None else checksums[i]
+            total += self._layout.meta_bytes(len(parts))
+            s = None if checksums is None or self._sealer is not None else checksums[i]
             if s is not None:
                 s = [int(c) for c in s]
                 if len(s) != len(parts) or any(not 0 <= c < 1 << 64 for c in s):
@@ -265,7 +305,7 @@ class ClusterStore:
 
     def _submit(self, kind: str, keys: Sequence[bytes], views: Sequence[Sequence[torch.Tensor]],
                 sums: Sequence[Sequence[int] | None]) -> "list[Future[int]]":
-        batch = Batch(self, keys, views, sums, self._timeout)
+        batch = (SealedBatch if self._sealer is not None else Batch)(self, keys, views, sums, self._timeout)
         if not keys:
             return []
         if self._conn.client() is None:

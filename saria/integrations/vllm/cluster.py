@@ -9,7 +9,10 @@ the host pool (registered once):
 * **Reloads** (:class:`~.cluster_loads.ClusterLoad`): each chunk's object is fetched into *staging* slots, host
   slots beyond the DRAM tier's (``cluster_staging_bytes``) that the control plane never places
   objects in, verified part by part, then published under a key of its own in the DRAM index and
-  reloaded by the DRAM path into the request's blocks, and dropped. The unpack starts from the
+  reloaded by the DRAM path into the request's blocks, and dropped. With a ``sealer`` the store
+  registers only its own ciphertext buffers with Mooncake, never the host pool: Mooncake lands
+  the ciphertext there, and the staging slots receive the plaintext from the store's decryption
+  alone (the tag verified first), so what is unpacked into vLLM's pages comes from private memory. The unpack starts from the
   caller's thread (``ready`` / ``wait``, which vLLM's hooks call), so it queues behind the caller's
   work like any reload. The leading chunks that arrived are valid; from the first miss on (absent,
   evicted, corrupt, timed out, the tier off, no staging room) vLLM recomputes. A miss is never an
@@ -17,7 +20,8 @@ the host pool (registered once):
 * **Puts** (``all``): once a store lands a chunk's object in DRAM, it is put from its slots (no
   copy, the store's per-slot checksums passed along). A DRAM drop of an object whose put is in
   flight waits for the put first (:meth:`WorkerCluster.before_drop`), so Mooncake never reads a
-  freed slot. ``evicted``: a chunk is put when its DRAM copy is dropped, and the drop waits for it.
+  freed slot (sealed: the store seals from the slots into its own buffers, and the same wait keeps
+  a slot from being freed while it does). ``evicted``: a chunk is put when its DRAM copy is dropped, and the drop waits for it.
 * A failed put is counted and forgotten: the object is simply not in the cluster.
 """
 
@@ -32,6 +36,7 @@ from saria.dataplane.cluster import ClusterStore, ClusterTimeout
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.transfer.engine import TransferEngine
 from saria.orders import KV, ObjectKey
+from saria.seal import Sealer
 
 from .cluster_loads import ClusterLoad
 
@@ -40,18 +45,20 @@ log = logging.getLogger("saria.vllm")
 class WorkerCluster:
     """One rank's cluster tier (module docstring): its store, staging budget, puts in flight and
     counters. ``identity``: what this rank's objects are written for (its SSD identity without the
-    SSD's storage form: cluster objects are the exact packed bytes of the DRAM tier)."""
+    SSD's storage form: cluster objects are the exact packed bytes of the DRAM tier). ``sealer``:
+    seal every object (``Sealer(keyring, "cluster", identity)``, docs/cluster.md "Sealed objects");
+    ``None``: plain objects."""
 
     def __init__(self, engine: TransferEngine, master: str, identity: str, *, staging_bytes: int,
                  local_hostname: str = "127.0.0.1", timeout_s: float = 5.0, setup_wait_s: float = 10.0,
-                 store: ClusterStore | None = None):
+                 store: ClusterStore | None = None, sealer: Sealer | None = None):
         self.engine = engine
         pool = engine.host_pool
         self.slots_per_object = pool.slots_for(engine.kv_bytes)
         self.staging_slots = staging_bytes // pool.slot_bytes
         self.timeout_s = timeout_s
         self.store = store or ClusterStore(master, identity, pool, local_hostname=local_hostname, timeout_s=timeout_s,
-                                           setup_wait_s=setup_wait_s)
+                                           setup_wait_s=setup_wait_s, sealer=sealer)
         self._lock = threading.Lock()
         self._staged = 0  # staging slots taken
         self._puts: dict[ObjectKey, threading.Event] = {}  # objects whose put is in flight
@@ -61,6 +68,11 @@ class WorkerCluster:
     @property
     def layout_identity(self) -> str:
         return self.store.layout_identity
+
+    @property
+    def sealed(self) -> bool:
+        """Whether this rank's cluster objects are sealed."""
+        return self.store.sealed
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -160,7 +172,7 @@ class WorkerCluster:
             parts = dram.views(obj)
             names.append(object_key(key.chunk, key.kind))
             views.append(parts)
-            sums.append(list(obj.checksums) if len(obj.checksums) == len(parts) else None)
+            sums.append(list(obj.checksums) if len(obj.checksums) == len(parts) and not self.store.sealed else None)
             sent.append(key)
         if not sent:
             return

@@ -1,6 +1,12 @@
 """A rank's reloads from the cluster tier (:mod:`.cluster`): the cluster chunks of one reload
 (:class:`ClusterLoad`: gets into staging slots, then one DRAM-path reload of what arrived) and a
-reload of a local plan followed by cluster chunks (:class:`CombinedLoad`), as one job to wait on."""
+reload of a local plan followed by cluster chunks (:class:`CombinedLoad`), as one job to wait on.
+
+With a sealed store the staging slots are private memory (the store registers only its own
+ciphertext buffers with Mooncake): a get resolves only once every part's tag verified and its
+plaintext was written into the slots by the store's decryption, and only then are they published
+and unpacked into vLLM's pages. A miss (an unauthentic object too) publishes nothing; a timed-out
+get's slots are freed only once its call and its decryption ended (``released``)."""
 
 from __future__ import annotations
 
