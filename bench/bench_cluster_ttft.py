@@ -70,7 +70,7 @@ def one_round(args: argparse.Namespace, model: str, seed: int, master: str, orde
     # engine does): the turn's stores land before the next turn is planned
     spec = {"model": model, "max_tokens": 4, "enforce_eager": True, "gap_s": 1.0}
     local = {"chunk_tokens": args.chunk_tokens, "log_interval_s": 0, "dram_gb": 1}
-    shared = dict(local, cluster=master)
+    shared = dict(local, cluster=master, cluster_insecure=True)  # the transfer's cost; sealing's: bench_seal.py
     a = run_in_subprocess(dict(spec, prompts=[warm, session[0]], extra_config=shared))
     runs = {"cluster": lambda: run_in_subprocess(dict(spec, prompts=[warm, session[1]], extra_config=shared)),
             "alone": lambda: run_in_subprocess(dict(spec, prompts=[warm, session[1]], extra_config=local)),

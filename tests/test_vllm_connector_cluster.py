@@ -59,7 +59,8 @@ class Replica:
 
     def __init__(self, cluster, tp: int = 1, num_blocks: int = NUM_BLOCKS, **extra):
         options = {"chunk_tokens": CHUNK, "dram_bytes": 16 * SIZE * tp, "log_interval_s": 0,
-                   "cluster": cluster.master, "cluster_staging_bytes": 8 * SIZE, "cluster_timeout_s": 5.0}
+                   "cluster": cluster.master, "cluster_staging_bytes": 8 * SIZE, "cluster_timeout_s": 5.0,
+                   "cluster_insecure": True}  # the tier's mechanics, unsealed (sealed: test_cluster_store_sealed.py)
         options.update(extra)
         self.settings = ConnectorSettings.from_extra_config(options)
         self.index = open_cluster_index(self.settings, tp)
@@ -297,7 +298,8 @@ def test_hybrid_models_are_refused_with_the_cluster_option(cluster):
     hybrid = EngineGeometry(block_size=BLOCK, attention_group=0, attention_layers=("l0",),
                             kv_bytes_per_token=KV_BYTES_PER_TOKEN, state_group=1, state_layers=("g0",),
                             state_bytes=4096)
-    settings = ConnectorSettings.from_extra_config({"cluster": cluster.master, "chunk_tokens": BLOCK})
+    settings = ConnectorSettings.from_extra_config({"cluster": cluster.master, "chunk_tokens": BLOCK,
+                                                    "cluster_insecure": True})
     index = open_cluster_index(settings, 1)
     try:
         with pytest.raises(ValueError, match="dense .attention-only. models"):
@@ -360,7 +362,7 @@ def test_a_full_pool_evicts_the_oldest_chunks_and_their_lookups_miss(own_cluster
 
 def test_staging_that_holds_no_chunk_is_refused_at_start(cluster):
     settings = ConnectorSettings.from_extra_config({"cluster": cluster.master, "chunk_tokens": CHUNK,
-                                                    "cluster_staging_bytes": SIZE - 1})
+                                                    "cluster_staging_bytes": SIZE - 1, "cluster_insecure": True})
     index = open_cluster_index(settings, 1)
     try:
         with pytest.raises(ValueError, match="holds no chunk"):

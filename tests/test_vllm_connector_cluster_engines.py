@@ -5,7 +5,9 @@ whose own tiers are empty, which loads the prefix from the cluster. Its outputs 
 token for token and logprob for logprob, to plain vLLM replaying that history (turn 1 computed,
 turn 2 loading what B loaded: the reference engine of ``dense_session``). A replica started while
 the master is down finds nothing and computes everything, identically to plain vLLM, without an
-error."""
+error. The replicas share one key file (``secret_file``): every cluster object is sealed and named
+by its tenant's chunk ids, and a replica serving another tenant (another ``cache_salt``) the same
+prompt finds nothing of it in the cluster."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 
 from cluster_cases import start_cluster
 from saria.harness import run_in_subprocess
+from saria.seal import new_key_file
 
 from test_vllm_connector import CHUNK, assert_same_outputs
 
@@ -24,8 +27,10 @@ def replicas(tmp_path_factory, dense_session):
     cluster = start_cluster(tmp_path_factory)
     try:
         spec, prompts = dense_session["spec"], dense_session["prompts"]
+        key = tmp_path_factory.mktemp("cluster-key") / "saria.key"
+        new_key_file(key)  # one key file for every replica: they seal and name objects alike
         local = {"chunk_tokens": CHUNK, "log_interval_s": 0, "dram_gb": 1}
-        shared = dict(local, cluster=cluster.master, cluster_staging_bytes=16 << 20)
+        shared = dict(local, cluster=cluster.master, cluster_staging_bytes=16 << 20, secret_file=str(key))
         a = run_in_subprocess(dict(spec, prompts=prompts[:1], extra_config=shared))
         b = run_in_subprocess(dict(spec, prompts=prompts[1:2], extra_config=shared))
         yield dict(dense_session, a=a, b=b, cluster=cluster, shared=shared)
@@ -46,6 +51,20 @@ def test_replica_a_put_what_it_computed_and_b_only_what_it_added(replicas):
     assert b["chunks_loaded"] == PREFIX_CHUNKS and b["chunks_missed"] == 0
     assert b["shared"] == 2  # turn 2's new chunks 6 and 7; the loaded ones are in the cluster already
     assert replicas["b"]["control"]["requests"] == 1 and replicas["b"]["faults"]["worker"]["faults"] == 0
+    assert a["store"]["auth_failures"] == b["store"]["auth_failures"] == 0  # sealed, and every tag verified
+
+
+def test_a_replica_serving_another_tenant_finds_nothing_of_it_in_the_cluster(replicas):
+    """Replica C sends turn 2 again, from another tenant (``cache_salt``): the cluster holds turn 1's
+    prefix (A's) and turn 2's (B's), sealed under the no-salt tenant's keys and named by its chunk
+    ids; C's chunk ids are other names, so its lookup finds none and it computes everything."""
+    spec, prompts = replicas["spec"], replicas["prompts"]
+    other = run_in_subprocess(dict(spec, prompts=prompts[1:2], extra_config=replicas["shared"],
+                                   cache_salts=["tenant-other-91c2"]))
+    turn, cluster = other["turns"][0], other["worker"]["cluster"]
+    assert turn["cached_tokens"] == turn["cluster_tokens"] == 0
+    assert cluster["chunks_asked"] == cluster["chunks_loaded"] == 0 and cluster["store"]["auth_failures"] == 0
+    assert cluster["shared"] >= PREFIX_CHUNKS  # it put its own, under its own tenant's names
 
 
 @pytest.mark.long  # the master's death at the connector level: test_vllm_connector_cluster.py
