@@ -228,7 +228,7 @@ def test_a_key_file_readable_by_others_is_refused_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "serve", "m", "--secret-file", str(key),
                            "--print-command"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("saria serve: error: key file "), proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("saria serve: error: --secret-file: key file "), proc.stderr
 
 
 # --- without an engine: the scheduler's names, the worker's metadata, logs, settings, counters ---------

@@ -192,7 +192,7 @@ def sealing_line(extra: dict[str, Any]) -> str:
     try:
         keyring = load_keyring(settings)
     except KeyFileError as exc:
-        raise ValueError(str(exc)) from None
+        raise ValueError(f"--secret-file: {exc}") from None
     return f"saria serve: {'sealed' if keyring is not None else 'NOT sealed'}: {describe(settings, keyring)}"
 
 
