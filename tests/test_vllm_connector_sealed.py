@@ -2,7 +2,7 @@
 never served to another, in any tier, and nothing on the drives, in the logs or in the metrics
 names a prompt (docs/security.md).
 
-One history on one SSD directory, four engines one after the other (the dense engine tests' model
+One history on one SSD directory, five engines one after the other (the dense engine tests' model
 and their reference of plain vLLM, ``dense_session``), each prompt the same 400 tokens (six 64-token
 chunks reusable) sent by tenants A, B, C and no salt; ``full-duplicate`` writes every chunk through
 to SSD:
@@ -10,9 +10,13 @@ to SSD:
 1. **sealed** (key file K1): A, B, no salt, A. Only the last reuses (DRAM), bit for bit.
 2. **restart** (K1, same drives): C, then A. C finds nothing though the drives hold the very prompt
    three times over (A's, B's, no salt's); A reloads its chunks from the sealed SSD objects.
-3. **other key** (K2, same drives): A. Its chunk ids are other names, and the store finds the
+3. **retired epoch** (K1 rotated to epoch 2, epoch 1 retired): A, A. The names are K1's (the naming
+   root survives rotations), so the first A plans its chunks from SSD, but they were sealed under
+   epoch 1: each read is a counted miss (``unknown_epoch``), never bytes, and vLLM recomputes; the
+   second A reuses what the first stored under epoch 2.
+4. **other key** (K2, same drives): A. Its chunk ids are other names, and the store finds the
    previous objects sealed under another key file: not one is read, and it says so once.
-4. **no key** (same drives): A, B, no salt, A. The sealed objects are not read as plaintext; without
+5. **no key** (same drives): A, B, no salt, A. The sealed objects are not read as plaintext; without
    a key tenants stay apart (vLLM's salted block hashes), and one warning says nothing is sealed.
 
 Every block hash vLLM computed (recorded in the engines), every salt and the prompt's tokens are
@@ -20,7 +24,7 @@ then searched for in the drive files, the engines' logs and saria's Prometheus t
 found while the drives hold sealed objects, and the same search finds the block hashes once the
 unkeyed engine has written its objects (unsealed names are block hashes: the search can fail).
 
-The outputs of runs 1 and 2 are plain vLLM's with the same history (the reference replays it
+The outputs of runs 1 to 3 are plain vLLM's with the same history (the reference replays it
 without salts: a salt only changes block hashes, and every reuse here is of a prompt computed in
 full, so each block has one version).
 """
@@ -40,7 +44,7 @@ from hypothesis import strategies as st
 
 from saria.harness import run_in_subprocess
 from saria.integrations.vllm.metrics import METRICS, SariaStats, worker_stats, worker_totals
-from saria.seal import KeyFileError, new_key_file
+from saria.seal import KeyFileError, new_key_file, retire_epoch, rotate_key_file
 
 from test_vllm_connector import assert_kv_audited, assert_same_outputs
 
@@ -74,6 +78,9 @@ def history(tmp_path_factory, dense_session):
     out = {"root": root, "ssd": ssd, "session": dense_session}
     out["sealed"] = run(dense_session, ssd, ["A", "B", None, "A"], k1)
     out["restart"] = run(dense_session, ssd, ["C", "A"], k1)
+    rotate_key_file(k1)
+    retire_epoch(k1, 1)
+    out["retired"] = run(dense_session, ssd, ["A", "A"], k1)
     out["sealed_files"] = drive_files(ssd)  # what a reader of the drives finds, sealed
     out["other_key"] = run(dense_session, ssd, ["A"], k2)
     out["no_key"] = run(dense_session, ssd, ["A", "B", None, "A"], None)
@@ -111,12 +118,24 @@ def test_a_restart_with_the_same_key_reloads_its_sealed_objects_for_its_tenant_o
     assert_same_outputs(session["reference"], [session["prompts"][0]] * 6, restart, before=(history["sealed"],))
 
 
+def test_objects_of_a_retired_epoch_are_misses_never_bytes_and_outputs_stay_identical(history):
+    retired = history["retired"]
+    ssd = retired["worker"]["ssd"]
+    assert ssd["unknown_epoch"] >= 1 and ssd["auth_failures"] == 0
+    assert retired["turns"][0]["ssd_tokens"] == 0 and retired["totals"]["loads_failed"] >= 1
+    assert retired["control"]["ssd_read_failures"] >= 1  # the control plane dropped them
+    assert cached(retired)[1] == REUSABLE and retired["turns"][1]["dram_tokens"] == REUSABLE  # sealed under epoch 2
+    session = history["session"]
+    assert_same_outputs(session["reference"], [session["prompts"][0]] * 8, retired,
+                        before=(history["sealed"], history["restart"]))
+
+
 def test_another_key_file_reads_nothing_and_the_store_says_so_once(history):
     other = history["other_key"]
     assert cached(other) == [0]
     ssd, engine = other["worker"]["ssd"], other["worker"]["engine"]
     assert ssd["reads"] == 0 and engine["ssd_to_gpu_bytes"] == 0
-    assert ssd["other_key_dropped_at_open"] >= 3 * 6  # every object of K1 found, none read
+    assert ssd["other_key_dropped_at_open"] >= 2 * 6  # K1's objects (B's, no salt's, A's): found, none read
     assert ssd["auth_failures"] == 0  # not even tried: no tag was worth checking
     assert other["log"].count(OTHER_KEY_LINE) == 1, lines(other["log"], OTHER_KEY_LINE)
 
@@ -128,7 +147,7 @@ def test_without_a_key_tenants_stay_apart_sealed_objects_are_not_read_and_one_li
     ssd = plain["worker"]["ssd"]
     assert ssd["sealed_dropped_at_open"] >= 1 and ssd["reads"] == 0  # K2's objects: never plaintext
     assert plain["log"].count(UNSEALED_WARNING) == 1, lines(plain["log"], UNSEALED_WARNING)
-    for name in ("sealed", "restart", "other_key"):
+    for name in ("sealed", "restart", "retired", "other_key"):
         assert UNSEALED_WARNING not in history[name]["log"]
         assert "sealed (AES-256-GCM)" in history[name]["log"]
 
@@ -137,7 +156,7 @@ def secrets(history: dict) -> dict[str, bytes]:
     """Every value that must never be found: vLLM's block hashes (bytes, hex, Python's repr), the
     salts (text, hex, SHA-256) and runs of the prompt's token ids (as int32 and int64 arrays)."""
     out = {}
-    for name in ("sealed", "restart", "other_key", "no_key"):
+    for name in ("sealed", "restart", "retired", "other_key", "no_key"):
         for request in history[name]["block_hashes"]:
             for h in request:
                 raw = bytes.fromhex(h)
@@ -179,7 +198,7 @@ def test_the_search_finds_block_hashes_on_unsealed_drives(history):
 
 def test_logs_and_metrics_name_no_block_hash_salt_or_token(history):
     wanted = {name: value for name, value in secrets(history).items() if "int" not in name}  # text: no token arrays
-    for name in ("sealed", "restart", "other_key", "no_key"):
+    for name in ("sealed", "restart", "retired", "other_key", "no_key"):
         log = history[name]["log"]
         assert "saria" in log
         assert not found_in(log.encode(), wanted), (name, found_in(log.encode(), wanted)[:5])
