@@ -32,6 +32,7 @@ from saria.commands import cli, serve
 from saria.integrations.vllm import logs
 from saria.harness import VOCAB, build_model, build_tokenizer
 from saria.harness.reference_runs import reference_job
+from saria.seal import new_key_file
 
 from serve_driver import SNAPSHOT_ARGS, SNAPSHOT_ENV, Server, agent_sessions, completions, metric, prometheus, system_prompt, text
 
@@ -81,17 +82,21 @@ def test_ssd_dtype_flag_becomes_the_connector_option(capsys, tmp_path):
 
 def test_cluster_flags_become_the_connector_options(capsys):
     rc, out, err = run_cli(capsys, "serve", "m", "--cluster", "10.0.0.1:50051", "--cluster-host", "10.0.0.2",
-                           "--cluster-admission", "evicted", "--cluster-staging-gb", "0.5", "--print-command")
+                           "--cluster-admission", "evicted", "--cluster-staging-gb", "0.5", "--cluster-insecure",
+                           "--print-command")
     assert rc == 0, err
     extra = json.loads(shlex.split(out)[-1])["kv_connector_extra_config"]
     assert extra == {"cluster": "10.0.0.1:50051", "cluster_host": "10.0.0.2", "cluster_admission": "evicted",
-                     "cluster_staging_gb": 0.5}
+                     "cluster_staging_gb": 0.5, "cluster_insecure": True}
     # the master's address may come from --saria-option, with the other options as flags
     rc, out, err = run_cli(capsys, "serve", "m", "--saria-option", "cluster=h:7", "--cluster-host", "h2",
-                           "--saria-option", "cluster_timeout_s=2", "--print-command")
+                           "--saria-option", "cluster_timeout_s=2", "--cluster-insecure", "--print-command")
     assert rc == 0, err
     extra = json.loads(shlex.split(out)[-1])["kv_connector_extra_config"]
-    assert extra == {"cluster": "h:7", "cluster_host": "h2", "cluster_timeout_s": 2}
+    assert extra == {"cluster": "h:7", "cluster_host": "h2", "cluster_timeout_s": 2, "cluster_insecure": True}
+    # a shared tier without a key is refused, in one line that says both ways out
+    rc, out, err = run_cli(capsys, "serve", "m", "--cluster", "h:7", "--print-command")
+    assert rc == 2 and "--secret-file" in err and "--cluster-insecure" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.fixture
@@ -107,7 +112,7 @@ def test_a_cluster_port_that_is_no_master_is_refused_before_vllm_starts(capsys, 
     from cluster_cases import SKIP_REASON, mooncake_available
     if not mooncake_available():
         pytest.skip(SKIP_REASON)
-    rc, out, err = run_cli(capsys, "serve", "m", "--cluster", not_a_master, "--enforce-eager")
+    rc, out, err = run_cli(capsys, "serve", "m", "--cluster", not_a_master, "--cluster-insecure", "--enforce-eager")
     assert rc == 2 and not out
     assert err.count("\n") == 1 and "no Mooncake master answered" in err, err
 
@@ -137,7 +142,7 @@ def test_a_cluster_without_mooncake_is_refused_before_vllm_starts(tmp_path, whic
     from saria.dataplane.cluster.local import free_ports
     missing = NO_MOONCAKE if which == "no-wheel" else NO_LIBIBVERBS
     master = f"127.0.0.1:{free_ports(1)[0]}"
-    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "serve", "m", "--cluster", master],
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "serve", "m", "--cluster", master, "--cluster-insecure"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=without_mooncake(tmp_path, which))
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     assert proc.stderr == f"saria serve: error: --cluster {master}: {': '.join(missing)}\n", proc.stderr
@@ -177,7 +182,7 @@ def test_no_connector_serves_plain_vllm(capsys):
     (["m", "--cluster", "h:1", "--cluster-admission", "some"], "argument --cluster-admission: invalid choice: 'some'"),
     (["m", "--cluster", "h:1", "--cluster-staging-gb", "-1"], "argument --cluster-staging-gb: must be from 0"),
     (["m", "--cluster", "h:1", "--saria-option", "cluster=h:2"], "repeats --cluster"),
-    (["m", "--cluster", "h:1", "--cluster-staging-gb", "1", "--saria-option", "cluster_staging_bytes=5"],
+    (["m", "--cluster", "h:1", "--cluster-insecure", "--cluster-staging-gb", "1", "--saria-option", "cluster_staging_bytes=5"],
      "--saria-option: give cluster_staging_gb or cluster_staging_bytes, not both"),
     (["m", "--saria-option", "cluster_timeout_s=1"], "--saria-option: cluster_timeout_s is set but cluster"),
 ])
@@ -422,7 +427,8 @@ VLLM_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--bl
              "bfloat16", "--enforce-eager", "--seed", "0", "--max-num-batched-tokens", "2048"]
 
 
-FIXED_SALT = "fixed"  # the fixed prompts' own history: they reuse nothing the concurrent sessions computed
+FIXED_SALT = "tenant-a-5d1e97"  # the fixed prompts' own history: they reuse nothing the concurrent sessions computed
+OTHER_SALT = "tenant-b-c0ffee"  # another tenant sending the very same prompts: it must reuse nothing of the first's
 
 
 def fixed_prompts() -> list[str]:
@@ -451,11 +457,13 @@ def run_fixed(server: Server, model: str, loads: list[list[int]] | None = None,
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     model = str(build_model(root / "model", tokenizer=True))
-    saria_args = [model, "--dram-gb", "0.002", "--ssd-path", str(root / "ssd"), "--ssd-gb", "0.05",
+    secret = root / "saria.key"
+    new_key_file(secret)  # a sealed server: every SSD object sealed, named by chunk ids (docs/security.md)
+    saria_args = [model, "--secret-file", str(secret), "--dram-gb", "0.002", "--ssd-path", str(root / "ssd"), "--ssd-gb", "0.05",
                   "--chunk-tokens", str(CHUNK), "--log-interval-s", "1", "--saria-option", "theta_E=1",
                   "--saria-option", "audit_kv=true", *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-log-requests",
                   "--enable-prompt-tokens-details", *SNAPSHOT_ARGS]
-    result = {"model": model}
+    result = {"model": model, "ssd": root / "ssd"}
     with Server(saria_args, root / "saria.log", root / "cache", env=SNAPSHOT_ENV) as server:  # one cache: the second starts faster
         result["saria_server"] = server
         result["saria_start_s"] = server.started_s
@@ -463,6 +471,10 @@ def served(tmp_path_factory):
             result["outcomes"] = asyncio.run(agent_sessions(server.url, model, max_model_len=MAX_MODEL_LEN))
             result["metrics_before_fixed"] = server.get("/metrics")
             result["saria_fixed"] = run_fixed(server, model)
+            # the other tenant, after the first's prefixes are in DRAM and on SSD: nothing of them for it
+            result["metrics_before_other"] = server.get("/metrics")
+            result["other_tenant"] = completions(server.url, model, fixed_prompts(), cache_salt=OTHER_SALT)
+            result["metrics_after_other"] = server.get("/metrics")
             result["snapshots"] = server.snapshots()  # what its audit saw each reload serve
             result["healthy"] = server.healthy()
             result["metrics"] = server.get("/metrics")
@@ -578,3 +590,35 @@ def test_outputs_served_from_saria_are_vllms_with_the_same_history(served):
     audit = served["snapshots"][0]["audit"]  # the saria server's own audit, through its workers
     assert audit["mismatched_pages"] == 0 and audit["checked_pages"] > 0, audit
     assert "saria reference:" not in served["plain_log"], served["plain_server"].tail()  # it replayed it all
+
+
+def test_another_tenant_sending_the_same_prompts_reuses_nothing_of_the_first(served):
+    """A sealed server (``--secret-file``): the fixed prompts again, with another ``cache_salt``
+    (through the OpenAI client's ``cache_salt`` field), after the first tenant's prefixes were
+    reloaded from DRAM and SSD: the other tenant is served as the first was on its first run (its
+    first prompt computed in full, the next two reusing only the system prompt its own first
+    prompt computed), never from the first tenant's chunks."""
+    other = [r["cached_tokens"] for r in served["other_tenant"]]
+    first_run, second_run = ([r["cached_tokens"] for r in run] for run in served["saria_fixed"])
+    assert other[0] == 0 and other == first_run, (other, first_run)
+    assert sum(second_run) > sum(first_run)  # the first tenant's own second run did reuse its whole prompts
+    assert [r["token_ids"] for r in served["other_tenant"]] == [r["token_ids"] for r in served["saria_fixed"][0]]
+
+
+def test_sealed_server_keeps_no_salt_or_prompt_text_in_its_files_metrics_or_log(served):
+    """What a reader of the drive files, ``/metrics`` or saria's log lines could learn: no tenant's
+    salt, no prompt text (the KV on SSD is sealed, its names are keyed digests)."""
+    secrets = [s.encode() for s in (FIXED_SALT, OTHER_SALT)] + [fixed_prompts()[0][-200:].encode()]
+    files = [p for p in Path(served["ssd"]).rglob("*") if p.is_file()]
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        for secret in secrets:
+            assert secret not in data and secret.hex().encode() not in data, path.name
+        assert FIXED_SALT not in path.name and OTHER_SALT not in path.name
+    for secret in secrets[:2]:
+        assert secret.decode() not in served["metrics"]
+    saria_lines = [line for line in served["log"].splitlines() if "saria" in line]
+    assert saria_lines
+    for line in saria_lines:
+        assert FIXED_SALT not in line and OTHER_SALT not in line, line

@@ -89,15 +89,17 @@ class KVAudit:
             versions.append(version)
         self.stored_pages += len(blocks)
 
-    def check(self, chunk: Hashable, blocks: Sequence[int], skip: int = 0, *, from_ssd: bool = False) -> int:
+    def check(self, chunk: Hashable, blocks: Sequence[int], skip: int = 0, *, from_ssd: bool = False,
+              served_as: Hashable | None = None) -> int:
         """A reload wrote ``chunk`` into ``blocks[skip:]`` (the first ``skip`` pages are vLLM's own
         and were left alone); returns how many of those pages differ from what was stored (its
-        FP8 round trip when it came ``from_ssd`` under ``ssd_fp8``)."""
+        FP8 round trip when it came ``from_ssd`` under ``ssd_fp8``). ``served_as``: the name
+        ``served`` records it under (vLLM's block hash where chunks are named by chunk ids)."""
         written = range(skip, len(blocks))
         candidates = [rounded if from_ssd and self.ssd_fp8 else exact for exact, rounded in self._stored.get(chunk, ())]
         candidates = [c for c in candidates if c is not None and len(c) == len(blocks)]
         got = [self.page_digest(blocks[i]) if i in written else None for i in range(len(blocks))]
-        self._record_served(chunk, got)
+        self._record_served(chunk if served_as is None else served_as, got)
         if not candidates:
             self.unverified_pages += len(written)
             return 0

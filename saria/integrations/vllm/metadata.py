@@ -23,7 +23,9 @@ class LoadSpec:
     ``skip_pages`` leading pages of chunk 0 are the engine's own (already computed) and are left
     alone; ``state_blocks``: where a hybrid plan's GDN state object goes. ``cluster``: chunks
     after the plan's, read from the cluster tier (their blocks are the last ``len(cluster)`` of
-    ``kv_blocks``; the control plane knows nothing of them)."""
+    ``kv_blocks``; the control plane knows nothing of them). ``audit_names``: with ``audit_kv``
+    and a key file only, vLLM's block hash of each of the plan's chunks, the names under which the
+    audit records what it served (a reference replays vLLM's pages by them: docs/security.md)."""
 
     req_id: str
     plan: ReloadPlan
@@ -31,6 +33,7 @@ class LoadSpec:
     skip_pages: int = 0
     state_blocks: tuple[int, ...] | None = None
     cluster: tuple[Hashable, ...] = ()
+    audit_names: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

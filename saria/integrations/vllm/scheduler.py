@@ -171,9 +171,13 @@ class SariaScheduler:
             state.captured.add(plan.num_chunks - 1)  # the worker keeps the loaded state for promotion
         cluster = state.cluster[max(0, first - state.cluster_start):]
         state.load_tokens = self._load_tokens(state, num_external_tokens)
+        audit_names = ()
+        if self.settings.audit_kv and self.names.keyring is not None:  # a verification mode (docs/security.md)
+            h = self.config.chunk.chunk_tokens // self.geometry.hash_tokens
+            audit_names = tuple(request.block_hashes[(c + 1) * h - 1] for c in range(first, first + sub.num_chunks))
         state.load = LoadSpec(request.request_id, sub,
                               tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, end // chunk_tokens)), skip,
-                              state_blocks, cluster)
+                              state_blocks, cluster, audit_names)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the load by tier (``"dram"`` / ``"ssd"`` / ``"cluster"``), for vLLM's hit-source stats."""

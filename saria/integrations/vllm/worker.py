@@ -226,7 +226,8 @@ class SariaWorker:
         if self.audit is not None:
             for c in range(min(result.valid_chunks, spec.plan.num_chunks)):
                 self.audit.check(spec.plan.chunk_hashes[c], spec.kv_blocks[c], spec.skip_pages if c == 0 else 0,
-                                 from_ssd=spec.plan.kv_sources[c] is Tier.SSD)
+                                 from_ssd=spec.plan.kv_sources[c] is Tier.SSD,
+                                 served_as=spec.audit_names[c] if spec.audit_names else None)
         if result.failed or missed:
             if self.geometry.hybrid:  # block ids are per group: vLLM takes request-level failures
                 self._failed_requests.add(req_id)
