@@ -7,13 +7,14 @@ turn 2 loading what B loaded: the reference engine of ``dense_session``). A repl
 the master is down finds nothing and computes everything, identically to plain vLLM, without an
 error. The replicas share one key file (``secret_file``): every cluster object is sealed and named
 by its tenant's chunk ids, and a replica serving another tenant (another ``cache_salt``) the same
-prompt finds nothing of it in the cluster."""
+prompt finds nothing of it in the cluster. A rogue Mooncake client without the key that overwrites
+every object gets none of its bytes loaded: the replica that meets them computes, as plain vLLM."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster_cases import start_cluster
+from cluster_cases import mooncake_keys, pattern, raw_client, raw_values, raw_write, start_cluster
 from saria.harness import run_in_subprocess
 from saria.seal import new_key_file
 
@@ -65,6 +66,34 @@ def test_a_replica_serving_another_tenant_finds_nothing_of_it_in_the_cluster(rep
     assert turn["cached_tokens"] == turn["cluster_tokens"] == 0
     assert cluster["chunks_asked"] == cluster["chunks_loaded"] == 0 and cluster["store"]["auth_failures"] == 0
     assert cluster["shared"] >= PREFIX_CHUNKS  # it put its own, under its own tenant's names
+
+
+def test_a_rogue_mooncake_client_overwrites_every_object_and_none_of_its_bytes_is_loaded(replicas):
+    """A plain Mooncake client without the key, which lists the live names from the master (anyone
+    who reaches it can), overwrites every saria object of the cluster: every part value with bytes
+    of its own, and every other object's metadata too (its clear fields kept, its sealed body its
+    own). Replica D then sends turn 2 again: its lookup finds the names (lookups read clear fields
+    only), every load fails its tag, and D computes the turn itself, identically to plain vLLM."""
+    cluster, spec, prompts = replicas["cluster"], replicas["spec"], replicas["prompts"]
+    names = [k for k in mooncake_keys(cluster) if k.startswith("saria/")]
+    metas = sorted(k for k in names if k.endswith("/m"))
+    assert len(metas) >= PREFIX_CHUNKS
+    raw = raw_client(cluster)
+    try:
+        values = raw_values(raw, names)
+        forged = {k: pattern(len(v), 7 + i).numpy().tobytes() for i, (k, v) in enumerate(values.items())
+                  if not k.endswith("/m")}
+        forged.update({k: values[k][:52] + pattern(len(values[k]) - 52, 5).numpy().tobytes() for k in metas[::2]})
+        raw_write(raw, forged)
+    finally:
+        raw.close()
+    rogue = run_in_subprocess(dict(spec, prompts=prompts[1:2], extra_config=replicas["shared"]))
+    turn, cluster_side = rogue["turns"][0], rogue["worker"]["cluster"]
+    assert turn["cached_tokens"] == turn["cluster_tokens"] == 0, turn  # not one rogue byte reached a page
+    assert cluster_side["chunks_asked"] >= 1 and cluster_side["chunks_loaded"] == 0
+    assert cluster_side["store"]["auth_failures"] >= 1, cluster_side["store"]
+    assert rogue["faults"]["worker"]["faults"] == 0
+    assert_same_outputs(replicas["reference"], prompts[1:2], rogue)  # turn 2 computed in full, as plain vLLM
 
 
 @pytest.mark.long  # the master's death at the connector level: test_vllm_connector_cluster.py
