@@ -21,7 +21,8 @@ from saria.dataplane.cluster import queries
 from saria.dataplane.cluster.connection import Connection
 from saria.dataplane.cluster.counters import ClusterCounters
 from saria.dataplane.cluster.errors import ClusterOff
-from saria.dataplane.cluster.layout import Layout, layout_of
+from saria.dataplane.cluster.layout import Layout
+from saria.dataplane.cluster.sealed import layout_of
 from saria.dataplane.ssd.keys import parse_object_key
 
 log = logging.getLogger("saria.dataplane.cluster")

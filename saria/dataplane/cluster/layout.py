@@ -20,7 +20,7 @@ per part its length and checksum (u64, u64), then a CRC-32 of all the bytes befo
 
 A sealed store's objects have a layout of their own (:mod:`.sealed`, format version 2), under
 an identity that ends in :data:`SEALED`: sealed and plain stores of one model never see each
-other's objects. :func:`layout_of` gives the layout of an identity either way.
+other's objects. :func:`.sealed.layout_of` gives the layout of an identity either way.
 """
 
 from __future__ import annotations
@@ -120,11 +120,3 @@ class Layout:
             raise ValueError(f"metadata lengths do not add up: {length} vs parts {[n for n, _ in parts]}")
         return Meta(length, parts)
 
-
-def layout_of(identity: str) -> Layout:
-    """The layout of a store's ``layout_identity``: sealed (:class:`.sealed.SealedLayout`) when it
-    ends in :data:`SEALED`, else this module's."""
-    if identity.endswith(SEALED):
-        from saria.dataplane.cluster.sealed import SealedLayout
-        return SealedLayout(identity)
-    return Layout(identity)

@@ -38,7 +38,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from saria.dataplane.cluster.layout import MAGIC, Layout
+from saria.dataplane.cluster.layout import MAGIC, SEALED, Layout
 from saria.seal import NONCE_BYTES, PartContext, SealedPart, Sealer, Unauthentic
 
 VERSION = 2
@@ -158,3 +158,9 @@ class SealedLayout(Layout):
         if any(p[0] < 1 for p in parts) or sum(p[0] for p in parts) != length:
             raise Unauthentic("a sealed object's part lengths do not add up")
         return SealedMeta(length, write_id, parts)
+
+
+def layout_of(identity: str) -> Layout:
+    """The layout of a store's layout identity: sealed (:class:`SealedLayout`) when it ends in
+    :data:`~.layout.SEALED`, else the plain one (:class:`~.layout.Layout`)."""
+    return SealedLayout(identity) if identity.endswith(SEALED) else Layout(identity)

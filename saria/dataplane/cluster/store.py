@@ -37,7 +37,8 @@ from saria.dataplane.cluster.connection import Connection, import_store_class
 from saria.dataplane.cluster.counters import ClusterCounters
 from saria.dataplane.cluster.errors import ClusterClosed, ClusterOff
 from saria.dataplane.cluster.jobs import Batch, Watchdog, Workspace
-from saria.dataplane.cluster.layout import SEALED, layout_of
+from saria.dataplane.cluster.layout import SEALED
+from saria.dataplane.cluster.sealed import layout_of
 from saria.dataplane.cluster.memory import Registered, memory_ranges
 from saria.dataplane.cluster.sealed import TAG_BYTES
 from saria.dataplane.cluster.sealed_jobs import SealedBatch
