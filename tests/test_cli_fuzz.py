@@ -40,7 +40,17 @@ and engine runs are replaced by a sentinel, so only what it checks before starti
 ``cluster start`` start Mooncake's master and node (processes that run until stopped): the
 cluster it would build is replaced by the same sentinel, so its checks of ports, host, pool size
 and log directory are fuzzed (tests/test_cluster_command.py runs it for real). A subcommand with
-actions of its own is fuzzed per action (``cluster start``).
+actions of its own is fuzzed per action (``cluster start``, ``keys new``).
+
+``saria keys new/show/rotate/retire PATH`` are fuzzed on their key file: PATH is a valid key file
+(for ``keys new``: a fresh path), or replaced by any of the paths above, a key file that must be
+refused (mode 0644, a symlink to one, a FIFO, malformed JSON) or a junk string, which is always
+placed inside the example's temporary directory (a key file is never written anywhere else). On
+top of the contract: no run prints a key of any key file it saw (hex, or its first 8 bytes);
+``show`` leaves the file byte for byte; a run that succeeds leaves a key file that loads, mode 0400
+(``rotate``: one epoch more, the new one current, the others and the naming root kept;
+``retire``: one old epoch fewer, the rest kept; ``new``: epoch 1) and no ``.NAME.new`` beside it;
+a run that fails leaves the file as it was (and ``new`` creates nothing).
 
 Size: ``SARIA_FUZZ_EXAMPLES`` (default 100) scales every fuzz test's ``max_examples``
 (``SARIA_FUZZ_EXAMPLES=1000`` for a longer hunt).
@@ -253,6 +263,13 @@ def _validate(output: Output, stdout: str) -> str:
     path = Path(output.path)
     if not path.is_file():
         return f"{output.path} is not a file after a successful run"
+    if output.kind == "key":
+        from saria.seal import KeyFile, KeyFileError
+        try:
+            KeyFile.load(path)
+        except KeyFileError as exc:
+            return f"not a usable key file: {exc}"
+        return ""
     data = path.read_bytes()
     if output.kind == "png":
         return "" if data.startswith(PNG_HEAD) and data.endswith(PNG_TAIL) else "not a complete PNG"
@@ -645,6 +662,18 @@ def is_output(command: str, action: argparse.Action) -> bool:
     return action.dest in OUTPUT_KINDS and action.nargs != 0
 
 
+def output_kind(command: str, action: argparse.Action) -> str | None:
+    """What a run may leave at the path this option names (a key file for ``saria keys``), or None."""
+    if is_key_path(command, action):
+        return "key"
+    return OUTPUT_KINDS.get(action.dest) if is_output(command, action) else None
+
+
+def is_key_path(command: str, action: argparse.Action) -> bool:
+    """The key file of ``saria keys ACTION PATH``."""
+    return command.startswith("keys ") and action.dest == "path"
+
+
 # ---------------------------------------------------------------------------------------- values
 EDGE_NUMBERS = ["0", "1", "2", "-1", "0.5", "1e-300", "1e308", "1e400", "-1e400", "inf", "-inf", "nan", "NaN",
                 str(10**30), str(2**63), "99999999999999999999", "1e30", "-0", "1_000", "1,000", "0x10", " 3 ", "+2",
@@ -760,6 +789,47 @@ def materialize_path(kind: str, tmp: Path, out_kind: str | None, name: str) -> M
     return Materialized(str(path), Output(str(path), out_kind, before, special, existed) if out_kind else None)
 
 
+KEY_PATH_KINDS = ["key", "rotated-key", "key-0644", "key-symlink", "key-fifo", "key-malformed", "key-blocked-temp"]
+
+
+def make_key_file(path: Path, rotations: int = 0) -> Path:
+    from saria.seal import new_key_file, rotate_key_file
+
+    new_key_file(path)
+    for _ in range(rotations):
+        rotate_key_file(path)
+    return path
+
+
+def materialize_key_path(kind: str, tmp: Path, name: str) -> Materialized:
+    """A key file of ``kind`` (KEY_PATH_KINDS) in ``tmp``: valid (epoch 1; epochs 1 and 2), one that
+    must be refused, or a valid one that cannot be replaced (a directory where rotate and retire
+    write its new version)."""
+    path = tmp / f"{name}.key"
+    if kind == "key":
+        make_key_file(path)
+    elif kind == "rotated-key":
+        make_key_file(path, rotations=1)
+    elif kind == "key-0644":
+        make_key_file(path).chmod(0o644)
+    elif kind == "key-symlink":
+        make_key_file(tmp / f"{name}-target.key")
+        path.symlink_to(tmp / f"{name}-target.key")
+    elif kind == "key-fifo":
+        os.mkfifo(path, 0o400)
+    elif kind == "key-blocked-temp":  # a valid key file whose replacement (.NAME.new) cannot be written
+        make_key_file(path, rotations=1)
+        (tmp / f".{path.name}.new").mkdir()
+        (tmp / f".{path.name}.new" / "x").write_text("in the way\n")
+    elif kind == "key-malformed":
+        path.write_text('{"saria_keys": 1, "names": "00", "current": 1, "epochs": {}}\n')
+        path.chmod(0o400)
+    else:
+        raise AssertionError(kind)
+    before = path.read_bytes() if path.is_file() else None
+    return Materialized(str(path), Output(str(path), "key", before, existed=True))
+
+
 def materialize_trace(kind: str, tmp: Path) -> str:
     if kind in ("good", "unicode-good"):
         return str(write_lines(tmp / ("trace.jsonl" if kind == "good" else "трасса 💥.jsonl"), good_mooncake()))
@@ -819,6 +889,7 @@ VALID = {
     ("cluster start", "node_gb"): ["0.05", "4", "0.015625"], ("cluster start", "host"): ["127.0.0.1", "localhost"],
     ("cluster start", "rpc_port"): ["50051", "40001"], ("cluster start", "metrics_port"): ["9003", "40002"],
     ("cluster start", "node_port"): ["50052", "40003"],
+    ("keys retire", "epoch"): ["1", "2"],  # the baseline's key file: 1 retires, 2 is current (refused)
 }
 # Edge values that are valid but slow here (the roundtrip's Triton interpreter moves ~10 MB/s).
 SLOW = {("roundtrip", "chunks"): lambda v: 2 < (_int_or_none(v) or 0) < 10**4,
@@ -858,6 +929,12 @@ def baseline(command: str, tmp: Path) -> tuple[list[str], dict[str, list[str]]]:
         return ["/models/m"], {"--print-command": []}
     if command == "cluster start":  # stops where Mooncake would start (the sentinel in run_cli)
         return [], {"--node-gb": ["0.05"]}
+    if command == "keys new":
+        return [str(tmp / "new.key")], {}
+    if command in ("keys show", "keys rotate"):
+        return [str(make_key_file(tmp / "saria.key"))], {}
+    if command == "keys retire":  # epochs 1 and 2, 2 current
+        return [str(make_key_file(tmp / "saria.key", rotations=1))], {"--epoch": ["1"]}
     return [], {}  # a new command: its defaults
 
 
@@ -875,6 +952,8 @@ def value_strategy(command: str, action: argparse.Action):
     if dest in PATH_DESTS or (action.metavar in ("PATH", "DIR", "OUT")):
         kinds = TRACE_PATH_KINDS if dest == "trace" else PATH_KINDS
         pools += [st.sampled_from(kinds).map(PathValue)] * 4
+    if is_key_path(command, action):
+        pools += [st.sampled_from(KEY_PATH_KINDS).map(PathValue)] * 4
     if dest == "trace" and command != "demo":
         pools += [synth_specs()] * 3 + [st.just(SMALL_SPEC)]
     if dest in ("policy", "reference"):
@@ -887,8 +966,8 @@ def value_strategy(command: str, action: argparse.Action):
 @st.composite
 def fuzzed_options(draw, command: str, count) -> list[tuple[argparse.Action, object, bool]]:
     actions = options_of(command)
-    chosen = draw(st.lists(st.sampled_from(actions), min_size=count[0], max_size=count[1],
-                           unique_by=lambda a: a.dest))
+    chosen = draw(st.lists(st.sampled_from(actions), min_size=min(count[0], len(actions)),
+                           max_size=min(count[1], len(actions)), unique_by=lambda a: a.dest))
     return [(a, draw(value_strategy(command, a)), draw(st.booleans())) for a in chosen]
 
 
@@ -903,10 +982,14 @@ def build_argv(command: str, tmp: Path, fuzzed) -> tuple[list[str], list[Output]
     uses_synth_trace = False
     texts: dict[str, object] = {}
     for i, (action, value, equals) in enumerate(fuzzed):
-        out_kind = OUTPUT_KINDS.get(action.dest) if is_output(command, action) else None
+        out_kind = output_kind(command, action)
         if isinstance(value, PathValue):
             if action.dest == "trace":
                 text = materialize_trace(value.kind, tmp)
+            elif value.kind in KEY_PATH_KINDS:
+                made = materialize_key_path(value.kind, tmp, f"{action.dest}{i}")
+                text = made.text
+                outputs.append(made.output)
             else:
                 made = materialize_path(value.kind, tmp, out_kind, f"{action.dest}{i}")
                 text = made.text
@@ -924,6 +1007,8 @@ def build_argv(command: str, tmp: Path, fuzzed) -> tuple[list[str], list[Output]
         names += [*action.option_strings, action.dest, action.dest.replace("_", "-"), str(action.metavar or "")]
         if text is not None and len(str(text).strip()) >= 2:
             names.append(str(text).strip())
+            if not str(text).isprintable():  # quoted where it would break the error's one line
+                names.append(repr(str(text)))
         if action.dest in ("policy", "reference", "trace") and isinstance(text, str):
             # a spec's error may name the key at fault (Policy.theta_E must be from 1 to 1,000,000)
             keys = re.findall(r"[A-Za-z_][\w-]*(?==)", text)
@@ -954,6 +1039,10 @@ def build_argv(command: str, tmp: Path, fuzzed) -> tuple[list[str], list[Output]
         options.pop("--block-tokens", None)
     if command == "synth" and not any(a.dest == "out" for a, _, _ in fuzzed):
         outputs.append(Output(positionals[0], "jsonl"))
+    if command.startswith("keys ") and not any(a.dest == "path" for a, _, _ in fuzzed):
+        path = Path(positionals[0])
+        outputs.append(Output(str(path), "key", path.read_bytes() if path.exists() else None,
+                              existed=path.exists()))
     argv = command.split()
     for flag, values in options.items():
         argv += [flag, *values]
@@ -966,12 +1055,90 @@ def build_argv(command: str, tmp: Path, fuzzed) -> tuple[list[str], list[Output]
 def _fuzz_arguments(command: str, fuzzed, single: bool) -> None:
     with workdir() as tmp:
         argv, outputs, names = build_argv(command, tmp, fuzzed)
+        keys = [o for o in outputs if o.kind == "key"]
+        before = [_key_snapshot(o.path) for o in keys]
         run = run_cli(argv)
         check(run, outputs, names=names if single else ())
+        for output, old in zip(keys, before):
+            check_key_file(command, run, output, old, tmp)
 
 
-SINGLE_WEIGHT = {"replay": 300, "sweep": 200, "tune": 200, "synth": 250, "doctor": 30, "roundtrip": 8, "demo": 80}
-COMBO_WEIGHT = {"replay": 200, "sweep": 120, "tune": 120, "synth": 150, "doctor": 15, "roundtrip": 4, "demo": 50}
+def _key_snapshot(path: str):
+    """The key file at ``path`` as saria loads it, or None where it would be refused."""
+    from saria.seal import KeyFile, KeyFileError
+    try:
+        return KeyFile.load(path) if path else None
+    except KeyFileError:
+        return None
+
+
+def _secrets(keys) -> list[str]:
+    """Every key of a key file as it could be printed: hex (either case) and its first 8 bytes."""
+    found = []
+    for secret in (keys.names, *keys.epochs.values()):
+        found += [secret.hex(), secret.hex().upper(), secret[:8].hex(), secret[:8].hex().upper()]
+    return found
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # ENAMETOOLONG: Path.is_file lets it through
+        return False
+
+
+def check_key_file(command: str, run: Run, output: Output, old, tmp: Path) -> None:
+    """``saria keys``'s contract on its key file (``old``: the file as loaded before the run, or
+    None where it could not be): no key printed; ``show`` changes nothing; a success leaves the
+    file as ``new``/``rotate``/``retire`` promise, and no temporary file beside it."""
+    action = command.split()[1]
+    new = _key_snapshot(output.path) if run.code == 0 else None
+    printed = run.stdout + run.stderr
+    for keys in (old, new):
+        if keys is not None and any(secret in printed for secret in _secrets(keys)):
+            raise ContractViolation("key-printed", f"a key of {output.path} was printed\n{run.describe()}")
+    path = Path(output.path)
+    if action == "show" and output.before is not None and path.read_bytes() != output.before:
+        raise ContractViolation("show-changed", f"keys show changed {output.path}\n{run.describe()}")
+    if output.path and _is_file(path.with_name(f".{path.name}.new")):  # (a directory there: key-blocked-temp)
+        raise ContractViolation("key-temp-left", f"keys {action} left .{path.name}.new (keys) behind\n"
+                                                 f"{run.describe()}")
+    if run.code != 0:
+        return
+    if not path.resolve().is_relative_to(tmp.resolve()):
+        raise ContractViolation("key-outside", f"a key file was written outside the temporary folder\n"
+                                               f"{run.describe()}")
+    mode = path.stat().st_mode & 0o777
+    if mode != 0o400:
+        raise ContractViolation("key-mode", f"{output.path} has mode {mode:04o} after keys {action}\n"
+                                            f"{run.describe()}")
+    if new is None:
+        raise ContractViolation("key-unusable", f"{output.path} does not load after keys {action}\n"
+                                                f"{run.describe()}")
+    if action == "new":
+        ok = old is None and not output.existed and new.current == 1 and list(new.epochs) == [1]
+    elif action == "show":
+        ok = new == old
+    elif action == "rotate":
+        ok = (old is not None and new.names == old.names and new.current == max(old.epochs) + 1
+              and new.epochs == {**old.epochs, new.current: new.epochs[new.current]}
+              and new.epochs[new.current] not in old.epochs.values())
+    else:  # retire
+        gone = set(old.epochs) - set(new.epochs) if old is not None else set()
+        ok = (old is not None and new.names == old.names and new.current == old.current and len(gone) == 1
+              and old.current not in gone and new.epochs == {e: k for e, k in old.epochs.items() if e not in gone})
+    if not ok:
+        raise ContractViolation("key-contents", f"keys {action} left {output.path} with epochs "
+                                                f"{sorted(new.epochs)}, current {new.current} (before: {old!r})\n"
+                                                f"{run.describe()}")
+
+
+SINGLE_WEIGHT = {"replay": 300, "sweep": 200, "tune": 200, "synth": 250, "doctor": 30, "roundtrip": 8, "demo": 80,
+                 "keys new": 40, "keys show": 40, "keys rotate": 40, "keys retire": 40}
+COMBO_WEIGHT = {"replay": 200, "sweep": 120, "tune": 120, "synth": 150, "doctor": 15, "roundtrip": 4, "demo": 50,
+                "keys show": 20, "keys retire": 30}
+# commands with two or more options to combine (``keys new PATH`` and ``keys rotate PATH`` have one)
+COMBINED = [c for c in COMMANDS if len(options_of(c)) >= 2]
 
 
 def _arg_test(command: str, single: bool):
@@ -992,7 +1159,7 @@ def test_fuzz_one_argument(command):
     _arg_test(command, single=True)()
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", COMBINED)
 def test_fuzz_several_arguments(command):
     _arg_test(command, single=False)()
 
@@ -1263,6 +1430,11 @@ FOUND = [
     _found("replay-plot-no-extension", [*REPLAY, "--policy", "saria", "--plot", "TMP/no-extension"], ["--plot"], False),
     _found("replay-plot-bad-extension", [*REPLAY, "--policy", "saria", "--plot", "TMP/plot.5"], ["--plot"]),
     _found("replay-json-empty", [*REPLAY, "--policy", "saria", "--json", ""], ["--json"]),
+    # Path("") is the current folder: "key file . is not a regular file" named no argument
+    _found("keys-new-path-empty", ["keys", "new", ""], ["PATH"]),
+    _found("keys-show-path-empty", ["keys", "show", ""], ["PATH"]),
+    _found("keys-rotate-path-with-a-newline", ["keys", "rotate", "TMP/\n0"], ["\\n0'"]),
+    _found("keys-new-path-with-an-escape", ["keys", "new", "TMP/no/\x1b"], ["\\x1b'"]),
     _found("roundtrip-json-empty", ["roundtrip", "--chunk-tokens", "16", "--json", ""], ["--json"]),
     # no reloads (no DRAM), so no transfer times: null in the JSON, not NaN (which is not JSON)
     _found("sweep-json-nan", [*SWEEP, "--dram-tokens", "0", "--json", "TMP/s.json"], refused=False),
@@ -1287,6 +1459,23 @@ def test_found_by_fuzzing(tmp_path, argv, names, refused):
     check(run, outputs, names=names)
     if refused:
         assert run.code == 2, run.describe()
+
+
+@pytest.mark.parametrize("action", [["rotate"], ["retire", "--epoch", "1"]], ids=["rotate", "retire"])
+def test_keys_refuse_a_key_file_they_cannot_replace(tmp_path, action):
+    """A directory where ``rotate``/``retire`` write the key file's new version (found by the
+    fuzz: an IsADirectoryError escaped): one error line naming the file, which is left as it was."""
+    made = materialize_key_path("key-blocked-temp", tmp_path, "k")
+    old = _key_snapshot(made.text)
+    run = run_cli(["keys", action[0], made.text, *action[1:]])
+    check(run, [made.output], names=(made.text,))
+    assert run.code == 2 and "cannot replace key file" in run.stderr, run.describe()
+    check_key_file(f"keys {action[0]}", run, made.output, old, tmp_path)
+    shutil.rmtree(tmp_path / ".k.key.new")
+    run = run_cli(["keys", action[0], made.text, *action[1:]])  # once out of the way, it works
+    check(run, [Output(made.text, "key")])
+    assert run.code == 0, run.describe()
+    check_key_file(f"keys {action[0]}", run, made.output, old, tmp_path)
 
 
 # ================================================================================== harness sanity

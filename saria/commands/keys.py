@@ -112,6 +112,9 @@ def main(args: argparse.Namespace) -> int:
     from saria.seal import KeyFileError, new_key_file, retire_epoch, rotate_key_file
 
     name = f"saria keys {args.keys_command}"
+    if not args.path.strip():  # Path("") is the current directory: "key file . is not a regular file"
+        print(f"{name}: error: PATH (the key file) must not be empty", file=sys.stderr)
+        return 2
     try:
         if args.keys_command == "new":
             keys = new_key_file(args.path)

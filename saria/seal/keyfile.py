@@ -55,22 +55,23 @@ class KeyFile:
             # O_NONBLOCK: a FIFO at the path must be refused below, not block the open for a writer
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
-            raise KeyFileError(f"key file {path} does not exist (make one with: saria keys new {path})") from None
+            raise KeyFileError(f"key file {_shown(path)} does not exist "
+                               f"(make one with: saria keys new {_shown(path)})") from None
         except OSError as exc:
-            raise KeyFileError(f"key file {path} cannot be opened: {exc.strerror}") from None
+            raise KeyFileError(f"key file {_shown(path)} cannot be opened: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise KeyFileError(f"key file {path} is not a regular file")
+                raise KeyFileError(f"key file {_shown(path)} is not a regular file")
             if st.st_mode & 0o077:
-                raise KeyFileError(f"key file {path} has mode {stat.S_IMODE(st.st_mode):04o}: group and other "
-                                   f"must have no access (chmod 0400 {path})")
+                raise KeyFileError(f"key file {_shown(path)} has mode {stat.S_IMODE(st.st_mode):04o}: group and "
+                                   f"other must have no access (chmod 0400 {_shown(path)})")
             if st.st_size > MAX_FILE_BYTES:
-                raise KeyFileError(f"key file {path} is {st.st_size} bytes: not a saria key file")
+                raise KeyFileError(f"key file {_shown(path)} is {st.st_size} bytes: not a saria key file")
             data = os.read(fd, MAX_FILE_BYTES + 1)
         finally:
             os.close(fd)
-        return KeyFile.decode(data, str(path))
+        return KeyFile.decode(data, _shown(path))
 
     @staticmethod
     def decode(data: bytes, where: str = "key file") -> "KeyFile":
@@ -101,6 +102,13 @@ class KeyFile:
         return KeyFile(names, current, epochs)
 
 
+def _shown(path: str | os.PathLike) -> str:
+    """``path`` as a message shows it: quoted where it holds a newline or another character that
+    would break the message's one line."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
 def _secret(value, what: str, bad) -> bytes:
     if not isinstance(value, str) or len(value) != 2 * KEY_BYTES:
         raise bad(f"{what} is not {KEY_BYTES} bytes of hex")
@@ -127,14 +135,23 @@ def _write_new(path: Path, data: bytes) -> None:
 
 
 def _replace(path: Path, keys: KeyFile) -> None:
-    """Write ``keys`` to a new file beside ``path`` and rename it over ``path`` (atomic)."""
+    """Write ``keys`` to a new file beside ``path`` and rename it over ``path`` (atomic);
+    :class:`KeyFileError` if it cannot (the new file is then removed, ``path`` left as it was)."""
     tmp = path.with_name(f".{path.name}.new")
+    written = False
     try:
-        tmp.unlink()
-    except FileNotFoundError:
-        pass
-    _write_new(tmp, keys.encode())
-    os.replace(tmp, path)
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        _write_new(tmp, keys.encode())
+        written = True
+        os.replace(tmp, path)
+    except OSError as exc:
+        if written:
+            tmp.unlink(missing_ok=True)
+        raise KeyFileError(f"cannot replace key file {_shown(path)} (by way of {_shown(tmp.name)} beside it): "
+                           f"{exc.strerror}") from None
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -149,9 +166,9 @@ def new_key_file(path: str | os.PathLike) -> KeyFile:
     try:
         _write_new(path, keys.encode())
     except FileExistsError:
-        raise KeyFileError(f"{path} exists: saria keys new never overwrites a key file") from None
+        raise KeyFileError(f"{_shown(path)} exists: saria keys new never overwrites a key file") from None
     except OSError as exc:
-        raise KeyFileError(f"cannot write key file {path}: {exc.strerror}") from None
+        raise KeyFileError(f"cannot write key file {_shown(path)}: {exc.strerror}") from None
     return keys
 
 
@@ -162,7 +179,7 @@ def rotate_key_file(path: str | os.PathLike) -> KeyFile:
     keys = KeyFile.load(path)
     epoch = max(keys.epochs) + 1
     if epoch > MAX_EPOCH:
-        raise KeyFileError(f"key file {path} has used every epoch")
+        raise KeyFileError(f"key file {_shown(path)} has used every epoch")
     rotated = KeyFile(keys.names, epoch, {**keys.epochs, epoch: os.urandom(KEY_BYTES)})
     _replace(path, rotated)
     return rotated
@@ -174,9 +191,10 @@ def retire_epoch(path: str | os.PathLike, epoch: int) -> KeyFile:
     path = Path(path)
     keys = KeyFile.load(path)
     if epoch not in keys.epochs:
-        raise KeyFileError(f"key file {path} has no epoch {epoch} (it has {sorted(keys.epochs)})")
+        raise KeyFileError(f"key file {_shown(path)} has no epoch {epoch} (it has {sorted(keys.epochs)})")
     if epoch == keys.current:
-        raise KeyFileError(f"epoch {epoch} is the current epoch of {path}: rotate first (saria keys rotate {path})")
+        raise KeyFileError(f"epoch {epoch} is the current epoch of {_shown(path)}: rotate first "
+                           f"(saria keys rotate {_shown(path)})")
     retired = KeyFile(keys.names, keys.current, {e: k for e, k in keys.epochs.items() if e != epoch})
     _replace(path, retired)
     return retired
