@@ -38,7 +38,7 @@ def audit(tree: ContextTree, tiers: Residency, plans: Iterable, in_flight: Itera
     children: dict[int, int] = {}
     for key, node in tree.nodes.items():
         if node.key != key:
-            problems.append(f"{node!r} filed under {key!r}")
+            problems.append(f"{node!r} filed under another chunk hash")
         if node.parent is not None:
             if tree.nodes.get(node.parent.key) is not node.parent:
                 problems.append(f"{node!r}: parent {node.parent!r} is not in the tree")

@@ -5,6 +5,10 @@ Each check either returns the argument in the form the control plane works with 
 of a call before it changes anything, so a refused call leaves its state exactly as it was.
 The common arguments (a tuple of hashes, no failures) take a fast path: these run
 on every call of a serving engine's scheduler.
+
+No message shows a chunk hash: a vLLM block hash or a sealed chunk id is token-derived
+(docs/security.md). Messages name chunks and objects by their place in the call ("chunk 3",
+"failed entry 0") and by count; reprs show a bytes hash by its length only (:func:`chunk_repr`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import math
 import reprlib
 from collections import abc
-from typing import TYPE_CHECKING, Hashable, Iterable
+from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 from saria.orders import KV, STATE, ControlPlaneError, ObjectKey
 
@@ -20,7 +24,7 @@ if TYPE_CHECKING:
     from saria.control.tree import CacheObject
 
 __all__ = ["check_hashes", "check_id", "check_key", "check_max_bytes", "check_names", "check_now", "check_ok",
-           "check_recovered", "check_states", "objects_named", "short"]
+           "brief_index", "check_recovered", "check_states", "chunk_repr", "first_difference", "objects_named"]
 
 
 def check_now(now: object, latest: float) -> float:
@@ -61,7 +65,7 @@ def check_key(key: object) -> Hashable:
     try:
         hash(key)
     except TypeError:
-        raise ControlPlaneError(f"a chunk hash must be hashable, got {type(key).__name__} {_brief(key)}") from None
+        raise ControlPlaneError(f"a chunk hash must be hashable, got a {type(key).__name__}") from None
     return key  # type: ignore[return-value]
 
 
@@ -72,13 +76,14 @@ def check_names(failed: object) -> tuple:
         return ()
     if isinstance(failed, (str, bytes)) or not isinstance(failed, abc.Iterable):
         raise ControlPlaneError(f"failed must be a list of chunk hashes or ObjectKeys (empty: none failed), "
-                                f"got {type(failed).__name__} {_brief(failed)}")
+                                f"got a {type(failed).__name__}")  # not its value: a bytes one is a chunk hash
     names = tuple(failed)
-    for name in names:
+    for n, name in enumerate(names):
         try:
             hash(name)
         except TypeError:
-            raise ControlPlaneError(f"failed entries must be chunk hashes or ObjectKeys, got {_brief(name)}") from None
+            raise ControlPlaneError(f"failed entries must be chunk hashes or ObjectKeys: entry {n} is an "
+                                    f"unhashable {type(name).__name__}") from None
     return names
 
 
@@ -92,7 +97,7 @@ def check_states(states: object, chunks: int) -> frozenset[int] | None:
     items = list(states)
     bad = [i for i in items if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < chunks]
     if bad:
-        raise ControlPlaneError(f"states names {', '.join(map(_brief, bad[:6]))}: not chunk indices (ints) or "
+        raise ControlPlaneError(f"states names {', '.join(map(brief_index, bad[:6]))}: not chunk indices (ints) or "
                                 f"outside the {chunks} committed chunks")
     return frozenset(items)
 
@@ -105,15 +110,22 @@ def objects_named(objects: Iterable[CacheObject], names: tuple, what: str) -> se
     for obj in objects:
         by_chunk.setdefault(obj.node.key, []).append(obj)
     out: set[CacheObject] = set()
-    for name in names:
+    for n, name in enumerate(names):
         if isinstance(name, ObjectKey):
             match = [obj for obj in by_chunk.get(name.chunk, ()) if obj.kind == name.kind]
         else:
             match = by_chunk.get(name, [])
         if not match:
-            raise ControlPlaneError(f"{name!r} is not among the objects {what}")
+            named = f"an ObjectKey of a {name.kind} object" if isinstance(name, ObjectKey) else "a chunk hash"
+            raise ControlPlaneError(f"failed entry {n} ({named}) is not among the objects {what}")
         out.update(match)
     return out
+
+
+def brief_index(value: object) -> str:
+    """A value given as a chunk index, for a message: a number as itself (cut to a readable length),
+    anything else by its type only (it may be a chunk hash given in an index's place)."""
+    return _brief(value) if isinstance(value, (int, float)) else f"a {type(value).__name__}"
 
 
 def _brief(value: object) -> str:
@@ -121,9 +133,15 @@ def _brief(value: object) -> str:
     return reprlib.repr(value)
 
 
-def short(hashes: tuple, limit: int = 6) -> str:
-    """Hashes for an error message, the first ``limit`` of them."""
-    return repr(list(hashes)) if len(hashes) <= limit else f"[{', '.join(map(repr, hashes[:limit]))}, ...]"
+def chunk_repr(chunk: Hashable) -> str:
+    """A chunk hash as a ``repr`` shows it: a bytes one (a vLLM block hash, a sealed chunk id) by its
+    length only, as :class:`~saria.orders.ObjectKey`'s does; others (a trace's int block ids) as is."""
+    return f"<{len(chunk)} bytes>" if isinstance(chunk, (bytes, bytearray)) else repr(chunk)
+
+
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter one's length if one begins the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def check_recovered(keys: object) -> list[ObjectKey]:
@@ -131,9 +149,9 @@ def check_recovered(keys: object) -> list[ObjectKey]:
     if isinstance(keys, (str, bytes, ObjectKey)) or not isinstance(keys, abc.Iterable):
         raise ControlPlaneError(f"keys must be a list of ObjectKeys, got {type(keys).__name__}")
     keys = list(keys)
-    for key in keys:
+    for n, key in enumerate(keys):
         if not isinstance(key, ObjectKey):
-            raise ControlPlaneError(f"recover_ssd takes ObjectKeys, got {type(key).__name__} {short([key])}")
+            raise ControlPlaneError(f"recover_ssd takes ObjectKeys, got a {type(key).__name__} (entry {n})")
         check_key(key.chunk)
         if key.kind not in (KV, STATE):  # ObjectKey checks its kind, unless it was got around
             raise ControlPlaneError(f"ObjectKey.kind must be 'kv' or 'state', got {key.kind!r}")

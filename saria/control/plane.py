@@ -19,8 +19,8 @@ from saria.config import SariaConfig
 from saria.control.accounting import count_request
 from saria.control.admission import Admission, FutureUses
 from saria.control.audit import audit
-from saria.control.checks import (check_hashes, check_id, check_key, check_max_bytes, check_names, check_now, check_ok,
-                                  check_recovered, check_states, objects_named, short)
+from saria.control.checks import (brief_index, check_hashes, check_id, check_key, check_max_bytes, check_names,
+                                  check_now, check_ok, check_recovered, check_states, first_difference, objects_named)
 from saria.control.counters import Counters
 from saria.control.emission import OrderEmitter
 from saria.control.governor import EnduranceGovernor
@@ -134,7 +134,7 @@ class ControlPlane:
             whole = record.plan
             if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < max(1, whole.num_chunks):
                 raise ControlPlaneError(f"first must be a chunk index of plan {whole.plan_id} "
-                                        f"(0 to {max(0, whole.num_chunks - 1)}), got {first!r}")
+                                        f"(0 to {max(0, whole.num_chunks - 1)}), got {brief_index(first)}")
             if first == 0:
                 return whole
             return reload_plan(whole.plan_id, whole.chunk_hashes[first:], whole.kv_sources[first:], record.state,
@@ -174,11 +174,12 @@ class ControlPlane:
             failed = check_names(failed)
             record = None if plan is None else self._plans.live(plan)
             if record is None and failed:
-                raise ControlPlaneError(f"failed names reads {short(failed)}, but no plan is committed")
+                raise ControlPlaneError(f"failed names {len(failed)} read(s), but no plan is committed")
             planned = 0 if record is None else len(record.plan.chunk_hashes)
             if planned and hashes[:planned] != record.plan.chunk_hashes:
-                raise ControlPlaneError(f"plan {record.plan.plan_id} covers chunks {short(record.plan.chunk_hashes)} "
-                                        f"which do not begin the committed chunk hashes {short(hashes)}")
+                differ = first_difference(record.plan.chunk_hashes, hashes)
+                raise ControlPlaneError(f"plan {record.plan.plan_id} covers {planned} chunks which do not begin the "
+                                        f"committed chunk hashes ({len(hashes)}; they differ from chunk {differ} on)")
             bad, first_bad = (set(), planned) if record is None else record.read_failures(failed)
             if record is not None and record.generation == self._tree.generation and record.hashes == hashes:
                 nodes = record.nodes.copy()  # resolved by plan() and the tree has not changed since

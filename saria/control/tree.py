@@ -29,6 +29,7 @@ from collections import deque
 from typing import Hashable, Sequence
 
 from saria.config import ChunkSpec
+from saria.control.checks import chunk_repr
 from saria.control.counters import Counters
 from saria.orders import KV, STATE, ControlPlaneError
 from saria.sizing import TierSizing
@@ -99,8 +100,8 @@ class CacheObject:
         return self.node.key
 
     def __repr__(self) -> str:
-        return (f"<{self.kind} of {self.node.key!r}: dram {STATUS_NAMES[self.dram]} ssd {STATUS_NAMES[self.ssd]} "
-                f"pins {self.dram_pins}/{self.ssd_pins}>")
+        return (f"<{self.kind} of {chunk_repr(self.node.key)}: dram {STATUS_NAMES[self.dram]} "
+                f"ssd {STATUS_NAMES[self.ssd]} pins {self.dram_pins}/{self.ssd_pins}>")
 
 
 class Node(CacheObject):
@@ -168,7 +169,7 @@ class Node(CacheObject):
                 and (state is None or (state.dram == ABSENT and state.ssd == ABSENT)))
 
     def __repr__(self) -> str:
-        return (f"<Node {self.key!r} depth {self.depth} E_b {self.E_b} R_b {self.R_b}: kv dram "
+        return (f"<Node {chunk_repr(self.key)} depth {self.depth} E_b {self.E_b} R_b {self.R_b}: kv dram "
                 f"{STATUS_NAMES[self.dram]} ssd {STATUS_NAMES[self.ssd]} pins {self.dram_pins}/{self.ssd_pins}>")
 
 
@@ -224,30 +225,29 @@ class ContextTree:
                 unknown = hashes[i:]
                 if not self.nodes.keys().isdisjoint(unknown):
                     j = next(j for j in range(i + 1, len(hashes)) if hashes[j] in self.nodes)
-                    self._contradiction(hashes, j, self.nodes[hashes[j]], None, i)
+                    self._contradiction(j, self.nodes[hashes[j]], None, i)
                 if len(set(unknown)) != len(unknown):
-                    seen: set = set()
-                    repeat = next(h for h in unknown if h in seen or seen.add(h))
-                    raise ControlPlaneError(f"chunk hash {repeat!r} appears twice in one request; "
+                    first: dict = {}
+                    j = next(j for j in range(i, len(hashes)) if first.setdefault(hashes[j], j) != j)
+                    raise ControlPlaneError(f"chunk {j} repeats the hash of chunk {first[hashes[j]]} in one request; "
                                             f"prefix-chained hashes never repeat")
                 out += [None] * len(unknown)
                 break
             if node.parent is not prev:
-                self._contradiction(hashes, i, node, prev, -1)
+                self._contradiction(i, node, prev, -1)
             append(node)
             prev = node
         return out
 
-    def _contradiction(self, hashes: Sequence[Hashable], i: int, node: Node, prev: Node | None,
-                       unknown_from: int) -> None:
+    def _contradiction(self, i: int, node: Node, prev: Node | None, unknown_from: int) -> None:
+        # by place only: a chunk hash is token-derived (docs/security.md)
         if unknown_from >= 0:
-            where = f"after chunk {unknown_from} ({hashes[unknown_from]!r}) which the tree does not know"
+            where = f"after chunk {unknown_from}, which the tree does not know"
         else:
-            where = "at the root" if prev is None else f"under {prev.key!r}"
-        known = "at the root" if node.parent is None else f"under {node.parent.key!r}"
-        raise ControlPlaneError(f"chunk hash sequence contradicts the context tree: chunk {i} ({hashes[i]!r}) "
-                                f"comes {where}, but the tree has it {known} (depth {node.depth}); chunk hashes "
-                                f"must be prefix-chained")
+            where = "at the root" if prev is None else f"under chunk {i - 1}"
+        known = "at the root" if node.parent is None else "under another chunk"
+        raise ControlPlaneError(f"chunk hash sequence contradicts the context tree: chunk {i} comes {where}, but "
+                                f"the tree has it {known} (depth {node.depth}); chunk hashes must be prefix-chained")
 
     # --------------------------------------------------------------------------------- mutations
     def extend(self, keys: Sequence[Hashable], parent: Node | None, now: float) -> list[Node]:

@@ -68,8 +68,9 @@ class Batch:
         self.timed_out = False
 
     def name(self, i: int) -> str:
-        """How messages name object ``i`` (a sealed batch names no key: it holds a chunk id)."""
-        return self.keys[i].hex()
+        """How messages name object ``i``: by its place in the batch, never by its key (it holds a
+        chunk hash, or a sealed batch's chunk id)."""
+        return f"object {i} of the batch"
 
     def settle(self, i: int, result: Any = None, miss: ClusterMiss | None = None) -> bool:
         """Resolve object ``i`` unless the deadline did; whether this call did."""
@@ -202,25 +203,25 @@ class Batch:
         metas: dict[int, Meta] = {}
         failed: dict[int, ClusterMiss] = {}  # settled last, after the objects found wrong are dropped
         for i, code in enumerate(codes):
-            key = self.name(i)
+            name = self.name(i)
             if code == OBJECT_NOT_FOUND:
-                failed[i] = ObjectAbsent(f"no object {key} in the cluster", code)
+                failed[i] = ObjectAbsent(f"{name} is not in the cluster", code)
             elif code == msizes[i]:
                 try:
                     meta = layout.decode(self.keys[i], arena[offsets[i]:offsets[i + 1]].numpy().tobytes())
                 except ValueError as exc:
-                    failed[i] = ObjectCorrupt(f"object {key} in the cluster: {exc}", code)
+                    failed[i] = ObjectCorrupt(f"{name} in the cluster: {exc}", code)
                     continue
                 if [n for n, _ in meta.parts] != [v.numel() for v in self.views[i]]:
-                    failed[i] = ObjectCorrupt(f"object {key} in the cluster: its part lengths are not "
+                    failed[i] = ObjectCorrupt(f"{name} in the cluster: its part lengths are not "
                                               "its destination's", code)
                 else:
                     metas[i] = meta
             elif code == BUFFER_OVERFLOW or code >= 0:
-                failed[i] = ObjectCorrupt(f"object {key} in the cluster: its metadata is not the size its "
+                failed[i] = ObjectCorrupt(f"{name} in the cluster: its metadata is not the size its "
                                           f"destination implies ({code})", code)
             else:
-                failed[i] = ClusterMiss(f"Mooncake get of {key}'s metadata failed", code)
+                failed[i] = ClusterMiss(f"Mooncake get of the metadata of {name} failed", code)
         verifying = []
         for group in self._groups(metas):
             keys, ptrs, sizes, where = [], [], [], []
@@ -236,14 +237,14 @@ class Batch:
             for (i, j), code, size in zip(where, codes, sizes):
                 if i in failed or code == size:
                     continue
-                key = self.name(i)
+                name = self.name(i)
                 if code == OBJECT_NOT_FOUND:
-                    failed[i] = ObjectAbsent(f"part {j} of {key} is gone from the cluster (evicted)", code)
+                    failed[i] = ObjectAbsent(f"part {j} of {name} is gone from the cluster (evicted)", code)
                 elif code == BUFFER_OVERFLOW or code >= 0:
-                    failed[i] = ObjectCorrupt(f"part {j} of {key} has the wrong size ({code}, expected {size})",
+                    failed[i] = ObjectCorrupt(f"part {j} of {name} has the wrong size ({code}, expected {size})",
                                               code)
                 else:
-                    failed[i] = ClusterMiss(f"Mooncake get of part {j} of {key} failed", code)
+                    failed[i] = ClusterMiss(f"Mooncake get of part {j} of {name} failed", code)
             arrived = [i for i in group if i not in failed]
             verifying.append(store._verifier.submit(self._verify, arrived, metas))
         for f in verifying:

@@ -47,7 +47,7 @@ class SealedBatch(Batch):
     """A batch of a sealed store (module docstring)."""
 
     def name(self, i: int) -> str:
-        return f"sealed object #{i} of the batch"
+        return f"sealed object {i} of the batch"
 
     def _runs(self, parts: list[tuple[int, int]], workspace: Workspace) -> list[Run]:
         """``parts`` packed, in order, into runs that each fill one ciphertext buffer."""

@@ -33,7 +33,7 @@ class IndexEntry:
 @dataclass(frozen=True, repr=False)
 class ObjectInfo:
     """A committed object: ``length`` bytes in ``parts`` (part ``i`` is bytes ``[i*part_bytes, ...)``).
-    ``repr`` leaves a sealed object's key out (it holds a chunk id)."""
+    ``repr`` leaves the key out (it holds a chunk hash, or a sealed object's chunk id): its length only."""
 
     key: bytes
     length: int
@@ -41,7 +41,7 @@ class ObjectInfo:
     parts: tuple[PartLocation, ...]
 
     def __repr__(self) -> str:
-        key = "<sealed>" if any(p.seal is not None for p in self.parts) else repr(self.key)
+        key = "<sealed>" if any(p.seal is not None for p in self.parts) else f"<{len(self.key)} bytes>"
         return f"ObjectInfo(key={key}, length={self.length}, generation={self.generation}, parts={self.parts!r})"
 
 

@@ -45,6 +45,7 @@ from saria.dataplane.ssd.files import DriveFile, IoOps
 from saria.dataplane.ssd.format import EMPTY_HEADER
 from saria.dataplane.ssd.index import IndexEntry, ObjectInfo, PartLocation
 from saria.dataplane.ssd.jobs import ReadJob, WorkerStreams, WriteJob, ready_events
+from saria.dataplane.ssd.keys import describe_key
 from saria.dataplane.ssd.memory import Claim, MemoryInUse, WritableProbe
 from saria.dataplane.ssd.sealing import SealedParts
 from saria.dataplane.ssd.startup import Startup
@@ -386,12 +387,12 @@ class SSDStore:
                 f.close()
 
     def _name(self, key: bytes) -> str:
-        """How messages name the object under ``key``: never by its key in a sealed store."""
-        return "sealed object (its name is not shown)" if self._sealing is not None else f"object {key.hex()}"
+        """How messages name the object under ``key``: its kind and key length, never the key (it
+        holds a chunk hash or a chunk id)."""
+        return f"sealed {describe_key(key)}" if self._sealing is not None else describe_key(key)
 
     def _not_found(self, key: bytes) -> ObjectNotFound:
-        return ObjectNotFound("no sealed object under that key" if self._sealing is not None
-                              else f"no object under key {key.hex()}")
+        return ObjectNotFound(f"no object under that key ({len(key)} bytes)")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -168,7 +168,8 @@ class TransferEngine:
         fp8 = self._tables.quantized(KV)
         for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
             quantized = fp8 and tier is Tier.SSD  # arrives in its FP8 form, dequantized by the unpack
-            items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, self._tables.ids(KV, chunk, blocks),
+            ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
+            items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, ids,
                                    self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
         if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
             raise ValueError(f"skip_pages must be in [0, {self.pages_per_chunk}) and needs a chunk, got {skip_pages}")
@@ -178,7 +179,8 @@ class TransferEngine:
             index = plan.chunk_hashes.index(plan.state_chunk)
             table, _, nbytes = self._tables.table(STATE)
             items.append(LoadItem(index, ObjectKey(plan.state_chunk, STATE), plan.state_source, table,
-                                   self._tables.ids(STATE, plan.state_chunk, state_blocks), nbytes))
+                                   self._tables.ids(STATE, f"the state object of chunk {index} of plan {plan.plan_id}",
+                                                    state_blocks), nbytes))
         if any(i.tier is Tier.SSD for i in items) and self.ssd is None:
             raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
         # The unpacks follow the caller's queued work (pages freed by a step still running may be
@@ -233,7 +235,7 @@ class TransferEngine:
             raise ValueError("capture_state needs a state_table: this engine has none (not a hybrid model)")
         if isinstance(blocks, int) and not isinstance(blocks, bool):
             blocks = [blocks]
-        return self._packer.capture(self._tables.ids(STATE, "(captured)", blocks))
+        return self._packer.capture(self._tables.ids(STATE, "the captured state object", blocks))
 
     def write(self, order: WriteOrder, kv_blocks: Mapping[Hashable, Blocks] | None = None,
               state_blocks: Mapping[Hashable, Blocks] | None = None,

@@ -67,7 +67,7 @@ class Packer:
         set, or neither when the caller has no copy of a prepacked-only object (it then fails)."""
         out = []
         for kind, chunks, blocks in ((KV, order.kv, kv_blocks), (STATE, order.state, state_blocks)):
-            for chunk in chunks:
+            for n, chunk in enumerate(chunks):
                 key = ObjectKey(chunk, kind)
                 staging = prepacked.get(key)
                 if staging is not None:
@@ -77,7 +77,8 @@ class Packer:
                         raise ValueError(f"prepacked {key} must be {nbytes} uint8 bytes on {self.device}")
                     out.append((key, None, staging.reshape(-1)))
                 elif chunk in blocks or not prepacked:
-                    out.append((key, self.tables.ids(kind, chunk, blocks.get(chunk)), None))
+                    what = f"{kind} object {n} of order {order.order_id}"  # by place: never its chunk hash
+                    out.append((key, self.tables.ids(kind, what, blocks.get(chunk)), None))
                 else:
                     out.append((key, None, None))
         return out

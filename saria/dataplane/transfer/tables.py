@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -61,26 +61,26 @@ class Tables:
         """Bytes of one object of ``kind`` on SSD."""
         return self.kv_ssd_bytes if kind == KV else self.table(kind)[2]
 
-    def ids(self, kind: str, chunk: Hashable, blocks: Blocks | None) -> BlockIds:
+    def ids(self, kind: str, what: str, blocks: Blocks | None) -> BlockIds:
         """An object's block ids, checked once here for every kernel that will use them
         (:class:`~saria.kernels.BlockIds`); ``ValueError`` if they are missing, not integers, the
-        wrong number, or outside the table."""
+        wrong number, or outside the table. ``what``: the object as the message names it, by its
+        place (``"the kv object of chunk 3 of plan 7"``), never by its chunk hash (token-derived)."""
         table, pages, _ = self.table(kind)
         if blocks is None:
-            raise ValueError(f"no block ids given for the {kind} object of chunk {chunk!r}")
+            raise ValueError(f"no block ids given for {what}")
         try:
             ids = blocks if isinstance(blocks, torch.Tensor) else torch.tensor(list(blocks), dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-            raise ValueError(f"the block ids of the {kind} object of chunk {chunk!r} are not integers: {exc}") from None
+            raise ValueError(f"the block ids of {what} are not integers: {exc}") from None
         if ids.dim() != 1 or ids.numel() != pages:
-            raise ValueError(f"the {kind} object of chunk {chunk!r} needs {pages} block ids, got {tuple(ids.shape)}")
+            raise ValueError(f"{what} needs {pages} block ids, got {tuple(ids.shape)}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"the block ids of the {kind} object of chunk {chunk!r} must be integers, got {ids.dtype}")
+            raise ValueError(f"the block ids of {what} must be integers, got {ids.dtype}")
         try:
             return check_block_ids(table, ids.cpu())
         except IndexError:
-            raise ValueError(f"the {kind} object of chunk {chunk!r} names block ids {ids.tolist()} outside "
-                             f"[0, {table.num_pages})") from None
+            raise ValueError(f"{what} names block ids {ids.tolist()} outside [0, {table.num_pages})") from None
 
 
 def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
