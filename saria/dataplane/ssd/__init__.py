@@ -4,7 +4,8 @@ read and found again after a restart (design, format and guarantees: docs/ssd.md
 One job per module:
 
 * ``store``: :class:`SSDStore`, the object I/O API (write, read, read_many, delete, info, ...).
-* ``jobs``: one object's write or read in flight on the store's worker pools.
+* ``jobs``: one object's write or read in flight on the store's worker pools; ``reads``: the read
+  path's store side (a read checked and its object pinned, its parts queued; ``read_many``).
 * ``startup``: opening the drives (locks, files, sizing) and recovering the index from the headers,
   wiping files that are not the store's to serve.
 * ``lost``: taking a drive whose file was deleted or replaced out of service.

@@ -11,9 +11,10 @@ drives, backends, durability) is in docs/ssd.md. In short, for a reader of this 
   part, writes the payloads, syncs, writes the committed headers (the commit marker), syncs, and
   publishes the object in the index (:meth:`SSDStore._finish_write`). A failure erases what was
   written and frees the slots: nothing of it is served.
-* A read (:class:`~saria.dataplane.ssd.jobs.ReadJob`, on the reader pool) pins the object (a delete
-  or overwrite frees its slots only when the last read ends), reads each part into its destination
-  and checks its checksum there; evidence against the stored copy drops the object.
+* A read (checked and started by ``reads``; :class:`~saria.dataplane.ssd.jobs.ReadJob` on the reader
+  pool) pins the object (a delete or overwrite frees its slots only when the last read ends), reads
+  each part into its destination and checks its checksum there; evidence against the stored copy
+  drops the object.
 * Misuse of caller memory is refused before any I/O (``checks``, ``memory``) and drops nothing.
 * Start-up (locking, opening, scanning, recovery, wiping, sizing) is in ``startup``; drives whose
   file is deleted or replaced while open are taken out of service by ``lost``.
@@ -36,15 +37,15 @@ from typing import Any
 
 import torch
 
-from saria.dataplane.ssd import lost
+from saria.dataplane.ssd import lost, reads
 from saria.dataplane.ssd.backends import PayloadIO, open_payload_io
-from saria.dataplane.ssd.checks import check_checksums, check_key, check_options, read_targets, split
+from saria.dataplane.ssd.checks import check_checksums, check_key, check_options, split
 from saria.dataplane.ssd.counters import SSDCounters
 from saria.dataplane.ssd.errors import ObjectNotFound, StoreClosed, StoreConfigError, StoreFull
 from saria.dataplane.ssd.files import DriveFile, IoOps
 from saria.dataplane.ssd.format import EMPTY_HEADER
 from saria.dataplane.ssd.index import IndexEntry, ObjectInfo, PartLocation
-from saria.dataplane.ssd.jobs import ReadJob, WorkerStreams, WriteJob, ready_events
+from saria.dataplane.ssd.jobs import WorkerStreams, WriteJob, ready_events
 from saria.dataplane.ssd.keys import describe_key
 from saria.dataplane.ssd.memory import Claim, MemoryInUse, WritableProbe
 from saria.dataplane.ssd.sealing import SealedParts
@@ -280,9 +281,8 @@ class SSDStore:
         read), and the object is then dropped; or with ``ValueError`` (the object kept) when the
         kernel finds a destination page read-only (EFAULT) that the up-front probe missed.
         """
-        job = self._start_read(key, out)
-        for i in range(len(job.dests)):
-            self._readers.submit(job.read_part, i)
+        job = reads.start_read(self, key, out)
+        reads.submit(self, job)
         return job.future
 
     def read_many(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | Sequence[torch.Tensor]]
@@ -292,46 +292,7 @@ class SSDStore:
         first objects complete first). Returns, per object, its Future, or the exception ``read``
         would have raised for it (that object is not read; the others are). Same contract as
         :meth:`read` otherwise; ``StoreClosed`` is raised, not returned."""
-        if len(keys) != len(outs):
-            raise ValueError(f"{len(keys)} keys but {len(outs)} destinations")
-        jobs: list[ReadJob | BaseException] = []
-        for key, out in zip(keys, outs):
-            try:
-                jobs.append(self._start_read(key, out))
-            except StoreClosed:
-                for job in jobs:
-                    if isinstance(job, ReadJob):
-                        self._end_read(job.entry, job.claim)
-                raise
-            except Exception as exc:
-                jobs.append(exc)
-        for job in jobs:
-            if isinstance(job, ReadJob):
-                for i in range(len(job.dests)):
-                    self._readers.submit(job.read_part, i)
-        return [job.future if isinstance(job, ReadJob) else job for job in jobs]
-
-    def _start_read(self, key: bytes, out: Any) -> ReadJob:
-        """Check a read and pin its object; the returned job's parts are not submitted yet."""
-        check_key(key)
-        with self._lock:
-            self._check_open()
-            entry = self._index.get(key)
-            if entry is None:
-                raise self._not_found(key)
-            targets = read_targets(entry.info, out, self._geometry.part_bytes)
-            claim = self._memory.claim(f"the read of {self._name(key)}", True, targets)
-            entry.pins += 1
-        try:
-            for name, dest in targets:
-                if dest.device.type == "cpu" and not self._probe.writable(dest):
-                    raise ValueError(f"{name} is read-only memory (e.g. torch.frombuffer over a read-only "
-                                     "buffer or mapping): a read needs writable destinations; nothing was read")
-        except BaseException:
-            self._end_read(entry, claim)
-            raise
-        dests = [dest for _, dest in targets]
-        return ReadJob(self, entry, dests, claim, ready_events(dests))
+        return reads.read_many(self, keys, outs)
 
     def delete(self, key: bytes) -> bool:
         """Remove ``key`` (and void writes of it still in flight). ``True`` if there was anything.
