@@ -253,8 +253,16 @@ class Batch:
             if self.timed_out:
                 return
         store._counters.add(get_seconds=time.perf_counter() - t0)
-        drop = [i for i, miss in failed.items() if isinstance(miss, ObjectCorrupt)
-                or (isinstance(miss, ObjectAbsent) and i in metas)]
+        self._finish_get(client, failed, metas)
+
+    def _evidence(self, miss: ClusterMiss) -> bool:
+        """Whether ``miss`` is evidence against the stored copy (which is then dropped)."""
+        return isinstance(miss, ObjectCorrupt)
+
+    def _finish_get(self, client: Any, failed: dict[int, ClusterMiss], metas: dict) -> None:
+        """Drop the objects the get found evidence against, then settle every object's Future."""
+        store = self.store
+        drop = [i for i, miss in failed.items() if self._evidence(miss) or (isinstance(miss, ObjectAbsent) and i in metas)]
         if drop:  # evidence against the stored copy: gone before the caller hears of the miss
             queries.drop(store, client, [(self.keys[i], metas.get(i)) for i in drop])
         for i in range(len(self.keys)):

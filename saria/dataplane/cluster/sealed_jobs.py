@@ -33,7 +33,6 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from saria.dataplane.cluster import queries
 from saria.dataplane.cluster.errors import (ClusterMiss, ClusterOff, ClusterWriteError, ObjectAbsent, ObjectCorrupt,
                                             ObjectUnauthentic, ObjectUnknownEpoch)
 from saria.dataplane.cluster.jobs import BUFFER_OVERFLOW, OBJECT_NOT_FOUND, Batch, Workspace
@@ -284,13 +283,10 @@ class SealedBatch(Batch):
             if i in metas:  # its other parts may hold plaintext: a miss leaves no bytes of the object
                 for v in self.views[i]:
                     v.zero_()
-        drop = [i for i, miss in failed.items() if isinstance(miss, (ObjectCorrupt, ObjectUnauthentic))
-                or (isinstance(miss, ObjectUnknownEpoch) and miss.retired)
-                or (isinstance(miss, ObjectAbsent) and i in metas)]
-        if drop:  # evidence against the stored copy: gone before the caller hears of the miss
-            queries.drop(store, client, [(self.keys[i], metas.get(i)) for i in drop])
-        for i in range(len(self.keys)):
-            if i in failed:
-                self.settle(i, miss=failed[i])
-            elif self.settle(i, metas[i].length):
-                store._counters.add(gets=1, get_bytes=metas[i].length)
+        self._finish_get(client, failed, metas)
+
+    def _evidence(self, miss: ClusterMiss) -> bool:
+        """A failed tag is evidence; so is a retired epoch (never readable again); a newer epoch is
+        left for the servers that hold it."""
+        return isinstance(miss, (ObjectCorrupt, ObjectUnauthentic)) or (isinstance(miss, ObjectUnknownEpoch)
+                                                                        and miss.retired)
