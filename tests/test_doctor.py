@@ -120,7 +120,7 @@ def test_doctor_finds_a_running_cluster_usable(cluster):
     assert report["client"]["ok"] and "answered a batch_is_exist probe" in report["client"]["reason"]
     text = doctor.render(full)
     assert re.search(rf"^cluster master +{cluster.master}: accepts TCP connections$", text, re.MULTILINE), text
-    assert re.search(rf"^cluster +usable: saria serve --cluster {cluster.master}$", text, re.MULTILINE), text
+    assert re.search(rf"^cluster +usable: saria serve --secret-file KEY_FILE --cluster {cluster.master}$", text, re.MULTILINE), text
 
 
 def test_doctor_cli_reports_the_cluster_in_text_and_json(cluster):

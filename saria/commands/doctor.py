@@ -284,7 +284,8 @@ def _cluster_rows(cluster: dict[str, Any]) -> list[tuple[str, str]]:
                     + (f"{' and '.join(binaries)} found" if binaries else "no mooncake_master / mooncake_client found"))
     else:
         mooncake = f"{mc['reason']}: {mc['install']}"  # e.g. Mooncake Store is not installed: pip install ...
-    verdict = f"usable: saria serve --cluster {cluster['master']}" if cluster["ok"] else "not usable (see above)"
+    verdict = (f"usable: saria serve --secret-file KEY_FILE --cluster {cluster['master']}" if cluster["ok"]
+               else "not usable (see above)")
     return [("mooncake", mooncake), ("cluster master", f"{cluster['master']}: {port['reason']}"),
             ("cluster client", client["reason"]), ("cluster", verdict)]
 
