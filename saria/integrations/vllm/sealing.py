@@ -89,18 +89,20 @@ class ChunkNames:
         self._requests.pop(request_id, None)
 
 
-def unsealed_tiers(settings: ConnectorSettings) -> list[str]:
-    """The tiers whose objects leave the process unsealed: SSD (``ssd_paths``) and the cluster tier,
-    without a key; none with one."""
-    if settings.sealed:
-        return []
+def _shared_tiers(settings: ConnectorSettings) -> list[str]:
+    """The configured tiers whose objects leave the process: SSD (``ssd_paths``) and the cluster tier."""
     return [name for name, on in (("SSD", bool(settings.ssd_paths)), ("cluster", bool(settings.cluster))) if on]
+
+
+def unsealed_tiers(settings: ConnectorSettings) -> list[str]:
+    """The tiers whose objects leave the process unsealed: every shared tier without a key; none with one."""
+    return [] if settings.sealed else _shared_tiers(settings)
 
 
 def describe(settings: ConnectorSettings, keyring: Keyring | None) -> str:
     """What the start says about sealing (no path of a key file beyond the one the user gave, no
     key material: the epochs only)."""
-    tiers = [name for name, on in (("SSD", bool(settings.ssd_paths)), ("cluster", bool(settings.cluster))) if on]
+    tiers = _shared_tiers(settings)
     if keyring is not None:
         where = " and ".join(tiers) + " objects" if tiers else "objects of the SSD and cluster tiers (none configured)"
         return (f"{where} sealed (AES-256-GCM) and named by MACs per tenant, with key file {settings.secret_file} "
