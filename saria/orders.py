@@ -22,7 +22,7 @@ from enum import StrEnum
 from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 __all__ = ["ControlPlaneError", "DataPlane", "DropOrder", "ObjectKey", "Order", "PromoteOrder", "ReloadPlan",
-           "StoreOrder", "Tier", "WriteOrder", "split_keys"]
+           "StoreOrder", "Tier", "WriteOrder", "chunk_repr", "split_keys"]
 
 
 class ControlPlaneError(ValueError):
@@ -57,10 +57,14 @@ class ObjectKey:
             raise ControlPlaneError(f"ObjectKey.kind must be 'kv' or 'state', got {self.kind!r}")
 
     def __repr__(self) -> str:
-        # logs and errors name objects by this: a bytes chunk hash (vLLM's block hash, or a sealed
-        # chunk id) is token-derived, so only its length shows (docs/security.md)
-        chunk = f"<{len(self.chunk)} bytes>" if isinstance(self.chunk, (bytes, bytearray)) else repr(self.chunk)
-        return f"ObjectKey({chunk}, {self.kind!r})"
+        return f"ObjectKey({chunk_repr(self.chunk)}, {self.kind!r})"
+
+
+def chunk_repr(chunk: Hashable) -> str:
+    """A chunk hash as logs, errors and reprs show it: a bytes one (vLLM's block hash, a sealed chunk
+    id) is token-derived, so by its length only (docs/security.md); others (a trace's int block
+    ids) as is."""
+    return f"<{len(chunk)} bytes>" if isinstance(chunk, (bytes, bytearray)) else repr(chunk)
 
 
 def split_keys(keys) -> tuple[tuple[Hashable, ...], tuple[Hashable, ...]]:

@@ -8,7 +8,7 @@ on every call of a serving engine's scheduler.
 
 No message shows a chunk hash: a vLLM block hash or a sealed chunk id is token-derived
 (docs/security.md). Messages name chunks and objects by their place in the call ("chunk 3",
-"failed entry 0") and by count; reprs show a bytes hash by its length only (:func:`chunk_repr`).
+"failed entry 0") and by count; reprs show a bytes hash by its length only (:func:`saria.orders.chunk_repr`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from saria.control.tree import CacheObject
 
 __all__ = ["check_hashes", "check_id", "check_key", "check_max_bytes", "check_names", "check_now", "check_ok",
-           "brief_index", "check_recovered", "check_states", "chunk_repr", "first_difference", "objects_named"]
+           "brief_index", "check_recovered", "check_states", "first_difference", "objects_named"]
 
 
 def check_now(now: object, latest: float) -> float:
@@ -131,12 +131,6 @@ def brief_index(value: object) -> str:
 def _brief(value: object) -> str:
     """``repr`` cut to a readable length (a 400-digit int, a huge list)."""
     return reprlib.repr(value)
-
-
-def chunk_repr(chunk: Hashable) -> str:
-    """A chunk hash as a ``repr`` shows it: a bytes one (a vLLM block hash, a sealed chunk id) by its
-    length only, as :class:`~saria.orders.ObjectKey`'s does; others (a trace's int block ids) as is."""
-    return f"<{len(chunk)} bytes>" if isinstance(chunk, (bytes, bytearray)) else repr(chunk)
 
 
 def first_difference(a: Sequence, b: Sequence) -> int:

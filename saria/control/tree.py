@@ -29,9 +29,8 @@ from collections import deque
 from typing import Hashable, Sequence
 
 from saria.config import ChunkSpec
-from saria.control.checks import chunk_repr
 from saria.control.counters import Counters
-from saria.orders import KV, STATE, ControlPlaneError
+from saria.orders import KV, STATE, ControlPlaneError, chunk_repr
 from saria.sizing import TierSizing
 
 # Where a copy of an object stands in one tier.

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from saria.dataplane.ssd.checks import check_key, read_targets
 from saria.dataplane.ssd.errors import StoreClosed
 from saria.dataplane.ssd.index import ObjectInfo
 from saria.dataplane.ssd.jobs import ReadJob, ready_events
 
-if TYPE_CHECKING:
-    from saria.dataplane.ssd.store import SSDStore
 
-
-def start_read(store: SSDStore, key: bytes, out: Any) -> ReadJob:
+def start_read(store: Any, key: bytes, out: Any) -> ReadJob:
     """Check a read and pin its object; the returned job's parts are not submitted yet."""
     check_key(key)
     with store._lock:
@@ -47,13 +44,13 @@ def start_read(store: SSDStore, key: bytes, out: Any) -> ReadJob:
     return ReadJob(store, entry, dests, claim, ready_events(dests))
 
 
-def submit(store: SSDStore, job: ReadJob) -> None:
+def submit(store: Any, job: ReadJob) -> None:
     """Queue every part of ``job`` on the store's reader pool, in part order."""
     for i in range(len(job.dests)):
         store._readers.submit(job.read_part, i)
 
 
-def read_many(store: SSDStore, keys: Sequence[bytes], outs: Sequence[Any]
+def read_many(store: Any, keys: Sequence[bytes], outs: Sequence[Any]
               ) -> list[Future[ObjectInfo] | BaseException]:
     """:meth:`SSDStore.read_many <saria.dataplane.ssd.store.SSDStore.read_many>`: every read
     started first (a read that cannot start is its exception in the list; ``StoreClosed`` unpins
