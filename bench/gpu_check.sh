@@ -60,7 +60,7 @@ step bench_kernels 200 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.cs
 step dataplane_tests 300 "${PYTEST[@]}" -n 8 tests/test_dataplane_engine.py tests/test_dataplane_fp8.py tests/test_dataplane_orders.py \
   tests/test_dataplane_batching.py tests/test_dataplane_dram_store.py tests/test_dataplane_host_pool.py \
   tests/test_dataplane_coordinator.py tests/test_dataplane_cuda_rules.py tests/test_ssd_store.py \
-  tests/test_ssd_store_misuse.py tests/test_gpu_stress.py tests/test_pcie.py tests/test_ssd_backends.py \
+  tests/test_ssd_store_misuse.py tests/test_ssd_store_sealed.py tests/test_gpu_stress.py tests/test_pcie.py tests/test_ssd_backends.py \
   tests/test_doctor.py
 # The SSD under test: the VM disk there (O_DIRECT where it allows; page cache dropped before reads).
 mkdir -p "$out/ssd"
