@@ -12,12 +12,15 @@ So one chunk's kv object is one contiguous run of bytes, whatever the engine's l
 * :mod:`.api`: the public ops (checks, backend choice), and ``drop_leading_pages``;
 * :mod:`.triton`: the Triton kernel, its launch rule and launcher (``backend="triton"``);
 * :mod:`.cpu`: the torch path, fast on the CPU (``backend="torch"``);
-* :mod:`.naive`: the naive reference, plain loops over the layout above: the tests' oracle.
+* :mod:`.naive`: the naive reference, plain loops over the layout above: the tests' oracle;
+* :mod:`.scattered`: ``prepare_scattered``, pages to and from bytes at given offsets of one buffer
+  (no staging layout: the caller places each page), checked once and launched many times.
 """
 
 from .api import drop_leading_pages, pack_pages, unpack_pages
 from .cpu import pack_pages_torch, unpack_pages_torch
-from .naive import pack_pages_naive, unpack_pages_naive
+from .naive import pack_pages_naive, scattered_copy_naive, unpack_pages_naive
+from .scattered import ScatteredCopy, prepare_scattered
 
-__all__ = ["drop_leading_pages", "pack_pages", "pack_pages_naive", "pack_pages_torch", "unpack_pages",
-           "unpack_pages_naive", "unpack_pages_torch"]
+__all__ = ["ScatteredCopy", "drop_leading_pages", "pack_pages", "pack_pages_naive", "pack_pages_torch",
+           "prepare_scattered", "scattered_copy_naive", "unpack_pages", "unpack_pages_naive", "unpack_pages_torch"]

@@ -52,3 +52,19 @@ def unpack_pages_naive(staging: torch.Tensor, caches: Sequence[torch.Tensor], bl
                 page = _page(cache, block)
                 page.copy_(flat[at:at + page.numel()])
                 at += page.numel()
+
+
+def scattered_copy_naive(buffer: torch.Tensor, offsets, caches: Sequence[torch.Tensor], block_ids, *,
+                         pack: bool) -> None:
+    """What :func:`~saria.kernels.prepare_scattered` launches, one page at a time: page ``i`` of
+    tensor ``t`` is ``buffer[offsets[t][i] : offsets[t][i] + its bytes]``; ``pack=True`` copies the
+    pages into the buffer, ``pack=False`` the buffer into the pages."""
+    rows = torch.as_tensor(offsets).tolist()
+    ids = torch.as_tensor(block_ids).reshape(-1).tolist()
+    for cache, row in zip(caches, rows):
+        for block, at in zip(ids, row):
+            page = _page(cache, block)
+            if pack:
+                buffer[at:at + page.numel()].copy_(page)
+            else:
+                page.copy_(buffer[at:at + page.numel()])
