@@ -290,6 +290,15 @@ class HostPool:
         seg, i = divmod(s, self._per_segment)
         return self._segments[seg][i * self.slot_bytes:(i + 1) * self.slot_bytes]
 
+    def locate(self, s: int) -> tuple[torch.Tensor, int]:
+        """Where slot ``s`` lives: its segment (one uint8 tensor of contiguous, pinned-when-CUDA host
+        memory) and its byte offset in it. For copies that address many slots at once (the
+        layer-wise reload reads each layer's pages straight out of the slots, one copy per segment)."""
+        if not 0 <= s < self.num_slots:
+            raise ValueError(f"slot {s} is not in this pool (0..{self.num_slots - 1})")
+        seg, i = divmod(s, self._per_segment)
+        return self._segments[seg], i * self.slot_bytes
+
     def views(self, slots: Sequence[int], nbytes: int) -> list[torch.Tensor]:
         """The pieces of an ``nbytes`` object stored in ``slots``: full slots, then a partial last one."""
         if len(slots) != self.slots_for(nbytes):

@@ -59,6 +59,7 @@ from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.dram_loads import DramLoads
+from saria.dataplane.transfer.layerwise import LayerwiseLoads, StepLoad
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
 from saria.dataplane.transfer.packing import Packer
 from saria.dataplane.transfer.prewarm import Prewarms
@@ -124,6 +125,7 @@ class TransferEngine:
         self._stores = Stores(self._packer, host_pool, self.dram, self._counters)
         self._writes = Writes(self._packer, self._tables, self.dram, ssd, self._counters)
         self._prewarms = Prewarms(self._tables, host_pool, self.dram, ssd, self._counters)
+        self._layerwise: LayerwiseLoads | None = None  # started by the first load_layers()
         self._closed = False
 
     @property
@@ -162,19 +164,7 @@ class TransferEngine:
         Raises (bad plan or block ids) only before any object is started: an object that cannot be
         started later is a failed object of the job."""
         self._check_open()
-        if len(kv_blocks) != plan.num_chunks:
-            raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
-        items = []
-        fp8 = self._tables.quantized(KV)
-        for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
-            quantized = fp8 and tier is Tier.SSD  # arrives in its FP8 form, dequantized by the unpack
-            ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
-            items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, ids,
-                                   self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
-        if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
-            raise ValueError(f"skip_pages must be in [0, {self.pages_per_chunk}) and needs a chunk, got {skip_pages}")
-        if items:
-            items[0].skip = skip_pages
+        items = self._kv_items(plan, kv_blocks, skip_pages)
         if plan.state_chunk is not None:
             index = plan.chunk_hashes.index(plan.state_chunk)
             table, _, nbytes = self._tables.table(STATE)
@@ -198,6 +188,66 @@ class TransferEngine:
         if dram_items:
             self._dram_loads.submit(job, dram_items)
         return job
+
+    def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int) -> list[LoadItem]:
+        """The plan's kv objects as load items, their block ids checked (``ValueError``)."""
+        if len(kv_blocks) != plan.num_chunks:
+            raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
+        items = []
+        fp8 = self._tables.quantized(KV)
+        for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
+            quantized = fp8 and tier is Tier.SSD  # arrives in its FP8 form, dequantized by the unpack
+            ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
+            items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, ids,
+                                   self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
+        if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
+            raise ValueError(f"skip_pages must be in [0, {self.pages_per_chunk}) and needs a chunk, got {skip_pages}")
+        if items:
+            items[0].skip = skip_pages
+        return items
+
+    # --- layer-wise reloads ----------------------------------------------------------------------
+
+    def layerwise(self, layers: Sequence[Sequence[int]] | None = None, *,
+                  max_programs: int | None = None) -> LayerwiseLoads:
+        """The layer-wise reload paths (:mod:`~saria.dataplane.transfer.layerwise`), started on the
+        first call with ``layers`` (the kv table's tensor indices grouped by model layer; default one
+        tensor per layer) and ``max_programs`` (a cap on the programs of each layer's copy kernel,
+        so that it leaves SMs to a concurrent forward pass). Later calls return the same paths."""
+        self._check_open()
+        if self._layerwise is None:
+            self._layerwise = LayerwiseLoads(self._tables, self.host_pool, self.dram, self.ssd, self.coordinator,
+                                             self._streams, self._counters, layers, max_programs=max_programs)
+        return self._layerwise
+
+    def layerwise_ok(self, plan: ReloadPlan) -> bool:
+        """Whether :meth:`load_layers` can take ``plan``: kv objects only (no GDN state, which has no
+        layer hook), none in an FP8 form (dequantized whole by its unpack), and pages that never
+        straddle two host slots."""
+        return (plan.state_chunk is None and self.layerwise().capable
+                and not (self._tables.quantized(KV) and Tier.SSD in plan.kv_sources))
+
+    def load_layers(self, loads: Sequence[tuple[ReloadPlan, Sequence[Blocks], int]]) -> StepLoad:
+        """Start one step's reloads layer by layer: ``loads`` are ``(plan, kv_blocks, skip_pages)``
+        as for :meth:`load`, each plan one :class:`LoadJob` of the returned
+        :class:`~saria.dataplane.transfer.layerwise.StepLoad`. Call ``wait_layer(l)`` on it before
+        layer ``l`` reads its pages and ``finish()`` for the results. Raises (``ValueError``: a plan
+        :meth:`layerwise_ok` refuses, bad block ids, an SSD source without a store) only before
+        anything started."""
+        self._check_open()
+        paths = self.layerwise()
+        jobs = []
+        after = self._streams.caller_event()  # the copies follow the caller's queued work
+        for plan, kv_blocks, skip_pages in loads:
+            if not self.layerwise_ok(plan):
+                raise ValueError(f"plan {plan.plan_id} cannot be reloaded layer by layer (a GDN state, an FP8 SSD "
+                                 "object, or pages that straddle host slots): reload it whole with load()")
+            items = self._kv_items(plan, kv_blocks, skip_pages)
+            if any(i.tier is Tier.SSD for i in items) and self.ssd is None:
+                raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
+            jobs.append(LoadJob(plan, items, None, after=after))
+        self._counters.add(loads=len(jobs), load_objects=sum(len(j.items) for j in jobs))
+        return paths.submit(jobs)
 
     # --- stores, writes, drops -------------------------------------------------------------------
 
@@ -337,6 +387,8 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        if self._layerwise is not None:
+            self._layerwise.close()
         self._dram_loads.close()  # may still submit a serial plan's SSD reads
         self._packer.close()
         self._prewarms.close()

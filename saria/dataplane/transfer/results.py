@@ -54,6 +54,10 @@ class EngineCounters:
     ssd_to_dram_bytes: int = 0      # prewarms
     ssd_to_dram_seconds: float = 0.0
     prewarm_failures: int = 0
+    layerwise_steps: int = 0        # steps whose reloads went layer by layer (transfer.layerwise)
+    layerwise_objects: int = 0
+    layer_copies: int = 0           # scattered copies launched for them (per layer, tensor and source)
+    layer_waits: int = 0            # layers the engine's forward waited for (StepLoad.wait_layer)
 
     def snapshot(self) -> dict:
         return asdict(self)

@@ -1,0 +1,225 @@
+"""Layer-wise reloads (saria.dataplane.transfer.layerwise) on real tensors, a real host pool and a
+real SSD store: held against whole reloads of the same plans (differential, hypothesis over plans,
+tiers, skipped pages and slot layouts), layer by layer (a layer's pages are final once its wait
+returns), with failed objects that leave every layer of their pages untouched."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kernel_cases import fresh_like, vllm_layers
+from saria.config import SariaConfig
+from saria.control import ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
+from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, object_key
+from saria.dataplane.ssd.format import Geometry
+from saria.kernels import PageTable
+from ssd_cases import drive_file, flip_byte
+
+PAGES = 2  # pages per chunk
+NB = 80
+
+
+def caches_of(bs: int, h: int, d: int, layers: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    return vllm_layers(NB, bs, h, d, torch.bfloat16, layers=layers, seed=seed)
+
+
+@contextlib.contextmanager
+def rig(tmp_path, caches, slot: int, *, slots: int = 24, ssd_slots: int = 24, layers=None):
+    """An engine over ``caches`` with a host pool of ``slots`` slots and an SSD store:
+    ``(engine, engine, store)`` (objects are stored from the pages ``[2i, 2i + 1]`` and reloaded
+    into pages from 20 on, of the same tensors)."""
+    (tmp_path / "d").mkdir(exist_ok=True)
+    with HostPool(slots * slot, slot) as pool, \
+            SSDStore([tmp_path / "d"], 4096 + ssd_slots * (4096 + slot), slot) as store:
+        engine = TransferEngine(PageTable(caches), host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
+                                pages_per_chunk=PAGES, ssd=store)
+        engine.layerwise(layers)
+        try:
+            yield engine, engine, store
+        finally:
+            engine.close()
+
+
+def plan(chunks, sources, plan_id=1):
+    return ReloadPlan(plan_id, tuple(chunks), tuple(sources), None, None, len(chunks) * 8, 0, 0, False)
+
+
+def put(src: TransferEngine, chunks, tiers):
+    """Store (DRAM) or write (SSD) chunk ``c`` from the source pages ``[2i, 2i + 1]``."""
+    blocks = {c: [PAGES * i, PAGES * i + 1] for i, c in enumerate(chunks)}
+    dram = tuple(c for c, t in zip(chunks, tiers) if t is Tier.DRAM)
+    ssd = tuple(c for c, t in zip(chunks, tiers) if t is Tier.SSD)
+    if dram:
+        assert src.store(StoreOrder(1, dram, (), 0), blocks).result().ok
+    if ssd:
+        assert src.write(WriteOrder(2, ssd, (), 0, Tier.GPU, "write-through"), blocks).result().ok
+    return blocks
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (random bf16 bytes hold NaNs, which torch.equal never calls equal)."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_dram_and_ssd_chunks_land_layer_by_layer_as_a_whole_reload_would(tmp_path):
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        chunks = ["a", "b", "c", "d"]
+        tiers = [Tier.DRAM, Tier.SSD, Tier.DRAM, Tier.SSD]
+        put(src, chunks, tiers)
+        targets = [[40 + PAGES * i, 41 + PAGES * i] for i in range(4)]
+        step = dst.load_layers([(plan(chunks, tiers), targets, 0)])
+        for layer in range(3):
+            step.wait_layer(layer)
+            for i in range(4):  # this layer's pages are final now
+                for a, b in zip([PAGES * i, PAGES * i + 1], targets[i]):
+                    assert torch.equal(caches[layer][a].view(torch.uint8), dst.kv_table.tensors[layer][b].view(torch.uint8))
+        (result,) = step.finish()
+        assert result.ok and result.valid_chunks == 4
+        counters = dst.counters()["engine"]
+        assert counters["layerwise_steps"] == 1 and counters["layer_waits"] == 3 and counters["layerwise_objects"] == 4
+
+
+def test_objects_over_several_host_slots_and_skipped_pages(tmp_path):
+    caches = caches_of(16, 4, 32)  # 8 KiB per tensor page: an object is 48 KiB, three 16 KiB slots
+    with rig(tmp_path, caches, 16384) as (src, dst, store):
+        assert dst.layerwise().capable
+        put(src, ["x", "y"], [Tier.DRAM, Tier.SSD])
+        targets = [[10, 11], [20, 21]]
+        before = [t[10].clone() for t in dst.kv_table.tensors]
+        step = dst.load_layers([(plan(["x", "y"], [Tier.DRAM, Tier.SSD]), targets, 1)])
+        step.wait_all()
+        (result,) = step.finish()
+        assert result.ok
+        for t, tensor in enumerate(dst.kv_table.tensors):
+            assert same(tensor[10], before[t])  # the engine's own page is left alone
+            assert same(tensor[11], caches[t][1])
+            assert same(tensor[20], caches[t][2]) and same(tensor[21], caches[t][3])
+
+
+def test_pages_that_straddle_host_slots_refuse_layer_by_layer(tmp_path):
+    caches = caches_of(4, 3, 32)  # 1,536 B pages: the third page of a 4 KiB slot runs into the next one
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        assert not dst.layerwise().capable
+        put(src, ["s"], [Tier.DRAM])
+        assert not dst.layerwise_ok(plan(["s"], [Tier.DRAM]))
+        with pytest.raises(ValueError, match="reload it whole"):
+            dst.load_layers([(plan(["s"], [Tier.DRAM]), [[30, 31]], 0)])
+        assert dst.load(plan(["s"], [Tier.DRAM]), [[30, 31]]).wait().ok  # the whole reload still works
+
+
+def test_a_corrupt_ssd_object_fails_and_no_layer_of_its_pages_is_written(tmp_path):
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["p", "q", "r"], [Tier.DRAM, Tier.SSD, Tier.SSD])
+        part = store.info(object_key("q", "kv")).parts[0]
+        flip_byte(drive_file(tmp_path / "d"), Geometry.for_capacity(4096 + 24 * (4096 + 4096), 4096).payload_offset(part.slot) + 3)
+        targets = [[40, 41], [42, 43], [44, 45]]
+        before = [t[42:44].clone() for t in dst.kv_table.tensors]
+        step = dst.load_layers([(plan(["p", "q", "r"], [Tier.DRAM, Tier.SSD, Tier.SSD]), targets, 0)])
+        step.wait_all()
+        (result,) = step.finish()
+        assert result.failed == (ObjectKey("q", "kv"),) and result.valid_chunks == 1
+        for tensor, was in zip(dst.kv_table.tensors, before):
+            assert same(tensor[42:44], was)  # every layer of the failed chunk untouched
+        assert not store.contains(object_key("q", "kv"))
+
+
+def test_a_missing_dram_object_fails_its_chunk_and_the_others_land(tmp_path):
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["m", "n"], [Tier.DRAM, Tier.DRAM])
+        dst.dram.drop(ObjectKey("n", "kv"))
+        step = dst.load_layers([(plan(["m", "n"], [Tier.DRAM, Tier.DRAM]), [[40, 41], [42, 43]], 0)])
+        step.wait_all()
+        (result,) = step.finish()
+        assert result.failed == (ObjectKey("n", "kv"),) and result.valid_chunks == 1
+        assert all(same(t[40], c[0]) for t, c in zip(dst.kv_table.tensors, caches))
+
+
+def test_a_closed_ssd_store_fails_the_ssd_objects_and_no_wait_hangs(tmp_path):
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["u", "v"], [Tier.DRAM, Tier.SSD])
+        store.close()
+        step = dst.load_layers([(plan(["u", "v"], [Tier.DRAM, Tier.SSD]), [[40, 41], [42, 43]], 0)])
+        done = threading.Event()
+        threading.Thread(target=lambda: (step.wait_all(), done.set()), daemon=True).start()
+        assert done.wait(30), "a layer's wait hung after its path failed"
+        (result,) = step.finish(timeout=30)
+        assert result.failed == (ObjectKey("v", "kv"),) and result.valid_chunks == 1
+
+
+def test_bad_requests_are_refused_before_anything_moves(tmp_path):
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["a"], [Tier.DRAM])
+        with pytest.raises(ValueError, match="block lists"):
+            dst.load_layers([(plan(["a"], [Tier.DRAM]), [], 0)])
+        with pytest.raises(ValueError, match="outside"):
+            dst.load_layers([(plan(["a"], [Tier.DRAM]), [[NB, NB + 1]], 0)])
+        state_plan = ReloadPlan(3, ("a",), (Tier.DRAM,), "a", Tier.DRAM, 8, 0, 0, False)
+        with pytest.raises(ValueError, match="reload it whole"):
+            dst.load_layers([(state_plan, [[40, 41]], 0)])
+        with pytest.raises(ValueError, match="layers must group"):
+            TransferEngine(PageTable(caches), host_pool=dst.host_pool, coordinator=dst.coordinator,
+                           pages_per_chunk=PAGES).layerwise([[0], [0, 1]])
+        assert dst.counters()["engine"]["layerwise_steps"] == 0
+        step = dst.load_layers([(plan(["a"], [Tier.DRAM]), [[40, 41]], 0)])
+        with pytest.raises(ValueError, match="not one of"):
+            step.wait_layer(3)
+        step.finish()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_layerwise_writes_exactly_the_planned_pages_over_random_steps(tmp_path_factory, data):
+    """Random steps (1-3 plans of 1-4 chunks from DRAM or SSD, a skipped leading part, layers of
+    one or two tensors, objects in one or several host slots, layers waited for in any order):
+    each planned page holds its chunk's source page, every other page is untouched (the spec, page
+    by page), and a whole reload of the same plans writes the same bytes (differential)."""
+    tmp_path = tmp_path_factory.mktemp("lw")
+    multi = data.draw(st.booleans(), label="objects over several host slots")
+    caches = caches_of(16, 4, 32, layers=4) if multi else caches_of(4, 2, 8, layers=4)
+    layers = [[0, 1], [2, 3]] if data.draw(st.booleans(), label="two tensors per layer") else None
+    with rig(tmp_path, caches, 16384 if multi else 4096, slots=40, ssd_slots=40, layers=layers) as (_, eng, store):
+        loads, expect, c = [], {}, 0
+        free = list(range(20, 44))
+        for p in range(data.draw(st.integers(1, 3), label="plans")):
+            n = data.draw(st.integers(1, 4), label="chunks")
+            tiers = data.draw(st.lists(st.sampled_from([Tier.DRAM, Tier.SSD]), min_size=n, max_size=n), label="tiers")
+            chunks, targets = [], []
+            for tier in tiers:
+                chunk, source = f"c{c}", [PAGES * (c % 10), PAGES * (c % 10) + 1]
+                c += 1
+                if tier is Tier.DRAM:
+                    assert eng.store(StoreOrder(c, (chunk,), (), 0), {chunk: source}).result().ok
+                else:
+                    assert eng.write(WriteOrder(c, (chunk,), (), 0, Tier.GPU, "write-through"), {chunk: source}).result().ok
+                chunks.append(chunk)
+                targets.append([free.pop(0), free.pop(0)])
+                expect.update(zip(targets[-1], source))
+            skip = data.draw(st.integers(0, PAGES - 1), label="skip")
+            for page in targets[0][:skip]:
+                del expect[page]
+            loads.append((plan(chunks, tiers, plan_id=p + 1), targets, skip))
+        before = [t.clone() for t in eng.kv_table.tensors]
+        step = eng.load_layers(loads)
+        for layer in data.draw(st.permutations(range(len(eng.layerwise().layers))), label="wait order"):
+            step.wait_layer(layer)
+        assert all(r.ok for r in step.finish())
+        for t, was in zip(eng.kv_table.tensors, before):
+            for page in range(NB):
+                assert same(t[page], was[expect[page]] if page in expect else was[page]), page
+        layerwise = [t.clone() for t in eng.kv_table.tensors]
+        shift = 24  # the same plans reloaded whole into pages 24 further on
+        for p, targets, skip in loads:
+            assert eng.load(p, [[b + shift for b in blocks] for blocks in targets], skip_pages=skip).wait().ok
+        for t, got in zip(eng.kv_table.tensors, layerwise):
+            for page in expect:
+                assert same(t[page + shift], got[page])
