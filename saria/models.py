@@ -5,6 +5,12 @@ beside each entry. Entries named ``*-paper`` are the SARIA paper's scaled-down c
 released checkpoint): their layer counts are the paper's, their per-layer shapes are assumed from
 the released model they shrink, as each source says. Byte counts are per token for full-attention
 (FA) KV and per checkpoint for a GDN layer's recurrent state.
+
+``q_heads`` and ``compute_params`` feed the replay's prefill FLOPs (``saria.replay.layerwise``):
+the query heads of an FA layer, and the non-embedding parameters one token goes through (the
+active ones of a mixture of experts; embeddings and the LM head are left out, as prefill computes
+logits for the last token only). ``compute_source`` says where each figure comes from; 0 means
+unknown (the FLOPs model then refuses the model).
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ class ModelSpec:
     gdn_conv_kernel: int = 0  # conv state keeps kernel - 1 positions
     gdn_state_dtype: str = "fp32"
     source: str = ""
+    # Prefill compute (saria.replay.layerwise); 0: unknown.
+    q_heads: int = 0
+    compute_params: float = 0.0
+    compute_source: str = ""
 
     @property
     def hybrid(self) -> bool:
@@ -81,14 +91,24 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     "qwen3-8b": ModelSpec(
         "qwen3-8b", fa_layers=36, kv_heads=8, head_dim=128,
+        q_heads=32, compute_params=6.946e9,
+        compute_source=("Qwen/Qwen3-8B config.json: hidden 4096, 32 query heads, intermediate 12288; per layer "
+                        "q, k, v, o 4096x(4096+1024+1024) + 4096x4096, MLP 3x4096x12288 = 192.9M; x 36 = 6.95B, "
+                        "the model card's 6.95B non-embedding parameters"),
         source="Qwen/Qwen3-8B config.json: num_hidden_layers 36, num_key_value_heads 8, head_dim 128, bf16"),
     "qwen3-1.7b": ModelSpec(
         "qwen3-1.7b", fa_layers=28, kv_heads=8, head_dim=128,
+        q_heads=16, compute_params=1.409e9,
+        compute_source=("Qwen/Qwen3-1.7B config.json: hidden 2048, 16 query heads, intermediate 6144; per layer "
+                        "2048x(2048+1024+1024) + 2048x2048 + 3x2048x6144 = 50.3M; x 28 = 1.41B, the model card's "
+                        "1.4B non-embedding parameters"),
         source="Qwen/Qwen3-1.7B config.json: num_hidden_layers 28, num_key_value_heads 8, head_dim 128, bf16"),
     "qwen3-next-80b-a3b": ModelSpec(
         "qwen3-next-80b-a3b", fa_layers=12, kv_heads=2, head_dim=256,
         gdn_layers=36, gdn_value_heads=32, gdn_key_heads=16, gdn_key_dim=128, gdn_value_dim=128,
-        gdn_conv_kernel=4,
+        gdn_conv_kernel=4, q_heads=16, compute_params=3.0e9,
+        compute_source=("Qwen/Qwen3-Next-80B-A3B-Instruct model card: 3B activated parameters (10 of 512 "
+                        "experts and a shared one per token); num_attention_heads 16"),
         source=("Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 48 layers, full_attention_interval 4, "
                 "num_key_value_heads 2, head_dim 256, linear_num_value_heads 32, linear_num_key_heads 16, "
                 "linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4; "
@@ -97,7 +117,9 @@ MODELS: dict[str, ModelSpec] = {
     "qwen3.5-9b": ModelSpec(
         "qwen3.5-9b", fa_layers=8, kv_heads=4, head_dim=256,
         gdn_layers=24, gdn_value_heads=32, gdn_key_heads=16, gdn_key_dim=128, gdn_value_dim=128,
-        gdn_conv_kernel=4,
+        gdn_conv_kernel=4, q_heads=16, compute_params=8.0e9,
+        compute_source=("estimate: the model card's 9B parameters less about 1B of embeddings; 16 query heads "
+                        "of 256 assumed as Qwen3-Next's"),
         source=("Qwen/Qwen3.5-9B model card and text_config: 32 layers, full_attention_interval 4 "
                 "(8 gated-attention + 24 Gated DeltaNet), num_key_value_heads 4, head_dim 256, "
                 "linear_num_value_heads 32, linear_num_key_heads 16, linear key/value head dim 128, "
@@ -106,12 +128,15 @@ MODELS: dict[str, ModelSpec] = {
     # are assumed to be those of the released model they shrink (stated in each source).
     "qwen3-1.7b-paper": ModelSpec(
         "qwen3-1.7b-paper", fa_layers=20, kv_heads=8, head_dim=128,
+        q_heads=16, compute_params=1.007e9,
+        compute_source="qwen3-1.7b's 50.3M parameters per layer x 20 layers",
         source=("SARIA paper §5.1: 'Qwen3-1.7B with 20 full-attention layers' (scaled down for a 24-GB A30); "
                 "per-layer shape assumed from Qwen/Qwen3-1.7B config.json: 8 KV heads, head_dim 128, bf16")),
     "qwen3.5-5.6b-paper": ModelSpec(
         "qwen3.5-5.6b-paper", fa_layers=5, kv_heads=4, head_dim=256,
         gdn_layers=15, gdn_value_heads=32, gdn_key_heads=16, gdn_key_dim=128, gdn_value_dim=128,
-        gdn_conv_kernel=4,
+        gdn_conv_kernel=4, q_heads=16, compute_params=5.0e9,
+        compute_source="qwen3.5-9b's estimate scaled by its layers, 20 of 32",
         source=("SARIA paper §5.1: 'Qwen3.5-5.6B with 5 full-attention and 15 GDN layers' (scaled down for a "
                 "24-GB A30); per-layer shapes assumed from qwen3.5-9b above")),
 }

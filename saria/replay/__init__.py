@@ -10,6 +10,8 @@ Modules, one job each:
 * ``synth``: the synthetic agent-session trace (paper §5.1 statistics);
 * ``arrivals``: recorded or re-windowed session starts, session inference;
 * ``timing``: transfer time of a plan (serial, overlap, coordinated Eq. 4, ideal);
+* ``layerwise``: a prefill step's compute (``--prefill-tps`` or FLOPs on a device profile) and its
+  reload overlapped with the forward layer by layer (issue 34); ``layerwise_cli``: its options;
 * ``replay``: the discrete-event replay of one policy;
 * ``fleet``, ``cluster_tier``, ``fleet_report``: N replicas behind a router with a shared cluster
   tier (a Mooncake Store pool), their records and table;

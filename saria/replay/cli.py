@@ -17,6 +17,9 @@ from saria.models import MODELS
 from saria.replay.arrivals import ARRIVAL_MODES
 from saria.replay.experiment import Experiment, Point, open_trace
 from saria.replay.fleet_cli import add_fleet_options, fleet_replay, fleet_wanted
+from saria.replay.layerwise import LAYERWISE_SUFFIX
+from saria.replay.layerwise_cli import add_step_options, describe_step, layerwise_runs, one_reload_model, run_both, \
+    step_settings
 from saria.replay.policies import BaseSettings, parse_policy
 from saria.replay.replay import ReplaySettings
 from saria.outputs import atomic_output, check_output, is_stream, same_file_check, write_output
@@ -32,7 +35,6 @@ __all__ = ["add_commands"]
 DEFAULT_POLICIES = ("saria", "full-duplicate", "dram-only", "lmcache-plus")
 # Physical settings within orders of magnitude of any real machine: outside, a value is a typo.
 _GBPS = float_range(1e-3, 1e5)  # 1 MB/s to 100 TB/s
-_TOKENS_PER_S = float_range(1.0, 1e9)
 _HOURS = float_range(1e-3, MAX_SPAN_S / 3600)  # 3.6 s to the longest span a trace may have
 _CHUNK_TOKENS = int_range(1, MAX_TOKENS)
 _THRESHOLD = int_range(1, MAX_THRESHOLD)
@@ -88,9 +90,7 @@ def _add_common(p: argparse.ArgumentParser, *, budget_required: bool = False) ->
                    help="how a plan's DRAM and SSD parts share ingress: coordinated (Eq. 4, default), overlap "
                         "(uncoordinated), serial, or ideal; plans of serial-loading policies (lmcache-plus) load "
                         "serially whatever this says")
-    g.add_argument("--prefill-tps", type=_TOKENS_PER_S, default=6500.0, metavar="TOKENS/s",
-                   help="prefill speed: the logical clock advances this many computed tokens per second "
-                        "(default 6500, the paper's)")
+    add_step_options(g)
     g.add_argument("--inflight", type=positive_int, default=4,
                    help="requests loading or computing at once (default 4)")
     g = p.add_argument_group("arrivals")
@@ -133,8 +133,8 @@ def _experiment(args: argparse.Namespace, auto: bool = False) -> Experiment:
         print(f"skipped {line}", file=sys.stderr)
     if len(trace.skipped) > 10:
         print(f"skipped {len(trace.skipped) - 10} more malformed lines", file=sys.stderr)
-    settings = ReplaySettings(inflight=args.inflight, prefill_tps=args.prefill_tps, loading=args.loading,
-                              disk_write_gbps=args.b_disk_write, truncate_hours=args.truncate_hours)
+    settings = ReplaySettings(inflight=args.inflight, loading=args.loading, disk_write_gbps=args.b_disk_write,
+                              truncate_hours=args.truncate_hours, **step_settings(args))
     return Experiment(trace, args.trace, _base(args, auto), settings, arrivals=args.arrivals,
                       window_hours=args.window_hours, seed=args.seed, workers=args.jobs, progress=not args.no_progress)
 
@@ -178,7 +178,7 @@ def _describe(exp: Experiment) -> str:
                if base.ssd_dtype == "fp8" else "") + "\n"
             f"time: GPU {base.bandwidth.gpu_gbps:g} / SSD {base.bandwidth.disk_gbps_per_drive:g} x "
             f"{base.bandwidth.drives} / DRAM {base.bandwidth.dram_gbps:g} GB/s, {exp.settings.loading} loading, "
-            f"{exp.settings.inflight} in flight, prefill {exp.settings.prefill_tps:,.0f} tokens/s")
+            f"{exp.settings.inflight} in flight, {describe_step(exp)}")
 
 
 def _report_plot(draw, path: str, command: str) -> None:
@@ -216,9 +216,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise ValueError("--write-budget auto: none of the policies has eviction-based admission to govern "
                          "(saria, zero-promotion, full-promotion do)")
     if fleet_wanted(args):
-        return fleet_replay(args, exp, specs, configs, _describe(exp))
-    print(_describe(exp))
-    results, runs = exp.run([Point(spec.label, config) for spec, config in zip(specs, configs)])
+        return fleet_replay(args, exp, specs, configs, _describe(exp), layerwise_runs(args))
+    description = _describe(exp)
+    points = [Point(spec.label, config) for spec, config in zip(specs, configs)]
+    if args.layerwise == "both":
+        print(description + f"; reloads sequential and layer-wise ({LAYERWISE_SUFFIX})")
+        results, runs = run_both(exp, points)
+    else:
+        print(description)
+        results, runs = exp.run(points)
     print(format_table(results))
     for run in runs:
         if run.governor_history is not None:
@@ -242,6 +248,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from saria.replay.sweep import SweepGrid, run_sweep
 
+    one_reload_model(args, "sweep")
     base = _policy(args.policy, "--policy")
     grid = SweepGrid(args.theta_e or (), args.theta_r or (), args.r or (), args.windows or ())
     if not any((grid.theta_E, grid.theta_R, grid.r, grid.window_hours)):
@@ -269,6 +276,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from saria.replay.tune import DEFAULT_THETA_E, DEFAULT_THETA_R, tune
 
+    one_reload_model(args, "tune")
     base = _policy(args.policy, "--policy")
     _check_outputs(args)
     exp = _experiment(args)

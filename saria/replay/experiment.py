@@ -9,7 +9,7 @@ config, and a window) in parallel and returns their result records.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from saria.config import SariaConfig
@@ -60,6 +60,11 @@ class Experiment:
         self.trace = trace
         self.trace_name = trace_name
         self.base = base
+        if settings.model is None:  # the step model's FLOPs and layers are the base's model's
+            settings = replace(settings, model=base.model)
+        elif settings.model != base.model:
+            raise ValueError(f"the replay settings' model {settings.model!r} is not the base settings' "
+                             f"{base.model!r}")
         self.settings = settings
         self.arrivals = arrivals
         self.window_hours = window_hours
@@ -141,6 +146,14 @@ class Experiment:
                           results[found[(key, "full-duplicate")]])
         return results[:len(points)], runs[:len(points)]
 
+    def _device_dict(self) -> dict | None:
+        """The device profile prefill is computed on (None: at ``prefill_tps``)."""
+        device = self.settings.step_model().device
+        if device is None:
+            return None
+        return {"name": device.name, "peak_tflops": device.tflops, "efficiency": device.efficiency,
+                "source": device.source}
+
     def config_dict(self, runs: list[PolicyRun]) -> dict:
         """What a report's ``config`` says: trace, model, capacities, time model, arrivals, budget,
         and per policy its settings, replayed duration and governor trajectory."""
@@ -176,6 +189,7 @@ class Experiment:
             "bandwidth_gbps": asdict(base.bandwidth), "loading": self.settings.loading,
             "disk_write_gbps_per_drive": self.settings.disk_write_gbps or base.bandwidth.disk_gbps_per_drive,
             "inflight": self.settings.inflight, "prefill_tps": self.settings.prefill_tps,
+            "layerwise": self.settings.layerwise, "device": self._device_dict(),
             "truncate_hours": self.settings.truncate_hours,
             "arrivals": {"mode": schedule.mode,
                          "window_hours": self.window_hours if schedule.mode == "rewindow" else None,

@@ -20,7 +20,10 @@ pool: an LRU by bytes that evicts the oldest chunks silently).
   *cluster hits*: read (their recency refreshed) when the request is planned, loaded after the
   local plan on the same ingress at ``min(cluster_gbps, B_GPU)``, so the transfer is
   ``transfer_seconds(D, S) + C / r_cluster``. The local control plane then commits them as computed
-  chunks (stored into DRAM and admitted to SSD by the same rules); the rest is prefilled.
+  chunks (stored into DRAM and admitted to SSD by the same rules); the rest is prefilled. With
+  layer-wise reloads (``ReplaySettings.layerwise``) the request's forward overlaps the local plan's
+  DRAM part layer by layer (:mod:`saria.replay.layerwise`); cluster gets land whole in host memory
+  before their layers' hops, so, like SSD reads, they are not hidden.
 * **Cluster admission.** ``evicted``: a chunk whose DRAM copy a replica drops (the DRAM
   :class:`~saria.control.DropOrder`\\ s of its commits and completions: evictions, promotions'
   room) is put; ``all``: every chunk a replica computes is put at its commit; ``shared``: a chunk
@@ -48,6 +51,7 @@ from saria.control import ControlPlane, Counters, DropOrder, WriteOrder
 from saria.orders import DRAM
 from saria.replay.arrivals import Schedule
 from saria.replay.cluster_tier import ClusterTier
+from saria.replay.layerwise import exposed_seconds
 from saria.replay.replay import ReplayInternalError, ReplaySettings
 from saria.replay.timing import GB, transfer_seconds
 from saria.replay.traces import Trace
@@ -208,6 +212,7 @@ class _Fleet:
         self.offload_rate = bw.dram_gbps * GB
         self.write_rate = (settings.disk_write_gbps or bw.disk_gbps_per_drive) * bw.drives * GB
         self.rng = random.Random(fleet.seed)
+        self.step = settings.step_model()
         n = len(trace.requests)
         self.replica_of = [-1] * n
         self.arrival = [math.nan] * n
@@ -329,22 +334,37 @@ class _Fleet:
         self.achievable[index] = lo - lo % self.every
         local = plan.num_chunks
         self.hits[index] = local
-        seconds = (transfer_seconds(plan.dram_bytes, plan.ssd_bytes, self.config.bandwidth,
+        bw = self.config.bandwidth
+        seconds = (transfer_seconds(plan.dram_bytes, plan.ssd_bytes, bw,
                                     "serial" if plan.serial else self.settings.loading) if local else 0.0)
+        exposed = exposed_seconds(plan, self.state_bytes, bw, seconds) if local else 0.0
         remote = 0
         if self.cluster is not None:
             remote = self.cluster.prefix(keys, local, step=self.every)
             if remote:
-                seconds += self.cluster.get(keys[local:local + remote]) / self.cluster_rate
+                cluster_s = self.cluster.get(keys[local:local + remote]) / self.cluster_rate
+                seconds += cluster_s
+                exposed += cluster_s
         self.cluster_hits[index] = remote
-        if local or remote:
-            replica.ingress = loaded = max(now, replica.ingress) + seconds
-            self.transfer[index] = seconds
-        else:
-            loaded = now
-        computed = max(0, self.trace.requests[index].input_tokens - plan.tokens
-                       - remote * self.config.chunk.chunk_tokens) / self.settings.prefill_tps
-        replica.compute = max(loaded, replica.compute) + computed
+        step = self.step
+        reused = plan.tokens + remote * self.config.chunk.chunk_tokens
+        if step.layerwise or step.device is not None:
+            computed = step.compute_seconds(self.trace.requests[index].input_tokens - reused, reused)
+            if local or remote:
+                start = max(now, replica.ingress)
+                replica.ingress = start + seconds
+                self.transfer[index] = seconds
+                replica.compute = step.end(start, replica.compute, seconds, min(exposed, seconds), computed)
+            else:
+                replica.compute = max(now, replica.compute) + computed
+        else:  # today's arithmetic, exactly
+            if local or remote:
+                replica.ingress = loaded = max(now, replica.ingress) + seconds
+                self.transfer[index] = seconds
+            else:
+                loaded = now
+            computed = max(0, self.trace.requests[index].input_tokens - reused) / self.settings.prefill_tps
+            replica.compute = max(loaded, replica.compute) + computed
         replica.busy += computed
         self.ttft[index] = replica.compute - arrived
         self._push(replica.compute, _COMMIT, (index, plan, replica), (session_index, position))

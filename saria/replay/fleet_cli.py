@@ -8,12 +8,14 @@ of the single-server replay. See docs/replay.md#fleet-replay.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from saria.argtypes import float_range, int_range
 from saria.outputs import write_output
 from saria.replay.experiment import Experiment
 from saria.replay.fleet import CLUSTER_ADMISSIONS, MAX_REPLICAS, ROUTERS, FleetSettings, check_fleet_config
 from saria.replay.fleet_report import FleetJob, format_fleet_table, run_fleets, summarize_fleet
+from saria.replay.layerwise import LAYERWISE_SUFFIX
 from saria.replay.report import json_text, write_csv
 
 __all__ = ["add_fleet_options", "fleet_replay", "fleet_wanted"]
@@ -45,9 +47,11 @@ def fleet_wanted(args: argparse.Namespace) -> bool:
     return args.replicas > 1 or args.cluster_gb > 0
 
 
-def fleet_replay(args: argparse.Namespace, exp: Experiment, specs, configs, description: str) -> int:
+def fleet_replay(args: argparse.Namespace, exp: Experiment, specs, configs, description: str,
+                 layerwise: list[bool] = (False,)) -> int:
     """Run ``saria replay``'s fleet: every policy without and (``--cluster-gb`` > 0) with the cluster
-    tier; print the table and write ``--json`` / ``--csv``."""
+    tier, under each reload model of ``layerwise`` (True: layer-wise; with both, the layer-wise rows
+    are labelled NAME+lw); print the table and write ``--json`` / ``--csv``."""
     for config in configs:
         check_fleet_config(config)
     cluster_bytes = round(args.cluster_gb * 1e9)
@@ -55,8 +59,11 @@ def fleet_replay(args: argparse.Namespace, exp: Experiment, specs, configs, desc
     if cluster_bytes:
         variants.append(FleetSettings(args.replicas, args.router, cluster_bytes, args.cluster_gbps,
                                       args.cluster_admission, args.seed))
-    jobs = [FleetJob(spec.label, config, fleet) for spec, config in zip(specs, configs) for fleet in variants]
-    print(description)
+    both = len(layerwise) > 1
+    jobs = [FleetJob(spec.label + (LAYERWISE_SUFFIX if lw and both else ""), config, fleet,
+                     replace(exp.settings, layerwise=lw) if both else None)
+            for spec, config in zip(specs, configs) for fleet in variants for lw in layerwise]
+    print(description + (f"; reloads sequential and layer-wise ({LAYERWISE_SUFFIX})" if both else ""))
     print(f"fleet: {args.replicas} replicas, router {args.router} (seed {args.seed}), each with the capacities above"
           + (f"; cluster tier {args.cluster_gb:g} GB at {args.cluster_gbps:g} GB/s per replica, admission "
              f"{args.cluster_admission}, against none" if cluster_bytes else "; no cluster tier"))

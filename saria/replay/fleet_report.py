@@ -27,6 +27,7 @@ from typing import Hashable, Sequence
 from saria.config import SariaConfig
 from saria.replay.arrivals import Schedule
 from saria.replay.fleet import FleetRun, FleetSettings, replay_fleet
+from saria.replay.layerwise import LAYERWISE_SUFFIX
 from saria.replay.metrics import char, percentile
 from saria.replay.replay import ReplaySettings
 from saria.replay.runner import default_workers
@@ -45,11 +46,13 @@ FLEET_KEYS = ("policy", "replicas", "router", "cluster_gb", "cluster_gbps", "clu
 
 @dataclass(frozen=True)
 class FleetJob:
-    """One fleet replay: a label, the replicas' config, the fleet."""
+    """One fleet replay: a label, the replicas' config, the fleet, and its replay settings (None:
+    those :func:`run_fleets` is given)."""
 
     name: str
     config: SariaConfig
     fleet: FleetSettings
+    settings: ReplaySettings | None = None
 
 
 def _imbalance(values: Sequence[float]) -> float:
@@ -105,8 +108,9 @@ def _fmt(value, spec: str) -> str:
 def format_fleet_table(rows: Sequence[dict], *, trace: bool = False) -> str:
     """A plain-text table of fleet result records (one line each; ``trace``: a first column naming
     each row's ``trace``)."""
+    width = 19 if any(row["policy"].endswith(LAYERWISE_SUFFIX) for row in rows) else 16  # room for "+lw"
     head = (f"{'trace':<24} " if trace else "") + (
-        f"{'policy':<16} {'N':>3} {'router':<12} {'cluster':>13} {'DRAM hit':>9} {'SSD hit':>8} {'clu hit':>8} "
+        f"{'policy':<{width}} {'N':>3} {'router':<12} {'cluster':>13} {'DRAM hit':>9} {'SSD hit':>8} {'clu hit':>8} "
         f"{'CHAR':>6} {'TTFT ms mean':>12} {'p50':>8} {'p90':>9} {'SSD writes (GiB)':>16} {'put GiB':>8} "
         f"{'get GiB':>8} {'req max/mean':>12}")
     lines = [head]
@@ -115,7 +119,7 @@ def format_fleet_table(rows: Sequence[dict], *, trace: bool = False) -> str:
         refs = row["referenced_chunks"]
         share = (lambda n: _fmt(n / refs, ".1%")) if refs else (lambda n: "-")
         lines.append((f"{row['trace'][:24]:<24} " if trace else "") + (
-            f"{row['policy'][:16]:<16} {row['replicas']:>3} {row['router']:<12} {cluster:>13} "
+            f"{row['policy'][:width]:<{width}} {row['replicas']:>3} {row['router']:<12} {cluster:>13} "
             f"{share(row['dram_hit_chunks']):>9} {share(row['ssd_hit_chunks']):>8} "
             f"{share(row['cluster_hit_chunks']):>8} {_fmt(row['char_mean'], '.1%'):>6} "
             f"{_fmt(row['ttft_ms_mean'], ',.1f'):>12} {_fmt(row['ttft_ms_p50'], ',.1f'):>8} "
@@ -136,7 +140,7 @@ def _init(state: tuple) -> None:
 def _work(index: int) -> FleetRun:
     trace, chunks, schedule, jobs, settings = _STATE
     job = jobs[index]
-    return replay_fleet(job.name, trace, chunks, schedule, job.config, job.fleet, settings)
+    return replay_fleet(job.name, trace, chunks, schedule, job.config, job.fleet, job.settings or settings)
 
 
 def run_fleets(trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule, jobs: Sequence[FleetJob],
@@ -146,7 +150,8 @@ def run_fleets(trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: S
         return []
     workers = default_workers(len(jobs)) if workers is None else max(1, min(workers, len(jobs)))
     if workers == 1:
-        return [replay_fleet(job.name, trace, chunks, schedule, job.config, job.fleet, settings) for job in jobs]
+        return [replay_fleet(job.name, trace, chunks, schedule, job.config, job.fleet, job.settings or settings)
+                for job in jobs]
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(workers, initializer=_init, initargs=((trace, chunks, schedule, tuple(jobs), settings),)) as pool:
         return pool.map(_work, range(len(jobs)), chunksize=1)

@@ -7,7 +7,9 @@ Per request, on the logical clock (seconds):
 2. on getting one, ``plan(chunks, now)`` gives its reusable prefix; the plan's load
    (:func:`~saria.replay.timing.transfer_seconds`) waits for the shared GPU ingress (one plan loads
    at a time, FIFO), then prefill computes the tokens not reloaded at ``prefill_tps`` on the GPU
-   (one prefill at a time, FIFO, overlapping other requests' loads);
+   (one prefill at a time, FIFO, overlapping other requests' loads); with a device profile the
+   compute comes from the model's FLOPs instead, and with layer-wise reloads the request's own
+   forward overlaps its load layer by layer (:mod:`saria.replay.layerwise`);
 3. at the end of prefill (its first token: TTFT = queueing + transfer + prefill)
    ``commit_prefill``; the orders it returns run on their own FIFO lanes (stores and promotions
    GPU->DRAM at ``B_DRAM``, SSD writes at the drives' write bandwidth, of the bytes they put on
@@ -46,6 +48,7 @@ from saria.control import ControlPlane, Counters, DropOrder, WriteOrder
 from saria.control.prewarm import GapPredictor
 from saria.replay.arrivals import Schedule
 from saria.replay.labels import EvictionLabels
+from saria.replay.layerwise import StepModel, device_profile, exposed_seconds, model_spec
 from saria.replay.oracle import TraceFuture
 from saria.replay.timing import GB, LOADING_MODES, transfer_seconds
 from saria.replay.traces import Trace
@@ -68,13 +71,21 @@ class ReplaySettings:
     for serial loading, and the SSD write bandwidth per drive (``None``: the read bandwidth).
     ``truncate_hours`` (the paper truncates at 24 h): requests arriving that long after the first
     one are not replayed (nor the rest of their sessions), and the write budget covers exactly that
-    long; ``None``: everything is replayed and the budget covers first arrival to last event."""
+    long; ``None``: everything is replayed and the budget covers first arrival to last event.
+    ``layerwise``: a request's forward overlaps its reload layer by layer; ``device`` (a
+    :data:`saria.replay.layerwise.DEVICES` name, its efficiency replaced by ``device_efficiency``)
+    computes prefill from the FLOPs of ``model`` instead of at ``prefill_tps``. Both need ``model``
+    (an :class:`~saria.replay.experiment.Experiment` fills it in from its base settings)."""
 
     inflight: int = 4
     prefill_tps: float = 6500.0
     loading: str = "coordinated"
     disk_write_gbps: float | None = None
     truncate_hours: float | None = None
+    layerwise: bool = False
+    device: str | None = None
+    device_efficiency: float | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.inflight, bool) or not isinstance(self.inflight, int) or self.inflight < 1:
@@ -89,6 +100,14 @@ class ReplaySettings:
             raise ValueError(f"--b-disk-write must be > 0, got {self.disk_write_gbps!r}")
         if self.truncate_hours is not None and not (math.isfinite(self.truncate_hours) and self.truncate_hours > 0):
             raise ValueError(f"--truncate-hours must be > 0, got {self.truncate_hours!r}")
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"layerwise must be True or False, got {self.layerwise!r}")
+        self.step_model()  # checks the device, its efficiency and the model
+
+    def step_model(self) -> StepModel:
+        """How this replay times a prefill step (:class:`saria.replay.layerwise.StepModel`)."""
+        return StepModel(self.prefill_tps, self.layerwise, model_spec(self.model),
+                         device_profile(self.device, self.device_efficiency))
 
 
 @dataclass
@@ -173,6 +192,9 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
     bw = config.bandwidth
     mode = settings.loading
     tps = settings.prefill_tps
+    step = settings.step_model()
+    timed = step.layerwise or step.device is not None  # else today's arithmetic, exactly
+    state_bytes = config.chunk.state_bytes
     offload_rate = bw.dram_gbps * GB
     write_rate = (settings.disk_write_gbps or bw.disk_gbps_per_drive) * bw.drives * GB
     every = config.chunk.checkpoint_chunks if config.chunk.hybrid else 1
@@ -304,14 +326,26 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
                     hi = mid - 1
             achievable[request_index] = lo - lo % every
             hits[request_index] = plan.num_chunks
-            if plan.num_chunks:
-                seconds = transfer_seconds(plan.dram_bytes, plan.ssd_bytes, bw, "serial" if plan.serial else mode)
-                loaded = max(now, ingress_free) + seconds
-                ingress_free = loaded
-                transfer[request_index] = seconds
+            if timed:
+                compute_s = step.compute_seconds(requests[request_index].input_tokens - plan.tokens, plan.tokens)
+                if plan.num_chunks:
+                    seconds = transfer_seconds(plan.dram_bytes, plan.ssd_bytes, bw, "serial" if plan.serial else mode)
+                    start_load = max(now, ingress_free)
+                    ingress_free = start_load + seconds
+                    transfer[request_index] = seconds
+                    compute_free = step.end(start_load, compute_free, seconds,
+                                            exposed_seconds(plan, state_bytes, bw, seconds), compute_s)
+                else:
+                    compute_free = max(now, compute_free) + compute_s
             else:
-                loaded = now
-            compute_free = max(loaded, compute_free) + max(0, requests[request_index].input_tokens - plan.tokens) / tps
+                if plan.num_chunks:
+                    seconds = transfer_seconds(plan.dram_bytes, plan.ssd_bytes, bw, "serial" if plan.serial else mode)
+                    loaded = max(now, ingress_free) + seconds
+                    ingress_free = loaded
+                    transfer[request_index] = seconds
+                else:
+                    loaded = now
+                compute_free = max(loaded, compute_free) + max(0, requests[request_index].input_tokens - plan.tokens) / tps
             ttft[request_index] = compute_free - arrived
             push(events, (compute_free, _COMMIT, seq, (request_index, plan), (session_index, position)))
             seq += 1

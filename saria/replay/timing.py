@@ -18,8 +18,9 @@ checkpoints included). With ``r_D = min(B_DRAM, B_GPU)`` and ``r_S = min(B_disk,
 * ``ideal``: perfect sharing, ``max(D / B_DRAM, S / B_disk, (D + S) / B_GPU)`` (paper §3.2,
   Figure 4's "ideal overlap"), a lower bound for the others.
 
-Prefill computes the prompt tokens not reloaded at ``prefill_tps`` tokens/s. Data movements that
-follow a request (stores and promotions GPU->DRAM at ``B_DRAM``, SSD writes at the drives' write
+Prefill computes the prompt tokens not reloaded at ``prefill_tps`` tokens/s (or from the model's
+FLOPs on a device, and overlapped with the reload layer by layer or not:
+:mod:`saria.replay.layerwise`). Data movements that follow a request (stores and promotions GPU->DRAM at ``B_DRAM``, SSD writes at the drives' write
 bandwidth) take ``bytes / rate`` on their own FIFO lanes.
 """
 
