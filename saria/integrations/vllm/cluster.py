@@ -6,15 +6,16 @@ The scheduler looks up the chunks after a request's local plan in the cluster
 This rank executes both with its :class:`~saria.dataplane.cluster.ClusterStore`, whose memory is
 the host pool (registered once):
 
-* **Reloads** (:class:`~.cluster_loads.ClusterLoad`): each chunk's object is fetched into *staging* slots, host
-  slots beyond the DRAM tier's (``cluster_staging_bytes``) that the control plane never places
-  objects in, verified part by part, then published under a key of its own in the DRAM index and
-  reloaded by the DRAM path into the request's blocks, and dropped. With a ``sealer`` the store
-  registers only its own ciphertext buffers with Mooncake, never the host pool: Mooncake lands
-  the ciphertext there, and the staging slots receive the plaintext from the store's decryption
-  alone (the tag verified first), so what is unpacked into vLLM's pages comes from private memory. The unpack starts from the
-  caller's thread (``ready`` / ``wait``, which vLLM's hooks call), so it queues behind the caller's
-  work like any reload. The leading chunks that arrived are valid; from the first miss on (absent,
+* **Reloads** (:class:`~.cluster_loads.ClusterLoad`, on this tier's store and staging budget): each
+  chunk's object is fetched into *staging* slots, host slots beyond the DRAM tier's
+  (``cluster_staging_bytes``) that the control plane never places objects in, verified part by
+  part, then published under a key of its own in the DRAM index and reloaded by the DRAM path into
+  the request's blocks, and dropped. With a ``sealer`` the store registers only its own ciphertext
+  buffers with Mooncake, never the host pool: Mooncake lands the ciphertext there, and the staging
+  slots receive the plaintext from the store's decryption alone (the tag verified first), so what
+  is unpacked into vLLM's pages comes from private memory. The unpack starts from the caller's
+  thread (``ready`` / ``wait``, which vLLM's hooks call), so it queues behind the caller's work
+  like any reload. The leading chunks that arrived are valid; from the first miss on (absent,
   evicted, corrupt, timed out, the tier off, no staging room) vLLM recomputes. A miss is never an
   error: it is counted and reported as ``cluster_failed``, and the control plane never hears of it.
 * **Puts** (``all``): once a store lands a chunk's object in DRAM, it is put from its slots (no
@@ -30,15 +31,13 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 from saria.dataplane.cluster import ClusterStore, ClusterTimeout
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.transfer.engine import TransferEngine
 from saria.orders import KV, ObjectKey
 from saria.seal import Sealer
-
-from .cluster_loads import ClusterLoad
 
 log = logging.getLogger("saria.vllm")
 
@@ -79,11 +78,7 @@ class WorkerCluster:
             for name, n in deltas.items():
                 self.counts[name] += n
 
-    # --- reloads ---------------------------------------------------------------------------------
-
-    def load(self, chunks: Sequence[Hashable], blocks: Sequence[Sequence[int]], skip_pages: int = 0) -> "ClusterLoad":
-        """Start fetching ``chunks`` (in request order) for the pages ``blocks``."""
-        return ClusterLoad(self, list(chunks), [tuple(b) for b in blocks], skip_pages)
+    # --- staging, for reloads (.cluster_loads) ----------------------------------------------------
 
     def _take_staging(self, objects: int) -> int:
         """Reserve staging for up to ``objects`` objects; how many it has room for."""

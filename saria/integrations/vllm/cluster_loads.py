@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import Any, Hashable, Sequence
 
 from saria.dataplane.cluster import ClusterTimeout
 from saria.dataplane.dram.host_pool import HostPoolFull
@@ -23,8 +23,7 @@ from saria.dataplane.dram.store import DramObject
 from saria.dataplane.ssd.keys import object_key
 from saria.orders import KV, ObjectKey, ReloadPlan, Tier
 
-if TYPE_CHECKING:
-    from .cluster import WorkerCluster
+from .cluster import WorkerCluster
 
 log = logging.getLogger("saria.vllm")
 
@@ -37,11 +36,14 @@ def staged_key(chunk: Hashable) -> ObjectKey:
 
 class ClusterLoad:
     """The cluster chunks of one reload (module docstring): gets into staging slots, then one
-    DRAM-path reload of the leading chunks that arrived. ``ready()`` never blocks; ``wait()`` does.
-    Both give the result once known: ``(valid, missed)``, the leading chunks now in their pages and
-    how many of the chunks did not arrive."""
+    DRAM-path reload of the leading chunks that arrived, started at once: ``chunks`` (in request
+    order) for the pages ``blocks``, the first ``skip`` pages of the first chunk left out.
+    ``ready()`` never blocks; ``wait()`` does. Both give the result once known: ``(valid,
+    missed)``, the leading chunks now in their pages and how many of the chunks did not arrive."""
 
-    def __init__(self, tier: "WorkerCluster", chunks: list[Hashable], blocks: list[tuple[int, ...]], skip: int):
+    def __init__(self, tier: WorkerCluster, chunks: Sequence[Hashable], blocks: Sequence[Sequence[int]],
+                 skip: int = 0):
+        chunks, blocks = list(chunks), [tuple(b) for b in blocks]
         if len(chunks) != len(blocks):
             raise ValueError(f"{len(chunks)} cluster chunks but {len(blocks)} block lists")
         self.tier = tier

@@ -55,7 +55,7 @@ from saria.seal import Keyring
 
 from .audit import KVAudit
 from .cluster import WorkerCluster
-from .cluster_loads import CombinedLoad
+from .cluster_loads import ClusterLoad, CombinedLoad
 from .faults import Faults
 from .geometry import EngineGeometry
 from .layout import ParallelLayout
@@ -172,7 +172,7 @@ class SariaWorker:
             raise ValueError("a load names cluster chunks but this worker has no cluster tier")
         local = spec.plan.num_chunks
         job = self.engine.load(spec.plan, spec.kv_blocks[:local], skip_pages=spec.skip_pages) if local else None
-        fetch = self.cluster.load(spec.cluster, spec.kv_blocks[local:], 0 if local else spec.skip_pages)
+        fetch = ClusterLoad(self.cluster, spec.cluster, spec.kv_blocks[local:], 0 if local else spec.skip_pages)
         return CombinedLoad(job, local, fetch)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
