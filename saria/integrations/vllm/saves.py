@@ -1,0 +1,196 @@
+"""A worker rank's saves: the orders that ``wait_for_save`` starts, and which of vLLM's blocks they
+still read.
+
+* :meth:`WorkerSaves.start` (``wait_for_save``, after the step's forward): set aside the GDN states
+  at the boundaries the forward ended on, then start the orders of requests whose prompt it
+  completed, and return (nothing in the step waits for a copy): stores and promotions pack pages
+  and copy them to host slots, writes from HBM pack them and write to SSD, drops free slots. An
+  order that cannot start is reported failed; so is every order once the worker is off.
+* Blocks an order reads: while an order reads a request's blocks, its ``released`` event is the
+  request's (``reading``). Until then vLLM keeps the blocks of a finished request: the scheduler
+  said so when the request finished (``held`` in the metadata), and ``get_finished`` reports it
+  sent once they are free (:meth:`~WorkerSaves.take_sent`); ``handle_preemptions`` waits for them
+  (:meth:`~WorkerSaves.wait_preempted`) before a step's forward may write the blocks of a
+  preempted request.
+* :meth:`~WorkerSaves.take_completions` (``build_connector_worker_meta``): the orders that ended.
+* :meth:`~WorkerSaves.drop_everything` (a new epoch): free every host pool slot a store may have
+  filled and delete every SSD object.
+
+The worker that owns it (``worker``) gives it its engine, cluster tier, audit, settings, ``off``
+and fault handling; this object only keeps the orders' state.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Hashable, Iterable
+
+import torch
+
+from saria.orders import STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, split_keys
+
+from .metadata import CompletionReport, RequestOrders, SariaConnectorMetadata
+
+
+class WorkerSaves:
+    """The orders of one worker rank (module docstring). ``worker``: its
+    :class:`~.worker.SariaWorker` (``engine``, ``cluster``, ``audit``, ``settings``, ``data``,
+    ``off``, ``_fault``)."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.orders: list[tuple[int, Future]] = []  # started, their completion not reported yet
+        self.completions: list[CompletionReport] = []  # orders that failed before they started
+        self.reading: dict[str, list[threading.Event]] = {}  # per request: orders still reading its blocks
+        self.held: set[str] = set()  # finished requests whose blocks vLLM keeps until get_finished sends them
+        self.preemption_waits = 0  # preempted requests whose orders still read their blocks: waited for
+        self.dram_keys: set[ObjectKey] = set()  # every object a store may have put in the host pool
+        self.captured: dict[str, dict[Hashable, torch.Tensor]] = {}  # GDN states set aside, per request
+
+    def capture(self, req_id: str, chunk: Hashable, block: int) -> None:
+        """Set a GDN state aside (packed on the caller's stream, so before the next forward writes
+        its block); on a fault, do without it (a store of it then fails)."""
+        try:
+            self.captured.setdefault(req_id, {})[chunk] = self.worker.engine.capture_state(block)
+        except Exception as exc:
+            self.worker._fault("capture", exc)
+
+    # --- starting orders -------------------------------------------------------------------------
+
+    def start(self, meta: SariaConnectorMetadata) -> None:
+        """The step's captures, then its orders (the worker followed ``meta`` already)."""
+        if not self.worker.off:
+            for capture in meta.captures:  # states at the boundaries this step's forward ended on
+                self.capture(capture.req_id, capture.chunk, capture.block)
+        for batch in meta.orders:
+            states = self.captured.pop(batch.req_id, {}) if batch.req_id is not None else {}
+            prepacked = {ObjectKey(chunk, STATE): staging for chunk, staging in states.items()}
+            for order in batch.orders:
+                self._run_order(order, batch, prepacked)
+
+    def _run_order(self, order: Order, batch: RequestOrders, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
+        """Start one order (:meth:`TransferEngine.execute`); while it reads the request's blocks,
+        its ``released`` event is the request's (``reading``)."""
+        worker = self.worker
+        drop = isinstance(order, DropOrder)
+        if worker.off:
+            if not drop:
+                self.completions.append(CompletionReport(order.order_id, False))
+            return
+        if isinstance(order, (StoreOrder, PromoteOrder)):
+            self.dram_keys.update(order.keys())  # before it can land
+        cluster, audit = worker.cluster, worker.audit
+        if drop and order.tier is Tier.DRAM and cluster is not None:
+            if batch.share and worker.settings.cluster_admission == "evicted":
+                cluster.share_now([k for k in order.keys() if k.chunk in batch.share])
+            cluster.before_drop(order.keys())  # no put reads the slots the drop frees
+        if audit is not None and not drop:
+            for chunk in order.kv:
+                if chunk in batch.kv_blocks:  # this order reads the chunk from vLLM's blocks
+                    audit.stored(chunk, batch.kv_blocks[chunk])
+        try:
+            (run,) = worker.engine.execute([order], batch.kv_blocks, prepacked=prepacked)
+        except Exception as exc:  # the engine started nothing of it
+            if not drop:
+                self.completions.append(CompletionReport(order.order_id, False))
+            worker._fault("drop" if drop else type(order).__name__, exc)
+            return
+        if drop and order.tier is Tier.DRAM:
+            self.dram_keys.difference_update(order.keys())
+        if batch.req_id is not None and not run.released.is_set():
+            self.reading.setdefault(batch.req_id, []).append(run.released)
+        if run.completion is not None:
+            self.orders.append((order.order_id, run.completion))
+            if batch.share and cluster is not None and isinstance(order, StoreOrder):
+                cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
+
+    # --- the blocks orders read ------------------------------------------------------------------
+
+    def finished(self, req_ids: Iterable[str]) -> None:
+        """vLLM finished these requests: drop their GDN states; a request not held had its blocks
+        freed at once, so no order of it reads them."""
+        for req_id in req_ids:
+            self.captured.pop(req_id, None)
+            if req_id not in self.held:
+                self.reading.pop(req_id, None)
+
+    def take_sent(self) -> set[str]:
+        """Held requests whose orders no longer read their blocks (all of them once off: the data
+        plane closed, and its close waited for every order)."""
+        off = self.worker.off
+        sent = {req_id for req_id in self.held
+                if off or all(event.is_set() for event in self.reading.get(req_id, ()))}
+        for req_id in sent:
+            self.held.discard(req_id)
+            self.reading.pop(req_id, None)
+        return sent
+
+    def wait_preempted(self, req_ids: Iterable[str]) -> None:
+        """vLLM freed the blocks of these preempted requests: wait until no order reads them."""
+        for req_id in req_ids:
+            reading = [event for event in self.reading.pop(req_id, ()) if not event.is_set()]
+            self.preemption_waits += bool(reading)
+            for event in reading:
+                event.wait()
+
+    # --- completions -----------------------------------------------------------------------------
+
+    def take_completions(self, out: list[CompletionReport]) -> None:
+        """Move into ``out`` the completions to report: the orders that failed before they
+        started, then those that ended (every one once off: nothing more will finish)."""
+        out += self.completions
+        self.completions = []
+        orders, self.orders = self.orders, []
+        for order_id, future in orders:
+            if future.done() or self.worker.off:  # off: the data plane closed, nothing more will finish
+                out.append(self._completion(order_id, future))
+            else:
+                self.orders.append((order_id, future))
+
+    def _completion(self, order_id: int, future: Future) -> CompletionReport:
+        if not future.done():  # the data plane closed before it finished
+            return CompletionReport(order_id, False)
+        error = future.exception()
+        if error is not None:
+            self.worker._fault("order", error)
+            return CompletionReport(order_id, False)
+        done = future.result()
+        return CompletionReport(order_id, done.ok, done.failed)
+
+    def in_flight(self) -> list[Future]:
+        return [future for _, future in self.orders]
+
+    # --- epochs, turning off ---------------------------------------------------------------------
+
+    def forget(self) -> list[Future]:
+        """A new epoch: the reports for the old control plane are never sent and the states set
+        aside go; the orders in flight, for the caller to wait for."""
+        self.completions = []
+        orders, self.orders = self.orders, []
+        self.captured.clear()
+        return [future for _, future in orders]
+
+    def drop_everything(self) -> None:
+        """Free every object a store may have put in the host pool and delete every SSD object."""
+        worker = self.worker
+        engine = worker.engine
+        if worker.cluster is not None:
+            worker.cluster.quiesce()  # no put reads a slot freed here
+        keys, self.dram_keys = self.dram_keys, set()
+        kv, state = split_keys(keys)
+        if kv or state:
+            engine.drop(DropOrder(-1, kv, state, 0, Tier.DRAM))
+        if worker.data.ssd is not None:
+            for key in worker.data.ssd.keys():
+                worker.data.ssd.delete(key)
+        if worker.audit is not None:
+            worker.audit.forget()
+        left = engine.dram_objects()
+        if left:
+            raise RuntimeError(f"{left} DRAM object(s) left after dropping every one stored")
+
+    def turned_off(self) -> None:
+        """The data plane closed: the states set aside and the host pool's objects are gone."""
+        self.captured.clear()
+        self.dram_keys.clear()
