@@ -172,8 +172,8 @@ class ClusterStore:
         stored, or failing with a :class:`~saria.dataplane.cluster.errors.ClusterMiss`
         (``ClusterWriteError``, ``ClusterTimeout``, ``ClusterOff``, ...). ``checksums[i]`` are the
         parts' ``saria.kernels.checksum`` values if the caller has them (trusted, not recomputed;
-        else computed on the worker; a sealed store neither takes nor computes any: the tag is its
-        check). The views must stay unchanged until the Future is done (after a timeout: until its
+        else, or where a part's is ``None``, computed on the worker; a sealed store neither takes
+        nor computes any: the tag is its check). The views must stay unchanged until the Future is done (after a timeout: until its
         ``released`` event is set). A sealed store does not write an object whose metadata is in the
         cluster already (the Future resolves to its length; ``present`` counts it).
 
@@ -293,6 +293,8 @@ class ClusterStore:
                 self._registered.check(v, f"object {i} part {j}", self._max_part)
             total += self._layout.meta_bytes(len(parts))
             s = None if checksums is None or self._sealer is not None else checksums[i]
+            if s is not None and any(c is None for c in s):  # not all computed yet (a layer-wise save's)
+                s = None
             if s is not None:
                 s = [int(c) for c in s]
                 if len(s) != len(parts) or any(not 0 <= c < 1 << 64 for c in s):

@@ -23,11 +23,13 @@ from saria.dataplane.dram.host_pool import HostPool
 
 @dataclass
 class DramObject:
-    """An object resident in the host pool: its slots, size and per-slot checksums."""
+    """An object resident in the host pool: its slots, size and per-slot checksums (a slot's
+    ``None``: not computed, as for a layer-wise save's objects, whose pages were copied straight
+    into the slots; an SSD write or a cluster put of it computes the part's checksum itself)."""
 
     slots: list[int]
     nbytes: int
-    checksums: tuple[int, ...]
+    checksums: tuple[int | None, ...]
 
 
 class DramStore:

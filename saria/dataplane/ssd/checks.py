@@ -99,9 +99,9 @@ def split(data: Any, part_bytes: int) -> list[tuple[str, torch.Tensor]]:
 def check_checksums(checksums: Any, n: int) -> list[int | None]:
     if checksums is None:
         return [None] * n
-    sums = list(checksums)
-    if len(sums) != n or not all(isinstance(c, int) and 0 <= c < CHECKSUM_LIMIT for c in sums):
-        raise ValueError(f"checksums must be {n} integers in [0, 2**64), one per part")
+    sums = list(checksums)  # a part's None: not computed yet (a layer-wise save's), the write computes it
+    if len(sums) != n or not all(c is None or (isinstance(c, int) and 0 <= c < CHECKSUM_LIMIT) for c in sums):
+        raise ValueError(f"checksums must be {n} integers in [0, 2**64) or None, one per part")
     return sums
 
 

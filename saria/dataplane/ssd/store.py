@@ -224,8 +224,8 @@ class SSDStore:
         ``data`` is a contiguous uint8 tensor (cut into parts of ``part_bytes``) or a list of
         per-part tensors (every part ``part_bytes`` long except the last, e.g. host pool slots).
         ``checksums`` are the parts' ``saria.kernels.checksum`` values if the caller has them
-        (they are trusted, not recomputed; a sealed store ignores them: each part's tag replaces its
-        checksum). The source must stay unchanged until the Future is done.
+        (they are trusted, not recomputed; a part's ``None``: computed here; a sealed store ignores
+        them: each part's tag replaces its checksum). The source must stay unchanged until the Future is done.
 
         Sources may share memory with each other (the same tensor twice is fine: writes only read
         it) but not with the destination of a read in flight.

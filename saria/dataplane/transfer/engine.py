@@ -12,7 +12,8 @@ own module, owning its thread(s) and (on CUDA) its own stream:
   :meth:`~saria.dataplane.ssd.store.SSDStore.read_many` per batch into one staging, verified on
   the reader threads, one hand-off to the unpack thread, one unpack per run of arrived objects.
 * **GPU -> DRAM** (:mod:`~saria.dataplane.transfer.stores`, ``offload`` stream): stores and
-  promotions packed, checksummed per host-slot part and copied into host slots.
+  promotions packed, checksummed per host-slot part and copied into host slots; layer by layer
+  (:mod:`~saria.dataplane.transfer.layer_saves`), each layer's pages copied straight into the slots.
 * **DRAM/GPU -> SSD** (:mod:`~saria.dataplane.transfer.writes`): writes from DRAM slots or from
   freshly packed GPU staging (both packing paths share the offload thread of
   :mod:`~saria.dataplane.transfer.packing`).
@@ -59,6 +60,7 @@ from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.dram_loads import DramLoads
+from saria.dataplane.transfer.layer_saves import LayerSaves, StepSave
 from saria.dataplane.transfer.layerwise import LayerwiseLoads, StepLoad
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
 from saria.dataplane.transfer.packing import Packer
@@ -126,6 +128,7 @@ class TransferEngine:
         self._writes = Writes(self._packer, self._tables, self.dram, ssd, self._counters)
         self._prewarms = Prewarms(self._tables, host_pool, self.dram, ssd, self._counters)
         self._layerwise: LayerwiseLoads | None = None  # started by the first load_layers()
+        self._layer_saves: LayerSaves | None = None  # started by the first store_layers()
         self._closed = False
 
     @property
@@ -248,6 +251,31 @@ class TransferEngine:
             jobs.append(LoadJob(plan, items, None, after=after))
         self._counters.add(loads=len(jobs), load_objects=sum(len(j.items) for j in jobs))
         return paths.submit(jobs)
+
+    # --- layer-wise saves ------------------------------------------------------------------------
+
+    def _saves(self) -> LayerSaves:
+        self._check_open()
+        if self._layer_saves is None:
+            self._layer_saves = LayerSaves(self._tables, self.layerwise(), self._counters)
+        return self._layer_saves
+
+    def store_layers_ok(self, order: Order) -> bool:
+        """Whether :meth:`store_layers` can take ``order``: a store or promotion of kv objects from
+        the pages only (a GDN state has no layer hook), on an engine whose pages never straddle
+        two host slots (``layerwise().capable``)."""
+        return self._saves().ok(order)
+
+    def store_layers(self, orders: Sequence[StoreOrder | PromoteOrder],
+                     kv_blocks: Mapping[Hashable, Blocks]) -> StepSave:
+        """Start one step's stores layer by layer (:mod:`~saria.dataplane.transfer.layer_saves`),
+        before its forward: call ``save_layer(l)`` on the returned
+        :class:`~saria.dataplane.transfer.layer_saves.StepSave` once layer ``l`` wrote its pages,
+        and ``finish()`` (one :class:`OrderRun` per order, done) before the pages are reused. The
+        layers are those of :meth:`layerwise`. Objects that do not fit in the host pool fail (named
+        in the completion). Raises (``ValueError``: an order :meth:`store_layers_ok` refuses, bad
+        block ids) only before anything started."""
+        return self._saves().start(orders, kv_blocks)
 
     # --- stores, writes, drops -------------------------------------------------------------------
 
@@ -387,6 +415,8 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        if self._layer_saves is not None:
+            self._layer_saves.close()  # fails the steps not finished: no slot or released left behind
         if self._layerwise is not None:
             self._layerwise.close()
         self._dram_loads.close()  # may still submit a serial plan's SSD reads

@@ -134,7 +134,9 @@ class LayerwiseLoads:
 
     ``layers``: the kv table's tensors grouped by model layer (tensor indices; default one tensor
     per layer). ``capable`` is ``False`` when a page of some tensor would straddle two host slots
-    (slot size not a multiple of the page layout): such an engine reloads whole only."""
+    (slot size not a multiple of the page layout): such an engine reloads and stores whole only.
+    The layer-wise saves (:mod:`~saria.dataplane.transfer.layer_saves`) share ``layers``,
+    ``tensor_tables`` and ``page_offsets``."""
 
     def __init__(self, tables: Tables, host_pool: HostPool, dram: DramStore, ssd: SSDStore | None,
                  coordinator: Coordinator, streams: Streams, counters: TransferCounters,
@@ -159,13 +161,13 @@ class LayerwiseLoads:
         self.host_seconds: list[float] | None = None  # a list: each layer issue's host time is appended
         self.prepare_seconds: list[float] | None = None  # a list: each layer's precompute (checks) is appended
         ppc = tables.pages_per_chunk
-        self._tensor_tables = [PageTable([t], names=[name]) for t, name in zip(table.tensors, table.names)]
+        self.tensor_tables = [PageTable([t], names=[name]) for t, name in zip(table.tensors, table.names)]
         # Per tensor: each page's byte offset inside a kv object (the object's staging layout).
-        self._page_offsets = [table.tensor_offsets[t] * ppc + torch.arange(ppc, dtype=torch.int64) * seg.page_bytes
+        self.page_offsets = [table.tensor_offsets[t] * ppc + torch.arange(ppc, dtype=torch.int64) * seg.page_bytes
                               for t, seg in enumerate(table.segments)]
         slot = host_pool.slot_bytes
         self.capable = all(bool(((offsets % slot) + seg.page_bytes <= slot).all())
-                           for offsets, seg in zip(self._page_offsets, table.segments))
+                           for offsets, seg in zip(self.page_offsets, table.segments))
         self._queues = {name: queue.Queue() for name in PATHS}
         self._threads = [threading.Thread(target=self._loop, args=(name,), name=f"saria-layers-{name}", daemon=True)
                          for name in PATHS]
@@ -296,58 +298,84 @@ class LayerwiseLoads:
     # --- what each layer copies (worked out once per step) ---------------------------------------
 
     def _dram_copies(self, present: list[tuple[LoadJob, LoadItem, list[int]]]):
-        """Per layer, one scattered copy per (tensor, host pool segment) holding the layer's pages.
-        Worked out for all objects at once: an object's part ``k`` lives in host slot ``slots[k]``,
-        which is somewhere in one of the pool's segments."""
-        slot_bytes, cpu = self.host_pool.slot_bytes, torch.device("cpu")
-        parts = max(len(slots) for _, _, slots in present)
-        segments: dict[int, torch.Tensor] = {}
-        seg_of = torch.zeros(len(present), parts, dtype=torch.int64)  # [object, part] -> segment address
-        start_of = torch.zeros(len(present), parts, dtype=torch.int64)  # [object, part] -> offset in it
-        for o, (_, _, slots) in enumerate(present):
-            for k, slot in enumerate(slots):
-                segment, start = self.host_pool.locate(slot)
-                segments.setdefault(segment.data_ptr(), segment)
-                seg_of[o, k], start_of[o, k] = segment.data_ptr(), start
-        ids = torch.stack([item.blocks.on(cpu) for _, item, _ in present])  # [object, page]
+        """Per layer, one scattered copy per (tensor, host pool segment) holding the layer's pages
+        (:func:`slot_places`), the leading pages an item skips left out."""
+        ids = torch.stack([item.blocks.on(torch.device("cpu")) for _, item, _ in present])  # [object, page]
         keep = torch.ones_like(ids, dtype=torch.bool)
         for o, (_, item, _) in enumerate(present):
             keep[o, :item.skip] = False
-        rows = torch.arange(len(present)).unsqueeze(1)
-        per_tensor = []
-        for offsets in self._page_offsets:
-            part, inner = offsets // slot_bytes, offsets % slot_bytes
-            where = (start_of[rows, part] + inner)[keep]
-            seg = seg_of[rows, part][keep]
-            chosen = ids[keep]
-            if len(segments) == 1:
-                per_tensor.append([(next(iter(segments.values())), where, chosen)])
-            else:
-                per_tensor.append([(segment, where[seg == address], chosen[seg == address])
-                                   for address, segment in segments.items() if bool((seg == address).any())])
-        return self._prepare(per_tensor)
+        return self._prepare(slot_places(self.host_pool, self.page_offsets, [slots for _, _, slots in present],
+                                         ids, keep))
 
     def _ssd_copies(self, staging: torch.Tensor, arrived: list[tuple[LoadJob, LoadItem, int]]):
         """Per layer, one scattered copy per tensor out of the step's SSD staging."""
         per_tensor = []
-        for offsets in self._page_offsets:
+        for offsets in self.page_offsets:
             offs = [offsets[item.skip:] + base for _, item, base in arrived]
             ids = [item.blocks.on(torch.device("cpu"))[item.skip:] for _, item, _ in arrived]
             per_tensor.append([(staging, torch.cat(offs), torch.cat(ids))])
         return self._prepare(per_tensor)
 
     def _prepare(self, per_tensor: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]):
-        """Yield each layer's prepared copies in turn: the checks of layer ``l + 1`` run while the
-        copies of layer ``l`` are already on their way (the first layer does not wait for all)."""
-        for group in self.layers:
-            out = _Copies()
-            for t in group:
-                for buffer, offsets, ids in per_tensor[t]:
-                    copy = prepare_scattered(buffer, offsets.view(1, -1), self._tensor_tables[t], ids, pack=False,
-                                             max_programs=self.max_programs)
-                    out.copies.append(copy)
-                    out.nbytes += copy.nbytes
-            yield out
+        """Each layer's prepared unpacks in turn (:func:`prepare_layers`, lazily: the checks of
+        layer ``l + 1`` run while the copies of layer ``l`` are already on their way)."""
+        return prepare_layers(self.layers, self.tensor_tables, per_tensor, pack=False, max_programs=self.max_programs)
+
+
+def slot_places(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Sequence[Sequence[int]],
+                ids: torch.Tensor, keep: torch.Tensor | None = None
+                ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Where the pages of objects held in host slots lie in the pool's memory, for scattered copies
+    (layer-wise reloads read them there, layer-wise saves write them there).
+
+    ``page_offsets[t]``: each page's byte offset of tensor ``t`` inside an object (its packed
+    layout); ``slots[o]``: object ``o``'s slots (its part ``k``, bytes ``[k * slot_bytes, (k + 1) *
+    slot_bytes)``, in ``slots[o][k]``); ``ids`` int64 ``[objects, pages]``: their block ids;
+    ``keep`` bool ``[objects, pages]``: the pages to copy (default all). Returns, per tensor, one
+    ``(segment, byte offsets in it, block ids)`` per host pool segment holding some of them. Worked
+    out for all objects at once; a page never straddles two slots (``LayerwiseLoads.capable``)."""
+    slot_bytes = host_pool.slot_bytes
+    parts = max(len(s) for s in slots)
+    segments: dict[int, torch.Tensor] = {}
+    seg_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> segment address
+    start_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> offset in it
+    for o, held in enumerate(slots):
+        for k, slot in enumerate(held):
+            segment, start = host_pool.locate(slot)
+            segments.setdefault(segment.data_ptr(), segment)
+            seg_of[o, k], start_of[o, k] = segment.data_ptr(), start
+    if keep is None:
+        keep = torch.ones_like(ids, dtype=torch.bool)
+    rows = torch.arange(len(slots)).unsqueeze(1)
+    per_tensor = []
+    for offsets in page_offsets:
+        part, inner = offsets // slot_bytes, offsets % slot_bytes
+        where = (start_of[rows, part] + inner)[keep]
+        seg = seg_of[rows, part][keep]
+        chosen = ids[keep]
+        if len(segments) == 1:
+            per_tensor.append([(next(iter(segments.values())), where, chosen)])
+        else:
+            per_tensor.append([(segment, where[seg == address], chosen[seg == address])
+                               for address, segment in segments.items() if bool((seg == address).any())])
+    return per_tensor
+
+
+def prepare_layers(layers: list[list[int]], tensor_tables: list[PageTable],
+                   per_tensor: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], *, pack: bool,
+                   max_programs: int | None):
+    """Yield each layer's prepared copies (``layers``: tensor indices per layer): one
+    :func:`~saria.kernels.prepare_scattered` per ``(buffer, offsets, ids)`` of each of its tensors
+    (``per_tensor``, as :func:`slot_places` gives them); ``pack``: pages -> buffer."""
+    for group in layers:
+        out = _Copies()
+        for t in group:
+            for buffer, offsets, ids in per_tensor[t]:
+                copy = prepare_scattered(buffer, offsets.view(1, -1), tensor_tables[t], ids, pack=pack,
+                                         max_programs=max_programs)
+                out.copies.append(copy)
+                out.nbytes += copy.nbytes
+        yield out
 
 
 def _finish(job: LoadJob, item: LoadItem, event: Event | None = None, error: BaseException | None = None) -> None:

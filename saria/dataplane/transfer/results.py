@@ -58,6 +58,10 @@ class EngineCounters:
     layerwise_objects: int = 0
     layer_copies: int = 0           # scattered copies launched for them (per layer, tensor and source)
     layer_waits: int = 0            # layers the engine's forward waited for (StepLoad.wait_layer)
+    layerwise_save_steps: int = 0   # steps whose stores went layer by layer (transfer.layer_saves)
+    layerwise_store_objects: int = 0
+    layer_saves: int = 0            # layers whose copies were started (StepSave.save_layer, or finish)
+    layer_saves_late: int = 0       # of them, layers no hook saved: copied by StepSave.finish
 
     def snapshot(self) -> dict:
         return asdict(self)

@@ -1,0 +1,367 @@
+"""Layer-wise saves: one step's stores copied from the pages into host slots layer by layer, each
+layer's copy started as soon as the engine's forward pass wrote that layer (vLLM's
+``save_kv_layer``), so that the copies run beside the rest of the forward instead of after it
+(docs/dataplane.md, "GPU -> DRAM, layer by layer").
+
+:meth:`LayerSaves.start` (``TransferEngine.store_layers``, before the forward, on the caller's
+thread) does everything a layer shares, once per step: it checks the orders (kv objects from the
+pages only: a GDN state has no layer hook and is stored whole), takes each object's host slots
+(an object that does not fit fails, as with ``store()``), and prepares per layer one
+:func:`~saria.kernels.prepare_scattered` PACK per (tensor, host pool segment), from the pages
+straight to the bytes' places in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_places`,
+the layout the layer-wise reload reads back). It returns a :class:`StepSave`:
+
+* :meth:`StepSave.save_layer` (``save_kv_layer``: layer ``l`` just wrote its pages) costs a few
+  launches. On CUDA: an event on the caller's current stream (the forward), the ``offload`` stream
+  made to wait for it, the layer's copies launched there (a kernel that writes the pinned slots by
+  address), one event recorded after them; the host never waits. On the CPU the layer is handed to
+  the engine's save thread, which copies the layers in the order handed over while the forward
+  goes on.
+* :meth:`StepSave.finish` (``wait_for_save``) copies every layer no hook saved (a forward that
+  skipped one: its pages are complete once the forward ran), waits until every copy ran, sets
+  each order's ``released`` event (no copy reads the pages any more) and publishes the objects in
+  the :class:`~saria.dataplane.dram.store.DramStore`, their checksums left to be computed where
+  they are needed (``None``: an SSD write or a cluster put computes a part's own). It returns one
+  :class:`~saria.dataplane.transfer.results.OrderRun` per order, its completion done.
+
+A fault (a copy refused, the engine closing) fails every object of the step: their slots are
+freed once no copy can still write them, the completions name them, and ``released`` is set all
+the same (a waiter never hangs).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence
+
+import torch
+
+from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
+
+from saria.dataplane.dram.host_pool import HostPoolFull
+from saria.dataplane.dram.store import DramObject
+from saria.dataplane.transfer.layerwise import LayerwiseLoads, prepare_layers, slot_places
+from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
+from saria.dataplane.transfer.streams import Event
+from saria.dataplane.transfer.tables import Blocks, Tables, log
+
+
+@dataclass
+class _Object:
+    """One kv object of a step: its slots (``None`` once published or freed) and why it failed."""
+
+    key: ObjectKey
+    order: int  # index of its order in the step
+    ids: object  # BlockIds
+    slots: list[int] | None = None
+    error: BaseException | None = None
+
+
+class StepSave:
+    """One step's layer-wise saves (module docstring): :meth:`save_layer` as each layer wrote its
+    pages, :meth:`finish` once the forward is queued. ``runs``: one
+    :class:`~saria.dataplane.transfer.results.OrderRun` per order, in the order given; their
+    completions are done and their ``released`` events set once :meth:`finish` returned."""
+
+    def __init__(self, saves: "LayerSaves", runs: list[OrderRun], objects: list[_Object], layers: int):
+        self.runs = runs
+        self.layers = layers
+        self.saved = [False] * layers  # layers handed to a copy (by a hook or by finish)
+        self._saves = saves
+        self._objects = objects
+        self._copies: list = [[] for _ in range(layers)]  # per layer: the prepared copies
+        self._nbytes = 0
+        self._done = [threading.Event() for _ in range(layers)]  # the layer's copies queued (CUDA) or ran (CPU)
+        self._events: list[Event | None] = [None] * layers  # CUDA: recorded after the layer's copies
+        self._error: BaseException | None = None  # the first fault: every object of the step fails
+        self._lock = threading.Lock()
+        self._finished = False  # finish() was called
+        self._ended = False  # released, published or freed, completed
+        self._t0: float | None = None
+
+    # --- per layer (the forward's thread) --------------------------------------------------------
+
+    def save_layer(self, layer: int) -> None:
+        """Start copying layer ``layer``'s pages into the objects' slots (it just wrote them):
+        never waits for a copy. ``ValueError``: a layer out of range or saved already;
+        ``RuntimeError``: the step is finished. A copy that fails is not raised here: its
+        objects fail at :meth:`finish`."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer {layer} is not one of this step's {self.layers} layers")
+        if self._finished:
+            raise RuntimeError("this step's saves are finished: save_layer comes before finish")
+        if self.saved[layer]:
+            raise ValueError(f"layer {layer} was saved already in this step")
+        self.saved[layer] = True
+        if self._saves.host_seconds is None:
+            self._issue(layer)
+            return
+        t0 = time.perf_counter()
+        self._issue(layer)
+        self._saves.host_seconds.append(time.perf_counter() - t0)
+
+    def _issue(self, layer: int) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        saves = self._saves
+        saves.counters.add(layer_saves=1)
+        if not self._copies[layer] or self._error is not None:
+            self._done[layer].set()
+        elif saves.streams.cuda:
+            streams = saves.streams
+            try:
+                streams.wait("offload", streams.caller_event())  # after the forward wrote the layer
+                with streams.on("offload"):
+                    for copy in self._copies[layer]:
+                        copy.launch()
+            except Exception as exc:
+                self._fault(exc)
+            finally:
+                try:  # after whatever was launched: finish waits for it before the slots go back
+                    self._events[layer] = streams.record("offload")
+                except Exception as exc:
+                    self._fault(exc)
+                self._done[layer].set()
+        else:
+            saves.submit(self, layer)
+
+    def _run_layer(self, layer: int) -> None:
+        """CPU: the save thread copies one layer (never raises: a fault fails the step)."""
+        try:
+            if self._error is None:
+                for copy in self._copies[layer]:
+                    copy.launch()
+        except Exception as exc:
+            self._fault(exc)
+        finally:
+            self._done[layer].set()
+
+    def _fault(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+                log.warning("layer-wise save failed, its objects are not stored: %s", exc)
+
+    # --- the end of the step ---------------------------------------------------------------------
+
+    def finish(self, timeout: float | None = None) -> list[OrderRun]:
+        """Copy the layers no hook saved, wait until every copy ran, release the pages and publish
+        the objects (module docstring); returns :attr:`runs`, every completion done. Called again,
+        returns them again. ``TimeoutError`` if the copies are not done within ``timeout``
+        seconds: nothing is released or published then (call it again)."""
+        if self._ended:
+            self._finished = True
+            return self.runs
+        late = [layer for layer in range(self.layers) if not self.saved[layer]]
+        for layer in late:
+            self.saved[layer] = True
+            self._issue(layer)
+        self._saves.counters.add(layer_saves_late=len(late))
+        self._wait(None if timeout is None else time.monotonic() + timeout)
+        self._finished = True
+        self._end()
+        return self.runs
+
+    def _wait(self, deadline: float | None) -> None:
+        for layer in range(self.layers):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._done[layer].wait(left):
+                raise TimeoutError(f"layer-wise saves of layer {layer} not done in time")
+        try:
+            for event in self._events:
+                if event is None:
+                    continue
+                while deadline is not None and not event.query():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("layer-wise saves not done on the device in time")
+                    time.sleep(50e-6)
+                event.synchronize()
+        except TimeoutError:
+            raise
+        except Exception as exc:  # a device fault: let whatever still runs on the stream end first
+            self._fault(exc)
+            self._saves.settle()
+
+    def _end(self, error: BaseException | None = None) -> None:
+        """Release, publish (or, after a fault, free) and complete: never leaves a ``released``
+        unset, a slot unowned or a completion pending."""
+        saves = self._saves
+        if error is not None:
+            self._fault(error)
+        self._ended = True
+        self._copies = [[] for _ in range(self.layers)]  # the prepared copies hold the tables and slots
+        published = 0
+        try:
+            for run in self.runs:
+                run.released.set()  # every copy reading the pages ran
+            for obj in self._objects:
+                if obj.slots is not None and obj.error is None and self._error is None:
+                    try:
+                        saves.dram.put(obj.key, DramObject(obj.slots, saves.kv_bytes, (None,) * len(obj.slots)))
+                        obj.slots = None  # the DRAM store owns them now
+                        published += saves.kv_bytes
+                    except Exception as exc:
+                        obj.error = exc
+        finally:
+            for obj in self._objects:  # not published: the slots go back, the object fails
+                if obj.slots is not None:
+                    obj.error = obj.error or self._error or RuntimeError("not published")
+                    slots, obj.slots = obj.slots, None
+                    saves.counters.add(store_failures=1)
+                    try:
+                        saves.host_pool.free(slots)
+                    except Exception as exc:
+                        log.warning("freeing the slots of an object not stored failed: %s", exc)
+            for run in self.runs:
+                run.released.set()
+            for o, run in enumerate(self.runs):
+                if not run.completion.done():
+                    mine = [obj for obj in self._objects if obj.order == o]
+                    failed = tuple(obj.key for obj in mine if obj.error is not None)
+                    ok = len(failed) < len(mine) or not mine
+                    run.completion.set_result(Completion(run.order.order_id, ok, failed if ok else ()))
+            saves.forget(self)
+        seconds = time.perf_counter() - self._t0 if self._t0 is not None and published else 0.0
+        saves.counters.add(gpu_to_dram_bytes=published, gpu_to_dram_seconds=seconds)
+
+    def abort(self, error: BaseException) -> None:
+        """Fail the step (the engine is closing): wait for the copies handed over, free the slots,
+        fail every object, set every ``released``."""
+        if self._ended:
+            return
+        self._fault(error)
+        for layer in range(self.layers):
+            if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
+                self._done[layer].set()
+        self._wait(None)
+        self._end()
+
+
+class LayerSaves:
+    """The layer-wise saves of one transfer engine: the checks and per-step preparation
+    (:meth:`start`) and, on the CPU, the save thread that copies the layers handed to it. Shares
+    the layer groups, per-tensor tables and page layout of the engine's
+    :class:`~saria.dataplane.transfer.layerwise.LayerwiseLoads` (``loads``)."""
+
+    def __init__(self, tables: Tables, loads: LayerwiseLoads, counters: TransferCounters):
+        self.tables = tables
+        self.loads = loads
+        self.host_pool = loads.host_pool
+        self.dram = loads.dram
+        self.streams = loads.streams
+        self.counters = counters
+        self.kv_bytes = tables.kv_bytes
+        self.host_seconds: list[float] | None = None  # a list: each save_layer's host time is appended
+        self._open: set[StepSave] = set()  # steps started, not finished
+        self._lock = threading.Lock()
+        self._closed = False
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if not self.streams.cuda:
+            self._thread = threading.Thread(target=self._loop, name="saria-layer-saves", daemon=True)
+            self._thread.start()
+
+    def ok(self, order: Order) -> bool:
+        """Whether :meth:`start` can take ``order``: a store or a promotion from the pages of kv
+        objects only (a GDN state has no layer hook), on an engine whose pages never straddle two
+        host slots."""
+        return (isinstance(order, (StoreOrder, PromoteOrder)) and getattr(order, "source", Tier.GPU) is Tier.GPU
+                and not order.state and self.loads.capable)
+
+    def start(self, orders: Sequence[StoreOrder | PromoteOrder], kv_blocks: Mapping[Hashable, Blocks]) -> StepSave:
+        """Check the orders (``ValueError`` before anything started), take the objects' slots and
+        prepare every layer's copies: the returned :class:`StepSave` waits for its hooks."""
+        objects: list[_Object] = []
+        for o, order in enumerate(orders):
+            if not isinstance(order, (StoreOrder, PromoteOrder)):
+                raise ValueError(f"store_layers() takes StoreOrders or PromoteOrders, got {type(order).__name__}")
+            if isinstance(order, PromoteOrder) and order.source is not Tier.GPU:
+                raise ValueError(f"store_layers() copies from HBM; a PromoteOrder from {order.source} is a prewarm "
+                                 "(execute())")
+            if not self.ok(order):
+                raise ValueError(f"order {order.order_id} cannot be stored layer by layer (a GDN state, or pages "
+                                 "that straddle host slots): store it whole with store()")
+            for n, chunk in enumerate(order.kv):
+                what = f"kv object {n} of order {order.order_id}"  # by place: never its chunk hash
+                objects.append(_Object(ObjectKey(chunk, KV), o, self.tables.ids(KV, what, kv_blocks.get(chunk))))
+        if self._closed:
+            raise RuntimeError("the transfer engine is closed")
+        runs = [OrderRun(order, _running(), threading.Event()) for order in orders]
+        step = StepSave(self, runs, objects, len(self.loads.layers))
+        self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))
+        with self._lock:
+            self._open.add(step)
+        try:
+            self._allocate(objects)
+            placed = [obj for obj in objects if obj.slots is not None]
+            if placed:
+                per_tensor = slot_places(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
+                                         torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
+                step._copies = [layer.copies for layer in prepare_layers(
+                    self.loads.layers, self.loads.tensor_tables, per_tensor, pack=True,
+                    max_programs=self.loads.max_programs)]
+        except Exception as exc:  # nothing was copied yet: the slots go back, the objects fail
+            step._end(exc)
+        return step
+
+    def _allocate(self, objects: list[_Object]) -> None:
+        need = self.host_pool.slots_for(self.kv_bytes)
+        for obj in objects:
+            try:
+                obj.slots = self.host_pool.allocate(need)
+            except HostPoolFull as exc:
+                log.warning("host pool full: %s not stored (%s)", obj.key, exc)
+                self.counters.add(host_pool_full=1, store_failures=1)
+                obj.error = exc
+
+    # --- the CPU's save thread -------------------------------------------------------------------
+
+    def submit(self, step: StepSave, layer: int) -> None:
+        """Hand one layer to the save thread (CPU); once closed, the layer fails its step."""
+        with self._lock:
+            if not self._closed:
+                self._queue.put((step, layer))
+                return
+        step._fault(RuntimeError("the transfer engine is closed"))
+        step._done[layer].set()
+
+    def _loop(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            step, layer = work
+            step._run_layer(layer)
+
+    def settle(self) -> None:
+        """Wait for what is queued on the ``offload`` stream (a failure path: never raises)."""
+        try:
+            self.streams.synchronize("offload")
+        except Exception as exc:
+            log.warning("synchronizing the offload stream failed: %s", exc)
+
+    def forget(self, step: StepSave) -> None:
+        with self._lock:
+            self._open.discard(step)
+
+    def close(self) -> None:
+        """Fail the steps not finished (their copies handed over run first) and stop the thread."""
+        with self._lock:
+            steps = list(self._open)
+        for step in steps:
+            step.abort(RuntimeError("the transfer engine closed before the step's saves finished"))
+        with self._lock:
+            self._closed = True
+            self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _running() -> Future:
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    return future
