@@ -452,3 +452,32 @@ def test_compiled_kernel_copies_aligned_pages_in_16_byte_words(compiled_memory_o
     ops = compiled_memory_ops[persistent]
     assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, ops
     assert "ld.global.b8" in ops and "st.global.b8" in ops, ops
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_prepared_under_inference_mode_launches_on_another_thread(pack):
+    """vLLM prepares under torch.inference_mode and a save or load thread launches outside it: the
+    copy's own buffers must not be inference tensors (writing one outside the mode is refused)."""
+    import threading
+
+    caches = [torch.arange(8 * 64, dtype=torch.uint8).view(8, 64).clone(), torch.zeros(8, 32, dtype=torch.uint8)]
+    buffer = torch.arange(1024, dtype=torch.int64).to(torch.uint8) if not pack else torch.zeros(1024, dtype=torch.uint8)
+    offsets = torch.tensor([[0, 64, 128], [512, 544, 576]], dtype=torch.int64)  # back to back, ids not consecutive
+    with torch.inference_mode():
+        copy = prepare_scattered(buffer, offsets, caches, [5, 1, 3], pack=pack, backend="torch")
+    expected_buffer, expected_caches = buffer.clone(), [c.clone() for c in caches]
+    scattered_copy_naive(expected_buffer, offsets, expected_caches, [5, 1, 3], pack=pack)
+    errors = []
+    thread = threading.Thread(target=lambda: _catch(errors, copy.launch))
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert torch.equal(buffer, expected_buffer)
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected_caches))
+
+
+def _catch(errors: list, fn) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        errors.append(exc)

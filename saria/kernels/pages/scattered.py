@@ -197,12 +197,16 @@ def prepare_scattered(buffer: torch.Tensor, offsets: torch.Tensor, caches: PageT
                         ("_streams", set()), ("_keep", ())):
         set_(copy, name, value)
     ids = blocks.on(torch.device("cpu"))
-    if n == 0:
-        set_(copy, "_run", lambda stream=None: None)
-    elif which == "triton":
-        _prepare_triton(copy, table, buffer, offs, ids, pack, max_programs)
-    else:
-        set_(copy, "_run", _torch_plan(table, buffer, offs, ids, pack))
+    # What the copy keeps (index tensors, gather buffers) is made as plain tensors even when the
+    # caller prepares under torch.inference_mode (vLLM's forward does): launch() may then run on
+    # any thread, where writing into an inference tensor would be refused.
+    with torch.inference_mode(False):
+        if n == 0:
+            set_(copy, "_run", lambda stream=None: None)
+        elif which == "triton":
+            _prepare_triton(copy, table, buffer, offs, ids, pack, max_programs)
+        else:
+            set_(copy, "_run", _torch_plan(table, buffer, offs, ids, pack))
     return copy
 
 
