@@ -73,6 +73,40 @@ def test_second_turn_reloads_its_prefix_through_saria_with_identical_outputs(den
     assert_kv_audited(dense["saria"])
 
 
+def test_reloads_ran_layer_by_layer_and_every_layer_waited_in_every_step(dense):
+    """The CPU's default is ``layerwise``: each of turns 2-4 loaded inside its step, and each of
+    the model's 4 attention layers reached its wait in each of those steps (a forward that skipped
+    one would have had every reloaded block recomputed). Stores went layer by layer too."""
+    worker = dense["saria"]["worker"]
+    steps = worker["layerwise"]["steps"]
+    assert steps == 3 and worker["layerwise"]["missed_steps"] == 0 and worker["layerwise"]["whole_loads"] == 0
+    assert worker["layerwise"]["layer_waits"] == 4 * steps == worker["engine"]["layer_waits"]
+    assert worker["engine"]["layerwise_steps"] == steps and worker["engine"]["layer_copies"] >= 4 * steps
+    assert worker["engine"]["layerwise_save_steps"] >= 1 and worker["engine"]["layer_saves_late"] == 0
+
+
+@pytest.fixture(scope="module")
+def dense_whole(tmp_path_factory, dense_session):
+    """The same session with ``layerwise`` off: loads asynchronous and whole, stores after the forward."""
+    root = tmp_path_factory.mktemp("dense-whole")
+    (root / "ssd").mkdir()
+    config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
+              "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0, "audit_kv": True,
+              "layerwise": False}
+    return run_in_subprocess(dict(dense_session["spec"], extra_config=config, corrupt_before=[3]))
+
+
+def test_without_layerwise_the_same_session_reuses_the_same_tokens_whole(dense, dense_whole):
+    """``layerwise: false``: the same hits from DRAM, then SSD, the corrupt last turn recomputed,
+    outputs as plain vLLM's, every page audited; nothing went layer by layer."""
+    assert [t["cached_tokens"] for t in dense_whole["turns"]] == [t["cached_tokens"] for t in dense["saria"]["turns"]]
+    assert [t["dram_tokens"] for t in dense_whole["turns"]] == [t["dram_tokens"] for t in dense["saria"]["turns"]]
+    assert_same_outputs(dense["reference"], dense["prompts"], dense_whole)
+    assert_kv_audited(dense_whole)
+    assert "layerwise" not in dense_whole["worker"]
+    assert dense_whole["worker"]["engine"]["layerwise_steps"] == 0 == dense_whole["worker"]["engine"]["layer_saves"]
+
+
 def test_dram_too_small_hits_come_from_ssd(dense):
     turns = dense["saria"]["turns"]
     # Turn 2's commit evicted chunks 0-3 to SSD; their DRAM slots stay held until the writes end, so
@@ -143,15 +177,20 @@ def test_control_plane_fault_is_rebuilt_and_outputs_stay_identical(dense, faulty
 
 
 def test_fault_after_vllm_waits_for_a_load_cancels_it_and_outputs_stay_identical(dense, faulty):
-    """The dangerous window: vLLM was told the request's prefix arrives asynchronously, then the
-    scheduler half failed before the load reached the metadata. The worker reports the load finished
-    and failed (a cancel), or vLLM would wait forever; vLLM recomputes the request."""
+    """The dangerous window: vLLM was told the request's prefix arrives, then the scheduler half
+    failed before the load reached the metadata. With in-step loads (``layerwise``, the CPU's
+    default) vLLM runs the request's forward in that very step: the cancel names its blocks, which
+    the worker reports in error, so vLLM drops that output and recomputes the prompt (an
+    asynchronous load's cancel reports it finished and failed, or vLLM would wait forever)."""
     run = faulty("promised_load")
     assert_same_outputs(dense["reference"], dense["prompts"], run)
     assert run["faults"]["scheduler"] == {"faults": 1, "by_where": {"update_state_after_alloc": 1}, "epoch": 1,
                                           "off": False}
-    # Turn 2 recomputed everything (and stored it in the rebuilt control plane): turns 3 and 4 hit.
-    assert [t["cached_tokens"] for t in run["turns"]] == [0, 0, 4 * CHUNK, 4 * CHUNK]
+    # Turn 2 recomputed everything; it stays running in vLLM, unknown to the rebuilt control plane,
+    # so it is not stored (requests in flight at a rebuild run on as misses): turn 3 misses and
+    # stores, turn 4 hits what turn 3 stored.
+    assert [t["cached_tokens"] for t in run["turns"]] == [0, 0, 0, 4 * CHUNK]
+    assert run["worker"]["layerwise"]["steps"] >= 1
 
 
 @pytest.mark.long

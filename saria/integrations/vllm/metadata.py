@@ -25,7 +25,9 @@ class LoadSpec:
     after the plan's, read from the cluster tier (their blocks are the last ``len(cluster)`` of
     ``kv_blocks``; the control plane knows nothing of them). ``audit_names``: with ``audit_kv``
     and a key file only, vLLM's block hash of each of the plan's chunks, the names under which the
-    audit records what it served (a reference replays vLLM's pages by them: docs/security.md)."""
+    audit records what it served (a reference replays vLLM's pages by them: docs/security.md).
+    ``layerwise``: a load inside the step that computes the request, layer by layer (vLLM heard it
+    as synchronous: it is never reported finished, and a failed chunk's blocks go back as errors)."""
 
     req_id: str
     plan: ReloadPlan
@@ -34,6 +36,7 @@ class LoadSpec:
     state_blocks: tuple[int, ...] | None = None
     cluster: tuple[Hashable, ...] = ()
     audit_names: tuple[bytes, ...] = ()
+    layerwise: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ class StateCapture:
 class SariaConnectorMetadata(KVConnectorMetadata):
     """One step's work. ``cancels``: requests vLLM was told to wait for a load that will never be
     sent (a fault came between): the worker reports each one finished and failed, so vLLM
-    recomputes it instead of waiting forever. ``held``: finished requests whose blocks vLLM keeps
+    recomputes it instead of waiting forever; a cancelled in-step (layer-wise) load, which vLLM runs
+    in this very step, is named in ``cancel_blocks`` with the request's blocks, which the worker
+    reports in error (vLLM drops the step's output for it and recomputes). ``held``: finished requests whose blocks vLLM keeps
     until the worker reports them sent (``request_finished`` said so: orders still read them);
     ``preempted``: requests whose blocks vLLM freed this step, which the worker must stop reading
     before the step's forward writes them (``handle_preemptions``)."""
@@ -73,6 +78,7 @@ class SariaConnectorMetadata(KVConnectorMetadata):
     captures: list[StateCapture] = field(default_factory=list)
     orders: list[RequestOrders] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    cancel_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     held: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     epoch: int = 0

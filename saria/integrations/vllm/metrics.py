@@ -115,6 +115,12 @@ METRICS: tuple[Metric, ...] = (
            {"ssd_auth_failures": "ssd", "cluster_auth_failures": "cluster"}),
     Metric("vllm:saria_unknown_epoch", "Sealed parts of a key epoch the key file does not hold (retired), by tier "
            "(ssd, cluster); each a miss.", "tier", {"ssd_unknown_epoch": "ssd", "cluster_unknown_epoch": "cluster"}),
+    Metric("vllm:saria_layerwise_steps", "Steps whose reloads ran layer by layer inside the forward (layerwise), "
+           "summed over worker ranks.", None, {"layerwise_steps": None}),
+    Metric("vllm:saria_layer_waits", "Attention layers that waited for their reloaded pages in those steps (one "
+           "per layer and step when every hook ran), summed over worker ranks.", None, {"layer_waits": None}),
+    Metric("vllm:saria_layerwise_missed_steps", "Steps whose forward skipped some layer's wait: their reloaded "
+           "blocks were recomputed (a full CUDA graph?).", None, {"layerwise_missed_steps": None}),
 )
 
 SEAL_COUNTERS = ("auth_failures", "unknown_epoch")
@@ -179,6 +185,9 @@ def worker_totals(snapshot: Mapping[str, Any], faults: int) -> dict[str, int | f
     failures), the cluster tier's puts, the sealed parts each store refused (:func:`seal_counters`)
     and ``faults``."""
     totals = dict(snapshot.get("engine", {}), faults=faults)
+    layerwise = snapshot.get("layerwise")
+    if layerwise:
+        totals.update(layerwise_missed_steps=layerwise["missed_steps"], layerwise_whole_loads=layerwise["whole_loads"])
     totals.update(seal_counters("ssd", snapshot.get("ssd")))
     cluster = snapshot.get("cluster")
     if cluster:

@@ -12,6 +12,11 @@ still read.
   sent once they are free (:meth:`~WorkerSaves.take_sent`); ``handle_preemptions`` waits for them
   (:meth:`~WorkerSaves.wait_preempted`) before a step's forward may write the blocks of a
   preempted request.
+* With ``layerwise``, :meth:`~WorkerSaves.start_layers` (before the forward) starts the leading
+  batches of the step's orders that need not wait for it: drops at once, stores of kv objects
+  layer by layer, each layer's copies started by :meth:`~WorkerSaves.save_layer` (vLLM's
+  ``save_kv_layer``) as soon as the forward wrote it; ``wait_for_save`` ends them (every copy has
+  run once it returns) and starts the rest as above.
 * :meth:`~WorkerSaves.take_completions` (``build_connector_worker_meta``): the orders that ended.
 * :meth:`~WorkerSaves.drop_everything` (a new epoch): free every host pool slot a store may have
   filled and delete every SSD object.
@@ -47,6 +52,9 @@ class WorkerSaves:
         self.preemption_waits = 0  # preempted requests whose orders still read their blocks: waited for
         self.dram_keys: set[ObjectKey] = set()  # every object a store may have put in the host pool
         self.captured: dict[str, dict[Hashable, torch.Tensor]] = {}  # GDN states set aside, per request
+        self.step: Any = None  # layerwise: the step's layer-wise stores (a StepSave), until wait_for_save
+        self.layered: list[tuple[Order, RequestOrders]] = []  # their orders, with their batches
+        self.ahead = 0  # batches of the step's orders started before its forward (start_layers)
 
     def capture(self, req_id: str, chunk: Hashable, block: int) -> None:
         """Set a GDN state aside (packed on the caller's stream, so before the next forward writes
@@ -56,14 +64,79 @@ class WorkerSaves:
         except Exception as exc:
             self.worker._fault("capture", exc)
 
+    # --- layer-wise stores (layerwise: before the forward, then per layer) -------------------------
+
+    def start_layers(self, meta: SariaConnectorMetadata) -> None:
+        """Before the step's forward: start its orders in list order for as long as they need not
+        wait for the forward (drops free slots now, stores of kv objects go layer by layer,
+        :meth:`~saria.dataplane.transfer.engine.TransferEngine.store_layers`); the first batch that
+        holds anything else (a write or promotion from HBM, a GDN state, a cluster share on
+        eviction) and every batch after it start after the forward, in :meth:`start`, as without
+        ``layerwise``. What started here is skipped there (``self.ahead`` batches)."""
+        worker, engine = self.worker, self.worker.engine
+        stores: list[tuple[Order, RequestOrders]] = []
+        for batch in meta.orders:
+            if meta.captures or not all(isinstance(o, DropOrder) or engine.store_layers_ok(o) for o in batch.orders) \
+                    or (batch.share and worker.settings.cluster_admission == "evicted"):
+                break
+            for order in batch.orders:
+                if isinstance(order, DropOrder):
+                    self._run_order(order, batch, {})
+                else:
+                    stores.append((order, batch))
+            self.ahead += 1
+        if not stores:
+            return
+        blocks: dict = {}
+        for _, batch in stores:
+            blocks.update(batch.kv_blocks)
+        for order, batch in stores:
+            self.dram_keys.update(order.keys())  # before it can land
+        try:
+            self.step = engine.store_layers([order for order, _ in stores], blocks)
+        except Exception as exc:  # the engine started nothing of them
+            for order, _ in stores:
+                self.completions.append(CompletionReport(order.order_id, False))
+            worker._fault("StoreOrder", exc)
+            return
+        self.layered = stores
+        for (order, batch), run in zip(stores, self.step.runs):
+            if batch.req_id is not None:
+                self.reading.setdefault(batch.req_id, []).append(run.released)
+
+    def save_layer(self, layer: int) -> None:
+        """vLLM's attention layer ``layer`` wrote its pages: its copies start (never waits)."""
+        if self.step is not None:
+            self.step.save_layer(layer)
+
+    def _finish_layers(self) -> None:
+        """After the forward: every layer's copies ran, the objects are published (``finish``)."""
+        step, stores, self.step, self.layered = self.step, self.layered, None, []
+        if step is None:
+            return
+        cluster, audit = self.worker.cluster, self.worker.audit
+        if audit is not None and not self.worker.off:  # the pages hold the step's KV now, not before the forward
+            for order, batch in stores:
+                for chunk in order.kv:
+                    if chunk in batch.kv_blocks:
+                        audit.stored(chunk, batch.kv_blocks[chunk])
+        for (order, batch), run in zip(stores, step.finish()):
+            self.orders.append((order.order_id, run.completion))
+            if batch.share and cluster is not None and isinstance(order, StoreOrder):
+                cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
+
     # --- starting orders -------------------------------------------------------------------------
 
     def start(self, meta: SariaConnectorMetadata) -> None:
-        """The step's captures, then its orders (the worker followed ``meta`` already)."""
+        """The step's captures, then its orders (the worker followed ``meta`` already); with
+        ``layerwise``, the stores that went layer by layer end first and the batches
+        :meth:`start_layers` started are skipped."""
+        ahead, self.ahead = self.ahead, 0
+        self._finish_layers()
         if not self.worker.off:
             for capture in meta.captures:  # states at the boundaries this step's forward ended on
                 self.capture(capture.req_id, capture.chunk, capture.block)
-        for batch in meta.orders:
+        for batch in meta.orders[ahead:]:
             states = self.captured.pop(batch.req_id, {}) if batch.req_id is not None else {}
             prepacked = {ObjectKey(chunk, STATE): staging for chunk, staging in states.items()}
             for order in batch.orders:
@@ -163,9 +236,18 @@ class WorkerSaves:
 
     # --- epochs, turning off ---------------------------------------------------------------------
 
+    def abandon_layers(self) -> None:
+        """The step's layer-wise stores end now (every copy runs, before anything is freed); their
+        completions go with the others."""
+        try:
+            self._finish_layers()
+        finally:
+            self.ahead = 0
+
     def forget(self) -> list[Future]:
         """A new epoch: the reports for the old control plane are never sent and the states set
         aside go; the orders in flight, for the caller to wait for."""
+        self.abandon_layers()
         self.completions = []
         orders, self.orders = self.orders, []
         self.captured.clear()
@@ -191,6 +273,8 @@ class WorkerSaves:
             raise RuntimeError(f"{left} DRAM object(s) left after dropping every one stored")
 
     def turned_off(self) -> None:
-        """The data plane closed: the states set aside and the host pool's objects are gone."""
+        """The data plane closed: the states set aside and the host pool's objects are gone (the
+        step's layer-wise stores failed with it: their completions say so)."""
+        self.abandon_layers()
         self.captured.clear()
         self.dram_keys.clear()

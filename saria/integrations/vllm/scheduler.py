@@ -61,17 +61,41 @@ RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories a
 LAYOUT_WAIT_S = 30.0  # longest a lookup waits for the ranks' cluster layouts at start
 
 
+def uncount_failed(state: RequestState, load: LoadReport, *, hybrid: bool) -> None:
+    """An in-step (layer-wise) load fell short: vLLM counted all of its tokens as cached when it
+    scheduled the request in the load's step (``Request.prefill_stats``, what the request's
+    ``cached_tokens`` reports) and recomputes the failed ones now. Take those back out, so the
+    request reports the tokens it reused, as an asynchronous load's does."""
+    chunks = state.load_tokens
+    delivered = 0 if hybrid else min(load.valid_chunks, len(chunks))
+    uncount_tokens(state.request, sum(tokens for _, tokens in chunks[delivered:]))
+
+
+def uncount_tokens(request: Any, tokens: int) -> None:
+    """Take ``tokens`` external tokens back out of what vLLM counts as the request's cached tokens
+    (vLLM 0.32's ``Request.prefill_stats``, set when it first scheduled the request; not yet
+    reported: a step whose load failed emits nothing for the request)."""
+    stats = getattr(request, "prefill_stats", None)
+    if stats is None or not hasattr(stats, "num_external_cached_tokens") or tokens <= 0:
+        return
+    stats.set(num_prompt_tokens=stats.num_prompt_tokens, num_local_cached_tokens=stats.num_local_cached_tokens,
+              num_external_cached_tokens=max(0, stats.num_external_cached_tokens - tokens))
+
+
 class SariaScheduler:
     """Scheduler-side state of the connector (module docstring)."""
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, workers: int = 1,
                  recover: bool = False, recover_wait_s: float = RECOVER_WAIT_S,
                  clock: Callable[[], float] = time.monotonic, cluster: ClusterIndex | None = None,
-                 names: ChunkNames | None = None):
+                 names: ChunkNames | None = None, layerwise: bool = False):
         if cluster is not None and geometry.hybrid:
             raise ValueError("saria: the cluster tier serves dense (attention-only) models; this one is hybrid "
                              "(GDN states): drop the cluster option")
         self.settings = settings
+        # loads run inside the step that computes the request, layer by layer (settings.layerwise_for):
+        # vLLM hears them as synchronous, and schedules the request in the same step
+        self.layerwise = layerwise and not geometry.hybrid
         self.cluster = cluster  # the cluster tier's lookups (shared by every control plane of this server)
         self._layouts_since: float | bool | None = None  # when lookups began waiting for the ranks' layouts (False: done)
         self.geometry = geometry
@@ -142,7 +166,7 @@ class SariaScheduler:
             state.cluster = ()
             return 0, False
         state.plan, state.load_end = plan, tokens
-        return tokens - num_computed_tokens, True
+        return tokens - num_computed_tokens, not self.layerwise
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -177,7 +201,7 @@ class SariaScheduler:
             audit_names = tuple(request.block_hashes[(c + 1) * h - 1] for c in range(first, first + sub.num_chunks))
         state.load = LoadSpec(request.request_id, sub,
                               tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, end // chunk_tokens)), skip,
-                              state_blocks, cluster, audit_names)
+                              state_blocks, cluster, audit_names, layerwise=self.layerwise)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the load by tier (``"dram"`` / ``"ssd"`` / ``"cluster"``), for vLLM's hit-source stats."""
@@ -248,6 +272,8 @@ class SariaScheduler:
                         state.captured.discard(state.plan.num_chunks - 1)  # no loaded state to keep
                     if load.failed and state.failed_from(Tier.DRAM):
                         lost[load.req_id] = state.failed_from(Tier.DRAM)
+                    if self.layerwise and load.short:
+                        uncount_failed(state, load, hybrid=self.geometry.hybrid)
                 if load.failed:
                     log.warning("saria: reload for request %s failed for %d object(s); vLLM recomputes them",
                                 load.req_id, len(load.failed))

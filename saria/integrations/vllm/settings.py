@@ -52,6 +52,12 @@ key                           meaning (default)
 ``cluster_insecure``          let the cluster tier run without ``secret_file`` (its objects then
                               unsealed: anyone who reaches the Mooncake master can plant or read
                               KV); without it a cluster tier without a key is refused (``false``)
+``layerwise``                 reload layer by layer inside the step, overlapped with the forward pass
+                              (vLLM's per-layer hooks; docs/vllm.md, "Layer-wise reloads"): ``true``,
+                              ``false`` or ``auto`` (on for the devices whose measurements support it,
+                              :data:`LAYERWISE_DEFAULT`). Hybrid (GDN) models always reload whole:
+                              vLLM 0.32 cannot recompute a failed in-step load of a model with more
+                              than one KV cache group (``auto``)
 ``on_load_failure``           ``recompute``: a reload that fails (corrupt SSD object, I/O error)
                               makes vLLM recompute those tokens; ``fail``: the request fails.
                               Sets vLLM's ``kv_load_failure_policy`` (``recompute``)
@@ -74,8 +80,11 @@ _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", 
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
          "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
          "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes",
-         "cluster_insecure", "secret_file"} | _POLICY_FIELDS
+         "cluster_insecure", "secret_file", "layerwise"} | _POLICY_FIELDS
 CLUSTER_ADMISSIONS = ("all", "evicted")
+# layerwise=auto, per device type: what bench/bench_layerwise.py and the CPU TTFT rounds support
+# (docs/vllm.md, "Layer-wise reloads", has the numbers behind each entry).
+LAYERWISE_DEFAULT = {"cuda": True, "cpu": True}
 
 
 MAX_BYTES = 1 << 60  # an exabyte: beyond any tier a machine could give
@@ -196,6 +205,14 @@ class ConnectorSettings:
     cluster_staging_bytes: int = 256 << 20
     cluster_insecure: bool = False  # a cluster tier without a key (unsealed objects)
     secret_file: str = ""  # the key file that seals SSD and cluster objects; "" for none
+    layerwise: bool | None = None  # None: auto (LAYERWISE_DEFAULT for the device)
+
+    def layerwise_for(self, device_type: str, hybrid: bool) -> bool:
+        """Whether reloads go layer by layer on this engine: never for a hybrid model (module
+        docstring), else the option, or for ``auto`` :data:`LAYERWISE_DEFAULT` of the device."""
+        if hybrid:
+            return False
+        return LAYERWISE_DEFAULT.get(device_type, False) if self.layerwise is None else self.layerwise
 
     @property
     def sealed(self) -> bool:
@@ -227,6 +244,9 @@ class ConnectorSettings:
         audit_kv = extra.get("audit_kv", False)
         if not isinstance(audit_kv, bool):
             raise ValueError(f"audit_kv must be true or false, got {audit_kv!r:.60}")
+        layerwise = extra.get("layerwise", "auto")
+        if layerwise not in (True, False, "auto") or isinstance(layerwise, int) and not isinstance(layerwise, bool):
+            raise ValueError(f"layerwise must be true, false or \"auto\", got {layerwise!r:.60}")
         overrides = {k: v for k, v in extra.items() if k in _POLICY_FIELDS}
         resolved = Policy.preset(policy, **overrides)  # validates the overrides now, with the field's name in the error
         if "oracle" in admission_rules(resolved.admission):
@@ -243,7 +263,8 @@ class ConnectorSettings:
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
                    log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
                    on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")),
-                   audit_kv=audit_kv, secret_file=secret_file, **cluster)
+                   audit_kv=audit_kv, secret_file=secret_file, layerwise=None if layerwise == "auto" else layerwise,
+                   **cluster)
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
         """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only

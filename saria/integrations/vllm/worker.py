@@ -58,6 +58,7 @@ from .counters import WorkerCounters
 from .faults import Faults
 from .geometry import EngineGeometry
 from .layout import ParallelLayout
+from .layerwise import LayerLoads
 from .load_results import LoadResults
 from .metadata import CompletionReport, LoadReport, LoadSpec, SariaConnectorMetadata, SariaWorkerMetadata
 from .saves import WorkerSaves
@@ -73,7 +74,7 @@ class SariaWorker:
 
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, num_blocks: int,
                  faults: Faults | None = None, layout: ParallelLayout | None = None,
-                 model: dict | None = None, keyring: Keyring | None = None):
+                 model: dict | None = None, keyring: Keyring | None = None, layerwise: bool = False):
         self.settings = settings
         self.geometry = geometry
         self.layout = layout or ParallelLayout()
@@ -94,6 +95,9 @@ class SariaWorker:
         self.audit: KVAudit | None = None  # audit_kv: reloaded pages checked against what vLLM computed
         self.cluster: WorkerCluster | None = None  # the cluster tier (settings.cluster)
         self._cluster_layouts: tuple[str, ...] = ()  # to report once: this rank's cluster layout
+        self.layerwise = layerwise  # loads inside the step, layer by layer (settings.layerwise_for)
+        self.layers: LayerLoads | None = None  # the step's layer-wise loads (.layerwise)
+        self._abandoned: set[str] = set()
 
     @property
     def engine(self) -> DataPlane:
@@ -125,6 +129,10 @@ class SariaWorker:
             self._cluster_layouts = (rank.cluster.layout_identity,)
         if self.settings.audit_kv:
             self.audit = KVAudit(rank.kv_views, ssd_fp8=self.settings.ssd_dtype == "fp8")
+        if self.layerwise:
+            self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors)
+            if not self.layers.capable:
+                log.warning("saria worker: a page straddles two host slots; reloads go whole (still inside the step)")
 
     # --- loads -----------------------------------------------------------------------------------
 
@@ -133,20 +141,92 @@ class SariaWorker:
         the GIL between our threads' small operations (a convoy that turned a 1 MiB reload into
         seconds); waiting on an event frees it. On CUDA the copies run on the device and the loads
         stay asynchronous."""
+        self._abandoned: set[str] = set()  # in-step loads of this step failed by a turn-off
         try:
             self._follow(meta)
             for req_id in meta.cancels:  # vLLM waits for a load the scheduler could not send
-                self.results.fail_request(req_id)
-            jobs = [job for spec in meta.loads if (job := self._start_load(spec)) is not None]
+                if req_id in meta.cancel_blocks:  # an in-step load: this step's forward would read its blocks
+                    self.results.error_blocks.update(meta.cancel_blocks[req_id])
+                else:
+                    self.results.fail_request(req_id)
+            in_step = [spec for spec in meta.loads if spec.layerwise]
+            if in_step:
+                self._start_layers(in_step)
+            jobs = [job for spec in meta.loads if not spec.layerwise and (job := self._start_load(spec)) is not None]
             if jobs and not self.off and self.engine.device.type == "cpu":
                 for job in jobs:
                     job.wait()
         except Exception as exc:
             self._give_up("start_load_kv", exc)
             specs = getattr(meta, "loads", ())
-            for req_id in [spec.req_id for spec in specs] + list(getattr(meta, "cancels", ())):
+            cancel_blocks = getattr(meta, "cancel_blocks", {})
+            for req_id in list(getattr(meta, "cancels", ())):
+                if req_id in cancel_blocks:
+                    self.results.error_blocks.update(cancel_blocks[req_id])
+            for req_id in [spec.req_id for spec in specs if not spec.layerwise] + \
+                    [r for r in getattr(meta, "cancels", ()) if r not in cancel_blocks]:
                 if req_id not in self.results.finished:  # not started, or started and failed by the turn-off
                     self.results.fail_request(req_id)
+            for spec in specs:  # in-step loads the turn-off did not fail already: their blocks go back in error
+                if spec.layerwise and spec.req_id not in self._abandoned:
+                    self.results.ended_in_step(spec, None, None, True)
+
+    def _start_layers(self, specs: list[LoadSpec]) -> None:
+        """Start the step's in-step loads (:mod:`.layerwise`): layer by layer where the engine can."""
+        if self.off or self.layers is None:  # nothing starts: vLLM recomputes their blocks
+            for spec in specs:
+                self.results.ended_in_step(spec, None, None, True)
+            return
+        self.layers.start(self.engine, specs, self._load, self._cluster_load)
+        for exc in self.layers.take_failures():
+            self._fault("load", exc)
+
+    def _cluster_load(self, spec: LoadSpec, local: int) -> ClusterLoad:
+        if self.cluster is None:
+            raise ValueError("a load names cluster chunks but this worker has no cluster tier")
+        return ClusterLoad(self.cluster, spec.cluster, spec.kv_blocks[local:], 0 if local else spec.skip_pages)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """vLLM's attention layer ``layer_name`` is about to read its pages: make it wait for this
+        step's in-step loads of that layer (:meth:`.layerwise.LayerLoads.wait`)."""
+        layers = self.layers
+        if layers is None or not layers.active:
+            return
+        try:
+            layers.wait(layer_name)
+        except Exception as exc:  # the step's loads are in an unknown state: their blocks go back in error
+            self._give_up("wait_for_layer_load", exc)
+
+    def before_forward(self, meta: SariaConnectorMetadata) -> None:
+        """vLLM bound the step's metadata, its forward comes next: with ``layerwise``, start the
+        step's stores that go layer by layer (:meth:`.saves.WorkerSaves.start_layers`)."""
+        if self.layers is None or self.off or not isinstance(meta, SariaConnectorMetadata) or not meta.orders:
+            return
+        try:
+            self._follow(meta)
+            if not self.off:
+                self.saves.start_layers(meta)
+        except Exception as exc:
+            self._give_up("bind_connector_metadata", exc)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """vLLM's attention layer ``layer_name`` wrote its pages: start its layer-wise stores' copies."""
+        layers = self.layers
+        if layers is None or self.saves.step is None:
+            return
+        try:
+            layer = layers.index.get(layer_name)
+            if layer is not None:
+                self.saves.save_layer(layer)
+        except Exception as exc:  # wait_for_save still copies every layer (StepSave.finish)
+            self._fault("save_kv_layer", exc)
+
+    def _end_layers(self) -> None:
+        """After the step's forward: the in-step loads' results (:meth:`.layerwise.LayerLoads.end`)."""
+        if self.layers is None or not self.layers.active:
+            return
+        for spec, result, unsure in self.layers.end():
+            self.results.ended_in_step(spec, result, None if unsure else self.audit, unsure)
 
     def _start_load(self, spec: LoadSpec) -> LoadJob | None:
         if self.off:
@@ -177,6 +257,7 @@ class SariaWorker:
         now), and reloads whose objects are all in their pages (or failed); each reported once.
         Requests that vLLM finished drop the GDN states set aside for them."""
         try:
+            self._end_layers()
             self.saves.finished(finished_req_ids)
             for req_id, (spec, job) in list(self._loads.items()):
                 if job.ready():
@@ -262,6 +343,7 @@ class SariaWorker:
                 self._turn_off("it could not drop the objects of a replaced control plane")
         for spec, _ in loads:  # loaded for the old control plane: vLLM recomputes them
             self.results.fail_request(spec.req_id)
+        self._abandon_layers()
 
     def _fault(self, where: str, exc: BaseException) -> None:
         """A fault confined to one load or order (already failed by the caller)."""
@@ -294,7 +376,15 @@ class SariaWorker:
         for spec, _ in self._loads.values():
             self.results.fail_load(spec)
         self._loads.clear()
+        self._abandon_layers()
         self.saves.turned_off()
+
+    def _abandon_layers(self) -> None:
+        """The data plane closed (its copies ran): the step's in-step loads go back in error."""
+        if self.layers is not None:
+            for spec in self.layers.abandon():
+                self._abandoned.add(spec.req_id)
+                self.results.ended_in_step(spec, None, None, True)
 
     # --- counters --------------------------------------------------------------------------------
 
@@ -313,6 +403,8 @@ class SariaWorker:
         try:
             for _, job in self._loads.values():
                 job.wait()
+            if self.layers is not None:
+                self.layers.abandon()
             wait(self.saves.in_flight())
             self._close_cluster()
             data.close()

@@ -46,13 +46,15 @@ class RankDataPlane:
     """A worker rank's open data plane: ``parts`` (close them), the pages it moves (``kv_views``:
     every full-attention layer's paged tensors; ``state_table`` for a hybrid model) and
     ``inventory``: the objects its SSD store holds from a previous run (``{key: 1}``); ``cluster``:
-    its cluster tier (close it before ``parts``), when the settings name a master."""
+    its cluster tier (close it before ``parts``), when the settings name a master; ``layer_tensors``:
+    how many of ``kv_views`` each full-attention layer is, in order (the layer-wise reload's layers)."""
 
     parts: DataPlaneParts
     kv_views: list[torch.Tensor]
     state_table: PageTable | None
     inventory: dict[ObjectKey, int]
     cluster: WorkerCluster | None = None
+    layer_tensors: tuple[int, ...] = ()  # per full-attention layer, how many of kv_views are its (in order)
 
 
 def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: ParallelLayout, model: dict[str, Any],
@@ -111,7 +113,8 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
              parts.sizing.describe(), f"; SSD store {parts.ssd.backend_name}, {len(inventory)} object(s) from a "
              "previous run" if parts.ssd else "",
              "; SSD and cluster objects sealed" if keyring is not None else "")
-    return RankDataPlane(parts, kv_views, state_table, inventory, cluster)
+    return RankDataPlane(parts, kv_views, state_table, inventory, cluster,
+                         tuple(len(views[name]) for name in g.attention_layers))
 
 
 def _views(layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor], num_blocks: int
