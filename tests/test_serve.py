@@ -80,6 +80,13 @@ def test_ssd_dtype_flag_becomes_the_connector_option(capsys, tmp_path):
     assert extra == {"ssd_dtype": "fp8", "ssd_paths": [str(tmp_path)]}
 
 
+@pytest.mark.parametrize("flag, value", [("--layerwise", True), ("--no-layerwise", False)])
+def test_layerwise_flag_becomes_the_connector_option(capsys, flag, value):
+    rc, out, err = run_cli(capsys, "serve", "m", flag, "--print-command")
+    assert rc == 0, err
+    assert json.loads(shlex.split(out)[-1])["kv_connector_extra_config"] == {"layerwise": value}
+
+
 def test_cluster_flags_become_the_connector_options(capsys):
     rc, out, err = run_cli(capsys, "serve", "m", "--cluster", "10.0.0.1:50051", "--cluster-host", "10.0.0.2",
                            "--cluster-admission", "evicted", "--cluster-staging-gb", "0.5", "--cluster-insecure",

@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how DRAM and SSD reloads share the GPU's ingress (default coordinated, paper Eq. 4)")
     g.add_argument("--no-durable", dest="durable", action="store_false", default=None,
                    help="do not fdatasync SSD writes before they count (faster; a crash may lose them)")
+    g.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
+                   help="reload a reused prefix inside the step that computes the request, layer by layer beside "
+                        "the forward pass, and copy stores to host memory layer by layer (default: on; hybrid "
+                        "models reload whole; docs/vllm.md)")
     g.add_argument("--log-interval-s", type=float_range(0, 365 * 86_400), metavar="S",
                    help="seconds between saria's one-line summaries in vLLM's log; 0: none (default 60)")
     g.add_argument("--on-load-failure", choices=("recompute", "fail"),
@@ -137,7 +141,8 @@ def extra_config(args: argparse.Namespace) -> dict[str, Any]:
     given = dict(extra)  # by --saria-option
     flags = {"dram_gb": args.dram_gb, "ssd_gb": args.ssd_gb, "ssd_dtype": args.ssd_dtype, "policy": args.policy,
              "chunk_tokens": args.chunk_tokens, "checkpoint_tokens": args.checkpoint_tokens,
-             "coordinator": args.coordinator, "durable": args.durable, "log_interval_s": args.log_interval_s,
+             "coordinator": args.coordinator, "durable": args.durable, "layerwise": args.layerwise,
+             "log_interval_s": args.log_interval_s,
              "on_load_failure": args.on_load_failure, "b_gpu_gbps": args.b_gpu_gbps,
              "b_disk_gbps": args.b_disk_gbps, "b_dram_gbps": args.b_dram_gbps, "cluster": args.cluster,
              "cluster_host": args.cluster_host, "cluster_admission": args.cluster_admission,
