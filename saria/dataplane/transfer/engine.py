@@ -11,6 +11,9 @@ own module, owning its thread(s) and (on CUDA) its own stream:
 * **SSD -> GPU** (:mod:`~saria.dataplane.transfer.ssd_loads`, ``ssd`` stream): one
   :meth:`~saria.dataplane.ssd.store.SSDStore.read_many` per batch into one staging, verified on
   the reader threads, one hand-off to the unpack thread, one unpack per run of arrived objects.
+* **Layer by layer, DRAM and SSD -> GPU** (:mod:`~saria.dataplane.transfer.layerwise`, ``dram`` and
+  ``ssd`` streams): one step's reloads with one event per layer (:meth:`TransferEngine.load_layers`),
+  each layer's pages copied straight out of the host slots or an SSD read-ahead staging.
 * **GPU -> DRAM** (:mod:`~saria.dataplane.transfer.stores`, ``offload`` stream): stores and
   promotions packed, checksummed per host-slot part and copied into host slots; layer by layer
   (:mod:`~saria.dataplane.transfer.layer_saves`), each layer's pages copied straight into the slots.

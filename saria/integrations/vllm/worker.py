@@ -4,12 +4,17 @@
   as ``[num_blocks, ...]`` pages), then a host pool, SSD store, coordinator and transfer engine
   sized by the same options as the scheduler's control plane.
 * ``start_load_kv``: start each reload of the step's metadata (asynchronous: vLLM keeps the request
-  waiting until ``get_finished`` reports it).
+  waiting until ``get_finished`` reports it; with ``layerwise``, inside the step, layer by layer:
+  ``wait_for_layer_load`` holds each attention layer until its pages landed, :mod:`.layerwise`).
+* ``bind_connector_metadata`` / ``save_kv_layer`` (``layerwise``): before the forward, the step's
+  stores that can go layer by layer start, and each layer's copies start once the layer wrote its
+  pages (:meth:`.saves.WorkerSaves.start_layers`).
 * ``get_finished``: reloads whose every object is in its pages (or failed); the failed objects'
   blocks go to ``get_block_ids_with_load_errors`` in the same step, so vLLM recomputes them
   (:mod:`.load_results` keeps what the ended reloads tell vLLM and the scheduler).
-* ``wait_for_save``: after the step's forward, start the orders of requests whose prompt it
-  completed and return (nothing in the step waits for a copy). Until the orders of a request no
+* ``wait_for_save``: after the step's forward, end the layer-wise stores (their copies have run),
+  start the other orders of requests whose prompt it completed and return (nothing in the step
+  waits for their copies). Until the orders of a request no
   longer read its blocks, vLLM keeps them for it; ``get_finished`` reports it sent once they are
   free, and ``handle_preemptions`` waits for them before a step's forward may write the blocks of
   a preempted request. The orders and that bookkeeping are :mod:`.saves`' (:class:`WorkerSaves`).
@@ -137,10 +142,11 @@ class SariaWorker:
     # --- loads -----------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: SariaConnectorMetadata) -> None:
-        """Start the step's reloads. On CPU, wait for them here: the engine loop would otherwise hold
-        the GIL between our threads' small operations (a convoy that turned a 1 MiB reload into
-        seconds); waiting on an event frees it. On CUDA the copies run on the device and the loads
-        stay asynchronous."""
+        """Start the step's reloads. In-step ones (``LoadSpec.layerwise``) go layer by layer beside
+        the forward that follows (:mod:`.layerwise`). Asynchronous ones: on CPU, wait for them here
+        (the engine loop would otherwise hold the GIL between our threads' small operations, a
+        convoy that turned a 1 MiB reload into seconds; waiting on an event frees it); on CUDA the
+        copies run on the device and the loads stay asynchronous."""
         self._abandoned: set[str] = set()  # in-step loads of this step failed by a turn-off
         try:
             self._follow(meta)
