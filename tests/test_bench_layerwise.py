@@ -28,6 +28,8 @@ def test_quick_host_cost(tmp_path):
     assert 0 < p50 <= p99, result
     host = result["host"]
     assert host["pages_ok"] and host["steps"] == 5 and host["layers"] == 8
+    assert 0 < host["save_us_per_layer_p50"] <= host["save_us_per_layer_p99"]
+    assert re.search(r"^target save_us_per_layer_p50 <= 20: \d+\.\d -> (MET|MISSED)$", proc.stdout, re.M)
     (value, verdict), = TARGET_LINE.findall(proc.stdout)
     assert abs(float(value) - p50) < 0.1 and verdict == ("MET" if p50 <= 20 else "MISSED")
     assert "benefit" not in result  # the GPU part needs CUDA
