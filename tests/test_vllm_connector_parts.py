@@ -111,7 +111,7 @@ def test_layerwise_resolves_per_device_and_never_for_hybrid_models():
         settings = ConnectorSettings.from_extra_config({"layerwise": value})
         assert settings.layerwise_for("cuda", hybrid=False) is value and not settings.layerwise_for("cuda", hybrid=True)
     # a FULL CUDA graph would replay past the per-layer hooks: piecewise unless layerwise is off
-    assert SariaConnector.requires_piecewise_for_cudagraph({}) is True
+    assert SariaConnector.requires_piecewise_for_cudagraph({}) is LAYERWISE_DEFAULT["cuda"]
     assert SariaConnector.requires_piecewise_for_cudagraph({"layerwise": True}) is True
     assert SariaConnector.requires_piecewise_for_cudagraph({"layerwise": False}) is False
     assert SariaConnector.requires_piecewise_for_cudagraph({"layerwise": "bad"}) is False  # the start reports it

@@ -67,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not fdatasync SSD writes before they count (faster; a crash may lose them)")
     g.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
                    help="reload a reused prefix inside the step that computes the request, layer by layer beside "
-                        "the forward pass, and copy stores to host memory layer by layer (default: on; hybrid "
-                        "models reload whole; docs/vllm.md)")
+                        "the forward pass, and copy stores to host memory layer by layer (default: on for CPU "
+                        "devices, off for CUDA until measured on a GPU; hybrid models reload whole; docs/vllm.md)")
     g.add_argument("--log-interval-s", type=float_range(0, 365 * 86_400), metavar="S",
                    help="seconds between saria's one-line summaries in vLLM's log; 0: none (default 60)")
     g.add_argument("--on-load-failure", choices=("recompute", "fail"),

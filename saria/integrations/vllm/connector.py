@@ -39,7 +39,7 @@ from .logs import route_to_vllm
 from .metrics import Deltas, SariaPromMetrics, SariaStats, worker_stats
 from .scheduler import SariaScheduler, open_cluster_index
 from .sealing import ChunkNames, announce, load_keyring, seal_scope
-from .settings import ConnectorSettings
+from .settings import LAYERWISE_DEFAULT, ConnectorSettings
 from .worker import SariaWorker
 
 if TYPE_CHECKING:
@@ -96,12 +96,13 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Layer-wise reloads need vLLM's per-layer hooks, which a FULL CUDA graph replay skips:
-        ask for piecewise graphs unless ``layerwise`` is off (bad options: the connector's own start
-        reports them)."""
+        ask for piecewise graphs when ``layerwise`` is on (``auto``: as on CUDA; bad options: the
+        connector's own start reports them)."""
         try:
-            return ConnectorSettings.from_extra_config(extra_config).layerwise is not False
+            layerwise = ConnectorSettings.from_extra_config(extra_config).layerwise
         except ValueError:
             return False
+        return LAYERWISE_DEFAULT["cuda"] if layerwise is None else layerwise  # CUDA graphs: a GPU
 
     @property
     def requires_kv_delivery(self) -> bool:
