@@ -6,10 +6,11 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 :meth:`LayerSaves.start` (``TransferEngine.store_layers``, before the forward, on the caller's
 thread) does everything a layer shares, once per step: it checks the orders (kv objects from the
 pages only: a GDN state has no layer hook and is stored whole), takes each object's host slots
-(an object that does not fit fails, as with ``store()``), and prepares per layer one
-:func:`~saria.kernels.prepare_scattered` PACK per (tensor, host pool segment), from the pages
-straight to the bytes' places in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_places`,
-the layout the layer-wise reload reads back). It returns a :class:`StepSave`:
+(an object that does not fit fails, as with ``store()``), and works out where every page's bytes
+go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_places`, the layout the
+layer-wise reload reads back). Each layer's copies, one :func:`~saria.kernels.prepare_scattered`
+PACK per (tensor, host pool segment), are prepared when the layer comes (on the CPU on the save
+thread), so their checks never hold up the forward's start. It returns a :class:`StepSave`:
 
 * :meth:`StepSave.save_layer` (``save_kv_layer``: layer ``l`` just wrote its pages) costs a few
   launches. On CUDA: an event on the caller's current stream (the forward), the ``offload`` stream
@@ -73,7 +74,9 @@ class StepSave:
         self.saved = [False] * layers  # layers handed to a copy (by a hook or by finish)
         self._saves = saves
         self._objects = objects
-        self._copies: list = [[] for _ in range(layers)]  # per layer: the prepared copies
+        self._prepared: list[list] = []  # per layer, in order: its prepared copies (made as the layers come)
+        self._preparing = None  # the generator that prepares the next layer's copies (None: all done, or none)
+        self._prepare_lock = threading.Lock()
         self._nbytes = 0
         self._done = [threading.Event() for _ in range(layers)]  # the layer's copies queued (CUDA) or ran (CPU)
         self._events: list[Event | None] = [None] * layers  # CUDA: recorded after the layer's copies
@@ -109,14 +112,15 @@ class StepSave:
             self._t0 = time.perf_counter()
         saves = self._saves
         saves.counters.add(layer_saves=1)
-        if not self._copies[layer] or self._error is not None:
+        if self._error is not None:
             self._done[layer].set()
         elif saves.streams.cuda:
             streams = saves.streams
             try:
+                copies = self._copies_for(layer)
                 streams.wait("offload", streams.caller_event())  # after the forward wrote the layer
                 with streams.on("offload"):
-                    for copy in self._copies[layer]:
+                    for copy in copies:
                         copy.launch()
             except Exception as exc:
                 self._fault(exc)
@@ -133,12 +137,24 @@ class StepSave:
         """CPU: the save thread copies one layer (never raises: a fault fails the step)."""
         try:
             if self._error is None:
-                for copy in self._copies[layer]:
+                for copy in self._copies_for(layer):
                     copy.launch()
         except Exception as exc:
             self._fault(exc)
         finally:
             self._done[layer].set()
+
+    def _copies_for(self, layer: int) -> list:
+        """Layer ``layer``'s copies, prepared now if they are not yet (with every layer before it):
+        the checks of a layer run when it comes (on the CPU on the save thread), not all before
+        the forward. Raises what a preparation raises (the caller fails the step)."""
+        with self._prepare_lock:
+            while len(self._prepared) <= layer and self._preparing is not None:
+                try:
+                    self._prepared.append(next(self._preparing).copies)
+                except StopIteration:
+                    self._preparing = None
+            return self._prepared[layer] if layer < len(self._prepared) else []
 
     def _fault(self, exc: BaseException) -> None:
         with self._lock:
@@ -193,7 +209,8 @@ class StepSave:
         if error is not None:
             self._fault(error)
         self._ended = True
-        self._copies = [[] for _ in range(self.layers)]  # the prepared copies hold the tables and slots
+        with self._prepare_lock:  # the prepared copies hold the tables and slots
+            self._prepared, self._preparing = [], None
         published = 0
         try:
             for run in self.runs:
@@ -301,9 +318,8 @@ class LayerSaves:
             if placed:
                 per_tensor = slot_places(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
                                          torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
-                step._copies = [layer.copies for layer in prepare_layers(
-                    self.loads.layers, self.loads.tensor_tables, per_tensor, pack=True,
-                    max_programs=self.loads.max_programs)]
+                step._preparing = prepare_layers(self.loads.layers, self.loads.tensor_tables, per_tensor, pack=True,
+                                                 max_programs=self.loads.max_programs)  # layer by layer, as they come
         except Exception as exc:  # nothing was copied yet: the slots go back, the objects fail
             step._end(exc)
         return step
