@@ -42,6 +42,7 @@ from saria.kernels import PageTable, prepare_scattered
 from saria.orders import Tier
 
 from saria.dataplane.dram.host_pool import HostPool
+from saria.dataplane.dram.staging import StagingPool
 from saria.dataplane.dram.store import DramStore
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
@@ -96,6 +97,7 @@ class StepLoad:
         self._streams = streams
         self._counters = counters
         self._keep: list[object] = []  # host buffers the device reads until finish()
+        self._give: list[tuple] = []  # (pool, handle) of staging to give back at finish()
         self.waited = [False] * layers
 
     def wait_layer(self, layer: int) -> None:
@@ -125,6 +127,9 @@ class StepLoad:
                 raise TimeoutError(f"layer-wise {path.name} reloads not done after {timeout} s")
         results = [job.wait(timeout) for job in self.jobs]
         self._keep.clear()
+        give, self._give = self._give, []
+        for pool, handle in give:
+            pool.give(handle)
         return results
 
 
@@ -158,6 +163,7 @@ class LayerwiseLoads:
         self.counters = counters
         self.layers = layers
         self.max_programs = max_programs
+        self._staging = StagingPool(torch.device("cpu"), keep=2)  # the CPU's SSD read-ahead buffers
         self.host_seconds: list[float] | None = None  # a list: each layer issue's host time is appended
         self.prepare_seconds: list[float] | None = None  # a list: each layer's precompute (checks) is appended
         ppc = tables.pages_per_chunk
@@ -240,8 +246,13 @@ class LayerwiseLoads:
     def _run_ssd(self, step: StepLoad, path: _Path, work: list[tuple[LoadJob, LoadItem]]) -> None:
         t0 = time.perf_counter()
         total = sum(item.nbytes for _, item in work)
-        staging = torch.empty(total, dtype=torch.uint8, pin_memory=self.streams.cuda)
-        step._keep.append(staging)
+        if self.streams.cuda:  # pinned: the copy kernel reads it by address (torch's host allocator reuses it)
+            staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            step._keep.append(staging)
+        else:  # page-aligned and reused: O_DIRECT reads land in it, no page faults on warm buffers
+            handle, staging = self._staging.take(total)
+            step._keep.append(staging)
+            step._give.append((self._staging, handle))
         bases, offset = [], 0
         for _, item in work:
             bases.append(offset)
