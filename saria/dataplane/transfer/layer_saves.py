@@ -9,8 +9,9 @@ pages only: a GDN state has no layer hook and is stored whole), takes each objec
 (an object that does not fit fails, as with ``store()``), and works out where every page's bytes
 go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_places`, the layout the
 layer-wise reload reads back). Each layer's copies, one :func:`~saria.kernels.prepare_scattered`
-PACK per (tensor, host pool segment), are prepared when the layer comes (on the CPU on the save
-thread), so their checks never hold up the forward's start. It returns a :class:`StepSave`:
+PACK per (tensor, host pool segment), are prepared on the engine's save thread (CPU: as it copies
+each layer; CUDA: ahead of the forward's hooks, which then only launch), so their checks never
+hold up the forward. It returns a :class:`StepSave`:
 
 * :meth:`StepSave.save_layer` (``save_kv_layer``: layer ``l`` just wrote its pages) costs a few
   launches. On CUDA: an event on the caller's current stream (the forward), the ``offload`` stream
@@ -148,13 +149,25 @@ class StepSave:
         """Layer ``layer``'s copies, prepared now if they are not yet (with every layer before it):
         the checks of a layer run when it comes (on the CPU on the save thread), not all before
         the forward. Raises what a preparation raises (the caller fails the step)."""
-        with self._prepare_lock:
-            while len(self._prepared) <= layer and self._preparing is not None:
+        while True:
+            with self._prepare_lock:  # one layer at a time: a second thread preparing ahead interleaves
+                if len(self._prepared) > layer or self._preparing is None:
+                    return self._prepared[layer] if layer < len(self._prepared) else []
                 try:
                     self._prepared.append(next(self._preparing).copies)
                 except StopIteration:
                     self._preparing = None
-            return self._prepared[layer] if layer < len(self._prepared) else []
+
+    def _prepare_ahead(self) -> None:
+        """CUDA: the save thread prepares every layer's copies ahead of the forward's hooks, which
+        then only launch (never raises: a fault fails the step)."""
+        try:
+            for layer in range(self.layers):
+                if self._error is not None or self._ended:
+                    return
+                self._copies_for(layer)
+        except Exception as exc:
+            self._fault(exc)
 
     def _fault(self, exc: BaseException) -> None:
         with self._lock:
@@ -260,7 +273,8 @@ class StepSave:
 
 class LayerSaves:
     """The layer-wise saves of one transfer engine: the checks and per-step preparation
-    (:meth:`start`) and, on the CPU, the save thread that copies the layers handed to it. Shares
+    (:meth:`start`) and the save thread (CPU: it copies the layers handed to it; CUDA: it prepares
+    each step's layers ahead of the hooks). Shares
     the layer groups, per-tensor tables and page layout of the engine's
     :class:`~saria.dataplane.transfer.layerwise.LayerwiseLoads` (``loads``)."""
 
@@ -277,10 +291,9 @@ class LayerSaves:
         self._lock = threading.Lock()
         self._closed = False
         self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        if not self.streams.cuda:
-            self._thread = threading.Thread(target=self._loop, name="saria-layer-saves", daemon=True)
-            self._thread.start()
+        # CPU: copies the layers handed over; CUDA: prepares each step's layers ahead of its hooks
+        self._thread = threading.Thread(target=self._loop, name="saria-layer-saves", daemon=True)
+        self._thread.start()
 
     def ok(self, order: Order) -> bool:
         """Whether :meth:`start` can take ``order``: a store or a promotion from the pages of kv
@@ -320,6 +333,10 @@ class LayerSaves:
                                          torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
                 step._preparing = prepare_layers(self.loads.layers, self.loads.tensor_tables, per_tensor, pack=True,
                                                  max_programs=self.loads.max_programs)  # layer by layer, as they come
+                if self.streams.cuda:
+                    with self._lock:
+                        if not self._closed:
+                            self._queue.put((step, None))
         except Exception as exc:  # nothing was copied yet: the slots go back, the objects fail
             step._end(exc)
         return step
@@ -351,7 +368,10 @@ class LayerSaves:
             if work is None:
                 return
             step, layer = work
-            step._run_layer(layer)
+            if layer is None:
+                step._prepare_ahead()
+            else:
+                step._run_layer(layer)
 
     def settle(self) -> None:
         """Wait for what is queued on the ``offload`` stream (a failure path: never raises)."""
