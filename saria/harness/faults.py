@@ -18,7 +18,7 @@ def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int],
     ``RuntimeError`` once in each of its turns (0-based). Targets: the control plane's ``plan``,
     ``commit_prefill`` and ``complete``; the connector scheduler's ``update_state_after_alloc``
     (after vLLM was told to wait for a load); ``ssd_load``: the transfer engine's reload of a plan
-    that reads from SSD. Returns ``(arm, restore)``: call ``arm(turn)`` before each turn,
+    that reads from SSD (whole, ``load``, or a layer-wise step that holds one, ``load_layers``). Returns ``(arm, restore)``: call ``arm(turn)`` before each turn,
     ``restore()`` at the end."""
     from saria.control import ControlPlane, Tier
     from saria.dataplane.transfer.engine import TransferEngine
@@ -28,9 +28,13 @@ def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int],
     def reads_ssd(plan, *args, **kwargs) -> bool:
         return Tier.SSD in plan.kv_sources or plan.state_source is Tier.SSD
 
-    where = {"plan": (ControlPlane, "plan", None), "commit_prefill": (ControlPlane, "commit_prefill", None),
-             "complete": (ControlPlane, "complete", None), "ssd_load": (TransferEngine, "load", reads_ssd),
-             "update_state_after_alloc": (SariaScheduler, "update_state_after_alloc", None)}
+    def step_reads_ssd(loads, *args, **kwargs) -> bool:
+        return any(reads_ssd(plan) for plan, _, _ in loads)
+
+    where = {"plan": [(ControlPlane, "plan", None)], "commit_prefill": [(ControlPlane, "commit_prefill", None)],
+             "complete": [(ControlPlane, "complete", None)],
+             "ssd_load": [(TransferEngine, "load", reads_ssd), (TransferEngine, "load_layers", step_reads_ssd)],
+             "update_state_after_alloc": [(SariaScheduler, "update_state_after_alloc", None)]}
     unknown = sorted(set(turns_by_target) - set(where))
     if unknown:
         raise ValueError(f"unknown fault target(s) {unknown}; known: {', '.join(FAULT_TARGETS)}")
@@ -46,9 +50,9 @@ def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int],
 
     originals = []
     for target in turns_by_target:
-        cls, name, applies = where[target]
-        originals.append((cls, name, getattr(cls, name)))
-        setattr(cls, name, raising(target, getattr(cls, name), applies))
+        for cls, name, applies in where[target]:
+            originals.append((cls, name, getattr(cls, name)))
+            setattr(cls, name, raising(target, getattr(cls, name), applies))
 
     def arm(turn: int) -> None:
         armed.clear()

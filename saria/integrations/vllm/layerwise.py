@@ -99,8 +99,8 @@ class LayerLoads:
         jobs = self._start_layers(engine, [s for s in layered if s.plan.num_chunks])
         for spec in layered:
             job = jobs.get(id(spec))
-            if isinstance(job, BaseException):
-                self._fail(spec, job)
+            if isinstance(job, BaseException):  # counted once, by _start_layers
+                self._fail(spec, job, count=False)
                 continue
             if spec.cluster:
                 try:
@@ -115,29 +115,23 @@ class LayerLoads:
             self.counters.steps += 1
 
     def _start_layers(self, engine: TransferEngine, specs: list[LoadSpec]) -> dict[int, Any]:
-        """One layer-wise step for ``specs`` (``id(spec)`` -> its job, or the exception that kept
-        it from starting): all at once, or, if that is refused, each alone."""
+        """One layer-wise step for ``specs``: ``id(spec)`` -> its job, or, if the engine refused the
+        step (it started nothing of it), the exception for every one of them (one fault: vLLM
+        recomputes their blocks)."""
         if not specs:
             return {}
         try:
             step = engine.load_layers([(s.plan, s.kv_blocks[:s.plan.num_chunks], s.skip_pages) for s in specs])
-        except Exception:  # checked before anything started: find the one refused
-            out = {}
-            for spec in specs:
-                try:
-                    one = engine.load_layers([(spec.plan, spec.kv_blocks[:spec.plan.num_chunks], spec.skip_pages)])
-                except Exception as exc:
-                    out[id(spec)] = exc
-                    continue
-                self._steps.append(one)
-                out[id(spec)] = one.jobs[0]
-            return out
+        except Exception as exc:
+            self.failures.append(exc)
+            return {id(s): exc for s in specs}
         self._steps.append(step)
         return {id(s): job for s, job in zip(specs, step.jobs)}
 
-    def _fail(self, spec: LoadSpec, exc: BaseException, job: Any = None) -> None:
+    def _fail(self, spec: LoadSpec, exc: BaseException, job: Any = None, *, count: bool = True) -> None:
         log.warning("saria: load of request %s not started: %s", spec.req_id, exc)
-        self.failures.append(exc)
+        if count:
+            self.failures.append(exc)
         self._loads.append((spec, _Failed(job)))
 
     def take_failures(self) -> list[BaseException]:
