@@ -150,11 +150,7 @@ class SariaWorker:
         self._abandoned: set[str] = set()  # in-step loads of this step failed by a turn-off
         try:
             self._follow(meta)
-            for req_id in meta.cancels:  # vLLM waits for a load the scheduler could not send
-                if req_id in meta.cancel_blocks:  # an in-step load: this step's forward would read its blocks
-                    self.results.error_blocks.update(meta.cancel_blocks[req_id])
-                else:
-                    self.results.fail_request(req_id)
+            self._cancel(meta)
             in_step = [spec for spec in meta.loads if spec.layerwise]
             if in_step:
                 self._start_layers(in_step)
@@ -165,17 +161,24 @@ class SariaWorker:
         except Exception as exc:
             self._give_up("start_load_kv", exc)
             specs = getattr(meta, "loads", ())
-            cancel_blocks = getattr(meta, "cancel_blocks", {})
-            for req_id in list(getattr(meta, "cancels", ())):
-                if req_id in cancel_blocks:
-                    self.results.error_blocks.update(cancel_blocks[req_id])
-            for req_id in [spec.req_id for spec in specs if not spec.layerwise] + \
-                    [r for r in getattr(meta, "cancels", ()) if r not in cancel_blocks]:
+            self._cancel(meta)
+            for req_id in [spec.req_id for spec in specs if not spec.layerwise]:
                 if req_id not in self.results.finished:  # not started, or started and failed by the turn-off
                     self.results.fail_request(req_id)
             for spec in specs:  # in-step loads the turn-off did not fail already: their blocks go back in error
                 if spec.layerwise and spec.req_id not in self._abandoned:
                     self.results.ended_in_step(spec, None, None, True)
+
+    def _cancel(self, meta: SariaConnectorMetadata) -> None:
+        """Loads vLLM waits for that the scheduler could not send: an in-step one's blocks (this
+        step's forward reads them) go back in error; any other is reported finished and failed.
+        Idempotent (a fault path calls it again)."""
+        cancel_blocks = getattr(meta, "cancel_blocks", {})
+        for req_id in getattr(meta, "cancels", ()):
+            if req_id in cancel_blocks:
+                self.results.error_blocks.update(cancel_blocks[req_id])
+            elif req_id not in self.results.finished:
+                self.results.fail_request(req_id)
 
     def _start_layers(self, specs: list[LoadSpec]) -> None:
         """Start the step's in-step loads (:mod:`.layerwise`): layer by layer where the engine can."""
