@@ -10,8 +10,8 @@ and what overlapping the reload with the forward pass gives.
     p99 microseconds per layer over all steps; ``--json`` gives ``host_us_per_layer_p50`` and
     ``host_us_per_layer_p99``. Beside it, each layer's checks and precompute (run while the layer
     before copies), and the host time of ``StepSave.save_layer`` (a layer-wise store's layer,
-    vLLM's ``save_kv_layer``). Targets: both p50 <= 20 us. On a CPU the "launch" is the copy itself (the torch path copies in the call), so the
-    CPU number is measured with one page per layer to leave the host overhead; on CUDA it is a
+    vLLM's ``save_kv_layer``). Targets: both p50 <= 20 us. On a CPU the "launch" is the copy
+    itself (the torch path copies in the call), so the CPU number is measured with one page per layer to leave the host overhead; on CUDA it is a
     kernel launch and the pages are the full step's.
 (b) **Benefit** (CUDA only; the default there). A synthetic forward of Qwen3-8B-sized layers (per
     layer the GEMMs of its 218 M parameters for N new tokens, and an attention-sized pair of GEMMs

@@ -2,8 +2,8 @@
 and the metrics read, and its per-step delta for vLLM's connector stats (:mod:`.metrics`).
 
 The data plane's counters are those of the engine (``engine``, ``coordinator``, ``host_pool``,
-``ssd``) and of the cluster tier (``cluster``), the layer-wise reloads' (``layerwise``); when the worker turns off they are kept as they
-were when its data plane closed (:meth:`~WorkerCounters.keep`), so a snapshot still has them.
+``ssd``), of the cluster tier (``cluster``) and of the layer-wise reloads (``layerwise``); when
+the worker turns off they are kept as they were when its data plane closed (:meth:`~WorkerCounters.keep`), so a snapshot still has them.
 """
 
 from __future__ import annotations

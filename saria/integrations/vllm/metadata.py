@@ -69,9 +69,9 @@ class SariaConnectorMetadata(KVConnectorMetadata):
     sent (a fault came between): the worker reports each one finished and failed, so vLLM
     recomputes it instead of waiting forever; a cancelled in-step (layer-wise) load, which vLLM runs
     in this very step, is named in ``cancel_blocks`` with the request's blocks, which the worker
-    reports in error (vLLM drops the step's output for it and recomputes). ``held``: finished requests whose blocks vLLM keeps
-    until the worker reports them sent (``request_finished`` said so: orders still read them);
-    ``preempted``: requests whose blocks vLLM freed this step, which the worker must stop reading
+    reports in error (vLLM drops the step's output for it and recomputes). ``held``: finished
+    requests whose blocks vLLM keeps until the worker reports them sent (``request_finished``
+    said so: orders still read them); ``preempted``: requests whose blocks vLLM freed this step, which the worker must stop reading
     before the step's forward writes them (``handle_preemptions``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
