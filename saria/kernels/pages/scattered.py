@@ -33,7 +33,7 @@ from ..block_ids import BlockIds
 from ..checks import (MAX_PAGE_IDS, check_block_ids, check_count, check_in_range, check_offsets, check_regions,
                       check_scattered_buffer, check_unpack_target)
 from ..page_table import PageTable
-from .triton import MAX_GRID_YZ, launch_config
+from .triton import MAX_GRID_YZ, copy_page_tiles, launch_config
 
 # Torch path: pages alone in their run of the buffer and smaller than this are copied by one indexed
 # copy per tensor (its flat index as large as the pages) instead of one slice copy each.
@@ -71,25 +71,7 @@ def _scattered_kernel(
         src_addr = tl.load(item)
         dst_addr = tl.load(item + 1)
         page_bytes = tl.load(item + 2)
-        if ((src_addr | dst_addr | page_bytes) & 15) == 0:
-            p_src = src_addr.to(tl.pointer_type(tl.int32))
-            p_dst = dst_addr.to(tl.pointer_type(tl.int32))
-            n_words = tl.multiple_of(page_bytes // 4, 4)
-            for start in range(i_s * WORDS, n_words, n_s * WORDS):
-                o_w = start + tl.arange(0, WORDS)
-                mask = o_w < n_words
-                p_s = tl.max_contiguous(tl.multiple_of(p_src + o_w, [16]), [WORDS])
-                p_d = tl.max_contiguous(tl.multiple_of(p_dst + o_w, [16]), [WORDS])
-                tl.store(p_d, tl.load(p_s, mask=mask), mask=mask)
-        else:
-            p_src8 = src_addr.to(tl.pointer_type(tl.uint8))
-            p_dst8 = dst_addr.to(tl.pointer_type(tl.uint8))
-            for tile in range(i_s * (4 * WORDS), page_bytes, n_s * (4 * WORDS)):
-                end = tl.minimum(tile + 4 * WORDS, page_bytes)
-                for start in range(tile, end, BYTES):
-                    o_b = start + tl.arange(0, BYTES)
-                    mask = o_b < end
-                    tl.store(p_dst8 + o_b, tl.load(p_src8 + o_b, mask=mask), mask=mask)
+        copy_page_tiles(src_addr, dst_addr, page_bytes, i_s, n_s, WORDS, BYTES)
 
 
 class ScatteredCopy:

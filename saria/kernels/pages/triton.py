@@ -136,6 +136,15 @@ def _copy_pages_kernel(
         src_addr = stage_addr
         dst_addr = page_addr
 
+    copy_page_tiles(src_addr, dst_addr, page_bytes, i_s, n_s, WORDS, BYTES)
+
+
+@triton.jit
+def copy_page_tiles(src_addr, dst_addr, page_bytes, i_s, n_s, WORDS: tl.constexpr, BYTES: tl.constexpr):
+    """Copy tiles ``i_s, i_s + n_s, ...`` of one page of ``page_bytes`` from ``src_addr`` to
+    ``dst_addr`` (int64 addresses): 16-byte words when both addresses and the size are multiples of
+    16 (``ld/st.global.v4.b32``: the hints make that visible to the compiler), else bytes, ``BYTES``
+    at a time over the same tiles. Shared by the pack/unpack kernel and the scattered one."""
     if ((src_addr | dst_addr | page_bytes) & 15) == 0:
         p_src = src_addr.to(tl.pointer_type(tl.int32))
         p_dst = dst_addr.to(tl.pointer_type(tl.int32))
