@@ -289,9 +289,10 @@ def test_flipped_byte_is_a_checksum_miss(cluster, pool):
 
 def test_timeout_is_a_miss_and_memory_is_released_later(own_cluster, pool):
     a, b = objs(4, base=1200), objs(2, base=1250)
+    with new_store(own_cluster, pool) as store:  # stored under the default deadline: a slow machine's put is no timeout
+        assert put(store, pool, a) == [n for n, _ in a.values()]
     with new_store(own_cluster, pool, timeout_s=1.0) as store:
-        put(store, pool, a)
-        own_cluster.pause_node()
+        own_cluster.pause_node()  # returns once the node runs nothing (a thread not yet stopped could serve a get)
         try:
             t0 = time.monotonic()
             got = get(store, pool, a)  # frees its slots at once: fine here, nobody else uses them
@@ -300,7 +301,7 @@ def test_timeout_is_a_miss_and_memory_is_released_later(own_cluster, pool):
         finally:
             time.sleep(1.0)
             own_cluster.resume_node()
-        assert all(isinstance(v, ClusterTimeout) for v in got.values()), got
+        assert all(isinstance(v, ClusterTimeout) for v in got.values()), [repr(v) for v in got.values()]  # no keys
         assert all(isinstance(r, ClusterTimeout) for r in put_late), put_late
         assert took < 10.0  # two 1 s deadlines (without them the calls block until the node resumes, below)
         assert store.wait_released(timeout=30)

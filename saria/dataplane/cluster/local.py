@@ -196,8 +196,16 @@ class LocalCluster:
         _stop(self.master_proc, signal.SIGKILL)
         self.master_proc = None
 
-    def pause_node(self) -> None:
+    def pause_node(self, timeout: float = 10.0) -> None:
+        """Stop the storage node (SIGSTOP) and return once every thread of it has stopped: ``kill``
+        returns before that, and a node thread still running (one that the CPU had not scheduled yet)
+        can serve a request sent after it."""
         self.node_proc.send_signal(signal.SIGSTOP)
+        end = time.monotonic() + timeout
+        while not _stopped(self.node_proc.pid):
+            if time.monotonic() >= end:
+                raise RuntimeError(f"{_WHAT['node']} (pid {self.node_proc.pid}) not stopped within {timeout:g} s")
+            time.sleep(0.001)
 
     def resume_node(self) -> None:
         self.node_proc.send_signal(signal.SIGCONT)  # nothing when it has exited (and been reaped)
@@ -224,6 +232,25 @@ class LocalCluster:
         for proc in (self.node_proc, self.master_proc):
             _stop(proc, signal.SIGTERM)
         self.node_proc = self.master_proc = None
+
+
+def _stopped(pid: int) -> bool:
+    """Whether no thread of process ``pid`` can run: each is stopped or traced (``T``/``t`` in
+    ``/proc/<pid>/task/*/stat``), or the process is gone or a zombie."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that exited
+        state = stat[stat.rindex(b")") + 2:][:1]  # the field after the command name, which may hold ")"
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
 
 
 def _stop(proc: subprocess.Popen | None, sig: int) -> None:
