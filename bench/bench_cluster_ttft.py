@@ -38,34 +38,21 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 from saria.dataplane.cluster.local import LocalCluster  # noqa: E402
-from saria.harness import build_model, run_in_subprocess, synthetic_session  # noqa: E402
+from saria.harness import build_model, run_in_subprocess  # noqa: E402
+from ttft_session import add_run_args, add_session_args, check_session_args, session_prompts  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--master", help="a running master's host:port (default: start one and a storage node per round)")
-    p.add_argument("--layers", type=int, default=8, help="layers of the (random-weight Qwen3) model (default 8)")
-    p.add_argument("--prefix-tokens", type=int, default=6000, help="the session's system prompt (default 6000)")
-    p.add_argument("--step-tokens", type=int, default=300, help="tokens each turn appends (default 300)")
-    p.add_argument("--chunk-tokens", type=int, default=512, help="saria's chunk (default 512)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each a fresh session (default 3)")
-    p.add_argument("--quick", action="store_true", help="2 layers, a 1500-token prefix, 1 round: a smoke run")
-    p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.layers, args.prefix_tokens, args.step_tokens, args.rounds = 2, 1500, 200, 1
-    for name in ("layers", "prefix_tokens", "step_tokens", "chunk_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.prefix_tokens + 2 * args.step_tokens + 8 > 8192:
-        p.error("the session must fit the model's 8192 positions: lower --prefix-tokens or --step-tokens")
-    return args
+    add_session_args(p)
+    add_run_args(p)
+    return check_session_args(p, p.parse_args(argv))
 
 
 def one_round(args: argparse.Namespace, model: str, seed: int, master: str, order: int) -> dict:
-    session = synthetic_session(2, system_tokens=args.prefix_tokens, step_tokens=args.step_tokens, seed=seed)
-    warm = synthetic_session(1, system_tokens=args.prefix_tokens, step_tokens=args.step_tokens, seed=seed + 10_000)[0]
+    session, warm = session_prompts(args, seed)
     # a 1 s idle gap after each turn, in which the engine steps while saria has work (as a server's
     # engine does): the turn's stores land before the next turn is planned
     spec = {"model": model, "max_tokens": 4, "enforce_eager": True, "gap_s": 1.0}
