@@ -1,5 +1,6 @@
-"""The compiled kernels, checked without a GPU: Triton compiles them to PTX for an H100/H200 (sm_90)
-here, so the claim that aligned pages move in 16-byte words is checked in the generated code."""
+"""The compiled kernels (pages, scattered pages, checksum, FP8), checked without a GPU: Triton
+compiles them to PTX for an H100/H200 (sm_90) here, so the claim that aligned pages move in 16-byte
+words is checked in the generated code."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ for pack in (True, False):
     name = "fp8_" + ("pack" if pack else "unpack")
     out[name] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
     out[name + "_float"] = sorted(set(re.findall(r"(?:div|rcp|fma|mul|cvt)\.[.\w]*f32[.\w]*", text)))
+scattered = importlib.import_module('saria.kernels.pages.scattered')
+scattered_sig = {"p_work": "*i64", "n": "i32", "tensors": "i32", "tiles": "i32", "total": "i64", "WORDS": "constexpr",
+                 "BYTES": "constexpr", "PERSISTENT": "constexpr"}
+for persistent in (False, True):
+    text = ptx(scattered._scattered_kernel, scattered_sig, {"WORDS": 8192, "BYTES": 2048, "PERSISTENT": persistent},
+               aligned=("p_work",))
+    out[f"scattered_persistent_{persistent}"] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
 print(json.dumps(out))
 """
 
@@ -91,3 +99,12 @@ def test_fp8_kernel_divides_in_ieee_and_never_flushes_subnormals(global_memory_o
     floats = global_memory_ops["fp8_pack_float"] + global_memory_ops["fp8_unpack_float"]
     assert "div.rn.f32" in global_memory_ops["fp8_pack_float"], floats  # tl.math.div_rn, as the format says
     assert not [op for op in floats if "approx" in op or "full" in op or "ftz" in op or op.startswith("fma")], floats
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_scattered_kernel_copies_aligned_pages_in_16_byte_words(global_memory_ops, persistent):
+    """The scattered copy (``prepare_scattered``), both grids: aligned pages move in
+    ld/st.global.v4.b32 and the byte path is there for the others."""
+    ops = global_memory_ops[f"scattered_persistent_{persistent}"]
+    assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, ops
+    assert "ld.global.b8" in ops and "st.global.b8" in ops, ops

@@ -411,49 +411,6 @@ def test_pageable_host_buffer_refused_for_cuda_pages():
         prepare_scattered(torch.zeros(1024, dtype=torch.uint8), torch.tensor([[0, 256]]), caches, [0, 1], pack=False)
 
 
-# --- the compiled kernel, without a GPU (as tests/test_kernels_codegen.py does) ---------------------
-
-PROBE = r"""
-import json, re, importlib
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-mod = importlib.import_module('saria.kernels.pages.scattered')
-sig = {"p_work": "*i64", "n": "i32", "tensors": "i32", "tiles": "i32", "total": "i64", "WORDS": "constexpr",
-       "BYTES": "constexpr", "PERSISTENT": "constexpr"}
-out = {}
-for persistent in (False, True):
-    src = ASTSource(fn=mod._scattered_kernel, signature=sig,
-                    constexprs={"WORDS": 8192, "BYTES": 2048, "PERSISTENT": persistent},
-                    attrs={(0,): [["tt.divisibility", 16]]})
-    text = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    out[str(persistent)] = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", text)))
-print(json.dumps(out))
-"""
-
-
-@pytest.fixture(scope="module")
-def compiled_memory_ops():
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("persistent", ["False", "True"])
-def test_compiled_kernel_copies_aligned_pages_in_16_byte_words(compiled_memory_ops, persistent):
-    """Compiled for sm_90 here: both grids build, aligned pages move in ld/st.global.v4.b32 and the
-    byte path is there for the others."""
-    ops = compiled_memory_ops[persistent]
-    assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, ops
-    assert "ld.global.b8" in ops and "st.global.b8" in ops, ops
-
-
 @pytest.mark.parametrize("pack", [True, False])
 def test_prepared_under_inference_mode_launches_on_another_thread(pack):
     """vLLM prepares under torch.inference_mode and a save or load thread launches outside it: the
