@@ -86,14 +86,13 @@ def test_reloads_ran_layer_by_layer_and_every_layer_waited_in_every_step(dense):
 
 
 @pytest.fixture(scope="module")
-def dense_whole(tmp_path_factory, dense_session):
-    """The same session with ``layerwise`` off: loads asynchronous and whole, stores after the forward."""
+def dense_whole(tmp_path_factory, dense):
+    """``dense``'s run with ``layerwise`` off (a drive of its own): loads asynchronous and whole,
+    stores after the forward."""
     root = tmp_path_factory.mktemp("dense-whole")
     (root / "ssd").mkdir()
-    config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
-              "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0, "audit_kv": True,
-              "layerwise": False}
-    return run_in_subprocess(dict(dense_session["spec"], extra_config=config, corrupt_before=[3]))
+    config = dict(dense["config"], ssd_paths=[str(root / "ssd")], layerwise=False)
+    return run_in_subprocess(dict(dense["spec"], extra_config=config, corrupt_before=[3]))
 
 
 def test_without_layerwise_the_same_session_reuses_the_same_tokens_whole(dense, dense_whole):
