@@ -8,6 +8,7 @@ steps, host pool exhaustion, faults mid-step and refusals before anything moved.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ from saria.dataplane.ssd.format import Geometry
 from saria.kernels import PageTable, pack_pages
 from saria.kernels.checksum import checksum
 from ssd_cases import drive_file, flip_byte
+
+# Examples of the random-step hunt; SARIA_LAYERWISE_EXAMPLES=500 for a longer one.
+EXAMPLES = int(os.environ.get("SARIA_LAYERWISE_EXAMPLES", "25"))
 
 PAGES = 2  # pages per chunk
 NB = 80
@@ -274,7 +278,7 @@ def test_refusals_come_before_anything_moved(tmp_path):
             eng.store_layers([StoreOrder(1, ("s",), (), 0)], sources(["s"]))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(data=st.data())
 def test_layer_saves_store_exactly_the_spec_over_random_steps(data):
     """Random steps (1-3 orders of 0-4 chunks, a chunk stored twice, layers of one or two tensors,

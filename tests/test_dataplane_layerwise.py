@@ -6,6 +6,7 @@ returns), with failed objects that leave every layer of their pages untouched.""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import pytest
@@ -19,6 +20,9 @@ from saria.dataplane import Coordinator, HostPool, SSDStore, TransferEngine, obj
 from saria.dataplane.ssd.format import Geometry
 from saria.kernels import PageTable
 from ssd_cases import drive_file, flip_byte
+
+# Examples of the random-step hunt; SARIA_LAYERWISE_EXAMPLES=500 for a longer one.
+EXAMPLES = int(os.environ.get("SARIA_LAYERWISE_EXAMPLES", "25"))
 
 PAGES = 2  # pages per chunk
 NB = 80
@@ -176,7 +180,7 @@ def test_bad_requests_are_refused_before_anything_moves(tmp_path):
         step.finish()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_layerwise_writes_exactly_the_planned_pages_over_random_steps(tmp_path_factory, data):
     """Random steps (1-3 plans of 1-4 chunks from DRAM or SSD, a skipped leading part, layers of

@@ -6,6 +6,7 @@ GPU. Cases stay tiny: the interpreter costs about 1 ms a program."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 
 def examples(n: int) -> settings:
+    """``n`` examples, or ``SARIA_LAYERWISE_EXAMPLES`` when that is set (a longer hunt)."""
+    n = int(os.environ.get("SARIA_LAYERWISE_EXAMPLES", n))
     return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
 
