@@ -146,6 +146,34 @@ def test_a_missing_dram_object_fails_its_chunk_and_the_others_land(tmp_path):
         assert all(same(t[40], c[0]) for t, c in zip(dst.kv_table.tensors, caches))
 
 
+def test_a_path_that_fails_part_way_fails_each_object_once_and_no_wait_hangs(tmp_path, monkeypatch):
+    """The DRAM path fails one object (missing), then faults at its first layer (the pacer raises):
+    the other object fails with the fault, neither is finished twice (a job refuses that), every
+    layer's wait returns and the next step runs as usual."""
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["m", "n"], [Tier.DRAM, Tier.DRAM])
+        dst.dram.drop(ObjectKey("n", "kv"))
+
+        def fault(nbytes):
+            raise RuntimeError("injected pacing fault")
+
+        monkeypatch.setattr(dst.coordinator, "acquire", fault)
+        step = dst.load_layers([(plan(["m", "n"], [Tier.DRAM, Tier.DRAM]), [[40, 41], [42, 43]], 0)])
+        done = threading.Event()
+        threading.Thread(target=lambda: (step.wait_all(), done.set()), daemon=True).start()
+        assert done.wait(30), "a layer's wait hung after its path failed"
+        (result,) = step.finish(timeout=30)
+        assert set(result.failed) == {ObjectKey("m", "kv"), ObjectKey("n", "kv")} and result.valid_chunks == 0
+        monkeypatch.undo()
+        step = dst.load_layers([(plan(["m"], [Tier.DRAM]), [[44, 45]], 0)])
+        done = threading.Event()
+        threading.Thread(target=lambda: (step.wait_all(), done.set()), daemon=True).start()
+        assert done.wait(30), "the path's thread did not survive the fault"
+        (result,) = step.finish(timeout=30)
+        assert result.ok and all(same(t[44], c[0]) for t, c in zip(dst.kv_table.tensors, caches))
+
+
 def test_a_closed_ssd_store_fails_the_ssd_objects_and_no_wait_hangs(tmp_path):
     caches = caches_of(4, 2, 8)
     with rig(tmp_path, caches, 4096) as (src, dst, store):

@@ -65,6 +65,7 @@ class _Path:
         self.issued = [threading.Event() for _ in range(layers)]
         self.events: list[Event | None] = [None] * layers
         self.done = threading.Event()  # every layer issued and every item finished on its job
+        self.finished: set[int] = set()  # ids of the items finished on their jobs (a failure fails the rest)
 
     def layer_done(self, layer: int, event: Event | None) -> None:
         self.events[layer] = event
@@ -74,6 +75,18 @@ class _Path:
         """Set every layer not issued yet: a waiter never hangs (the items are failed by the caller)."""
         for flag in self.issued:
             flag.set()
+
+    def finish(self, job: LoadJob, item: LoadItem, event: Event | None = None,
+               error: BaseException | None = None) -> None:
+        self.finished.add(id(item))
+        job.finish(item, event=event, error=error)
+
+    def finish_all(self, work: list[tuple]) -> None:
+        """Finish the delivered items on their jobs, with the last layer's event (every layer's
+        copies are queued in order on one stream, so it follows all of them)."""
+        event = self.events[-1] if self.events else None
+        for job, item, *_ in work:
+            self.finish(job, item, event=event)
 
 
 @dataclass
@@ -217,12 +230,11 @@ class LayerwiseLoads:
                 run(step, path, items)
             except Exception as exc:  # never leaves a layer waiting or a job unfinished
                 log.warning("layer-wise %s reload failed: %s", name.upper(), exc)
-                path.give_up()
-                left = [(job, item) for job, item in items if not getattr(item, "_finished", False)]
+                left = [(job, item) for job, item in items if id(item) not in path.finished]
                 self.counters.add(load_failures=len(left))
                 for job, item in left:
                     job.finish(item, error=exc)
-            finally:
+            finally:  # the failed items are failed first: a waiter wakes to them
                 path.give_up()
                 path.done.set()
 
@@ -232,14 +244,14 @@ class LayerwiseLoads:
             obj = self.dram.get(item.key)
             if obj is None or obj.nbytes != item.nbytes:
                 self.counters.add(load_failures=1, missing_dram_objects=int(obj is None))
-                _finish(job, item, error=LookupError(f"{item.key} is not in DRAM as its pages need it"))
+                path.finish(job, item, error=LookupError(f"{item.key} is not in DRAM as its pages need it"))
             else:
                 present.append((job, item, obj.slots))
         if not present:
             return
         t0 = time.perf_counter()
         self._issue(step, path, self._dram_copies(present), pace=True)
-        _finish_all(present, path)
+        path.finish_all(present)
         self.counters.add(dram_to_gpu_bytes=sum(item.nbytes for _, item, _ in present),
                           dram_to_gpu_seconds=time.perf_counter() - t0)
 
@@ -270,7 +282,7 @@ class LayerwiseLoads:
                 if error is not None:
                     log.warning("SSD reload of %s failed: %s", item.key, error)
                     self.counters.add(load_failures=1)
-                    _finish(job, item, error=error)
+                    path.finish(job, item, error=error)
                 else:
                     arrived.append((job, item, base))
         finally:
@@ -281,7 +293,7 @@ class LayerwiseLoads:
         self.counters.add(ssd_to_gpu_bytes=sum(i.nbytes for _, i, _ in arrived),
                           ssd_to_gpu_seconds=time.perf_counter() - t0)
         self._issue(step, path, self._ssd_copies(staging, arrived), pace=False)
-        _finish_all(arrived, path)
+        path.finish_all(arrived)
 
     def _issue(self, step: StepLoad, path: _Path, layers, *, pace: bool) -> None:
         """Queue each layer's copies on the path's stream (after the caller's queued work), record
@@ -387,16 +399,3 @@ def prepare_layers(layers: list[list[int]], tensor_tables: list[PageTable],
                 out.copies.append(copy)
                 out.nbytes += copy.nbytes
         yield out
-
-
-def _finish(job: LoadJob, item: LoadItem, event: Event | None = None, error: BaseException | None = None) -> None:
-    item._finished = True  # the path thread's guard fails only what is left
-    job.finish(item, event=event, error=error)
-
-
-def _finish_all(work: list[tuple], path: _Path) -> None:
-    """Finish the path's delivered items on their jobs, with the last layer's event (every layer's
-    copies are queued in order on one stream, so it follows all of them)."""
-    event = path.events[-1] if path.events else None
-    for job, item, *_ in work:
-        _finish(job, item, event=event)
