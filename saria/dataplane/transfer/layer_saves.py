@@ -251,9 +251,8 @@ class StepSave:
             for o, run in enumerate(self.runs):
                 if not run.completion.done():
                     mine = [obj for obj in self._objects if obj.order == o]
-                    failed = tuple(obj.key for obj in mine if obj.error is not None)
-                    ok = len(failed) < len(mine) or not mine
-                    run.completion.set_result(Completion(run.order.order_id, ok, failed if ok else ()))
+                    failed = [obj.key for obj in mine if obj.error is not None]
+                    run.completion.set_result(Completion.of(run.order.order_id, len(mine), failed))
             saves.forget(self)
         seconds = time.perf_counter() - self._t0 if self._t0 is not None and published else 0.0
         saves.counters.add(gpu_to_dram_bytes=published, gpu_to_dram_seconds=seconds)

@@ -84,8 +84,7 @@ class Prewarms:
             self.dram.put(key, DramObject(slots, nbytes, sums))
             landed += info.length
         self.counters.add(ssd_to_dram_bytes=landed, ssd_to_dram_seconds=time.perf_counter() - t0)
-        ok = len(failed) < len(keys) or not keys
-        return Completion(order.order_id, ok, tuple(failed) if ok else ())
+        return Completion.of(order.order_id, len(keys), failed)
 
     def _read_recoded(self, key: ObjectKey, ssd_key: bytes, length: int, views: list[torch.Tensor]) -> None:
         """Read an object whose SSD parts are not host slots (its FP8 form, or parts of another

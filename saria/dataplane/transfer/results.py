@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 from saria.orders import ObjectKey, Order
 
@@ -16,6 +17,13 @@ class Completion:
     order_id: int
     ok: bool
     failed: tuple[ObjectKey, ...] = ()
+
+    @classmethod
+    def of(cls, order_id: int, objects: int, failed: Sequence[ObjectKey]) -> "Completion":
+        """An order of ``objects`` objects, ``failed`` of them failed: ok while some object landed
+        (or none was asked for), naming the failed ones; not ok, naming none, when all failed."""
+        ok = len(failed) < objects or not objects
+        return cls(order_id, ok, tuple(failed) if ok else ())
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,7 @@ class Stores:
             raise
         finally:
             released.set()
-        ok = len(failed) < len(objects) or not objects
-        return Completion(order.order_id, ok, tuple(failed) if ok else ())
+        return Completion.of(order.order_id, len(objects), failed)
 
     def _copy_to_slots(self, staging: torch.Tensor, slots: list[int]) -> None:
         """Queue the copy of one object's staging into its host slots on the current stream."""

@@ -139,9 +139,7 @@ class Writes:
                 state["left"] -= 1
                 finished = state["left"] == 0
             if finished:
-                failed = state["failed"]
-                ok = len(failed) < len(keys) or not keys
-                result.set_result(Completion(order.order_id, ok, tuple(failed) if ok else ()))
+                result.set_result(Completion.of(order.order_id, len(keys), state["failed"]))
 
         if not futures:
             result.set_result(Completion(order.order_id, True))
