@@ -61,9 +61,13 @@ class LayerLoads:
         self.paths = engine.layerwise(groups, max_programs=max_programs)
         self.index = {name: i for i, name in enumerate(layer_names)}
         self.counters = LayerwiseCounters()
+        self.failures: list[BaseException] = []  # loads that could not start (the worker counts them as faults)
+        self._reset()
+
+    def _reset(self) -> None:
+        """No step in flight."""
         self._loads: list[tuple[LoadSpec, Any]] = []  # this step's loads: (spec, job)
         self._steps: list[StepLoad] = []
-        self.failures: list[BaseException] = []  # loads that could not start (the worker counts them as faults)
         self._before_first: list[Any] = []  # jobs that land whole before the first layer reads its pages
         self._first_waited = False
 
@@ -169,7 +173,7 @@ class LayerLoads:
             log.warning("saria: a step's forward did not wait for every layer it reloaded; its reloaded blocks are "
                         "recomputed (a full CUDA graph? layerwise needs piecewise graphs)")
         out = [(spec, job.wait(), missed) for spec, job in self._loads]
-        self._loads, self._before_first, self._steps, self._first_waited = [], [], [], False
+        self._reset()
         return out
 
     def abandon(self) -> list[LoadSpec]:
@@ -181,7 +185,7 @@ class LayerLoads:
                 step.finish()
             except Exception as exc:  # noqa: BLE001 - closing anyway
                 log.warning("saria: layer-wise loads at close: %s", exc)
-        self._loads, self._before_first, self._steps, self._first_waited = [], [], [], False
+        self._reset()
         return specs
 
 
