@@ -61,13 +61,14 @@ RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories a
 LAYOUT_WAIT_S = 30.0  # longest a lookup waits for the ranks' cluster layouts at start
 
 
-def uncount_failed(state: RequestState, load: LoadReport, *, hybrid: bool) -> None:
+def uncount_failed(state: RequestState, load: LoadReport) -> None:
     """An in-step (layer-wise) load fell short: vLLM counted all of its tokens as cached when it
     scheduled the request in the load's step (``Request.prefill_stats``, what the request's
     ``cached_tokens`` reports) and recomputes the failed ones now. Take those back out, so the
-    request reports the tokens it reused, as an asynchronous load's does."""
+    request reports the tokens it reused, as an asynchronous load's does. (Dense models only: a
+    hybrid one never loads in-step.)"""
     chunks = state.load_tokens
-    delivered = 0 if hybrid else min(load.valid_chunks, len(chunks))
+    delivered = min(load.valid_chunks, len(chunks))
     uncount_tokens(state.request, sum(tokens for _, tokens in chunks[delivered:]))
 
 
@@ -273,7 +274,7 @@ class SariaScheduler:
                     if load.failed and state.failed_from(Tier.DRAM):
                         lost[load.req_id] = state.failed_from(Tier.DRAM)
                     if self.layerwise and load.short:
-                        uncount_failed(state, load, hybrid=self.geometry.hybrid)
+                        uncount_failed(state, load)
                 if load.failed:
                     log.warning("saria: reload for request %s failed for %d object(s); vLLM recomputes them",
                                 load.req_id, len(load.failed))
