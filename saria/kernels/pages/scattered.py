@@ -31,8 +31,8 @@ import triton.language as tl
 from ..backend import launch_guard, resolve_backend
 from ..block_ids import BlockIds
 from ..checks import MAX_PAGE_IDS, check_block_ids, check_count, check_in_range, check_unpack_target
-from .scattered_checks import check_offsets, check_regions, check_scattered_buffer
 from ..page_table import PageTable
+from .scattered_checks import check_offsets, check_regions, check_scattered_buffer
 from .triton import MAX_GRID_YZ, copy_page_tiles, launch_config
 
 # Torch path: pages alone in their run of the buffer and smaller than this are copied by one indexed
