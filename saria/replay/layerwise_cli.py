@@ -41,7 +41,8 @@ def add_step_options(g) -> None:
                         "layer the larger of load and compute; GDN states, SSD reads and cluster gets still load "
                         "whole first. both (saria replay only): every policy is replayed both ways, the "
                         "layer-wise one labelled NAME" + LAYERWISE_SUFFIX + ", so the table shows TTFT with and "
-                        "without the overlap. docs/replay.md#layer-wise-reloads")
+                        "without the overlap. The vLLM connector does this for dense models only: a hybrid "
+                        "model's layer-wise rows are a what-if. docs/replay.md#layer-wise-reloads")
 
 
 def step_settings(args: argparse.Namespace) -> dict:
