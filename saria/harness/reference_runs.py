@@ -137,11 +137,11 @@ class ReferenceEngine:
     """A vLLM engine with the reference connector in a process of its own, replaying job after job
     (:meth:`replay`). ``spec``: the engine's arguments as :func:`~saria.harness.run.run_session`
     takes them (``model``, ``max_tokens``, ``block_size``, ``max_model_len``, ``enforce_eager``,
-    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``num_gpu_blocks``); prompts come with each job.
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``num_gpu_blocks``, ``engine_args``); prompts come with each job.
     The process starts at the first job and ends with :meth:`close`."""
 
     ENGINE_KEYS = ("model", "block_size", "max_model_len", "enforce_eager", "tensor_parallel_size",
-                   "pipeline_parallel_size", "num_gpu_blocks")
+                   "pipeline_parallel_size", "num_gpu_blocks", "engine_args")
 
     def __init__(self, spec: Mapping[str, Any], *, timeout: float = 900):
         self.spec = dict(spec)
@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = json.loads(Path(argv[0]).read_text())
     if engine.get("num_gpu_blocks") is not None:
         engine["num_gpu_blocks_override"] = engine.pop("num_gpu_blocks")
+    engine.update(engine.pop("engine_args", None) or {})
     llm = open_llm(**dict(engine, kv_transfer_config=CONNECTOR))
     for line in sys.stdin:
         request = json.loads(line)

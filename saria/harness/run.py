@@ -61,7 +61,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
                 abort_turns: list[int] = (), gap_s: float = 0.0, kv_cache_dtype: str = "auto",
                 emulate_ssd_fp8: bool | str = False, reference: dict | None = None,
-                cache_salts: list[str | None] | None = None, record_block_hashes: bool = False) -> SessionResult:
+                cache_salts: list[str | None] | None = None, record_block_hashes: bool = False,
+                engine_args: dict | None = None) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -102,7 +103,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     block hashes; with a key file saria derives the tenant's keys from it), or None for none.
     ``record_block_hashes``: keep vLLM's block hashes of every request saria looks up, hex
     (``SessionResult.block_hashes``: what must never appear in saria's files, logs or metrics; an
-    engine in this process)."""
+    engine in this process). ``engine_args``: more of vLLM's engine arguments, as given
+    (``speculative_config``, ``max_num_batched_tokens``, ...); a reference replaying the run
+    passes the same ones."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -112,7 +115,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                               prefix_caching=prefix_caching, extra_config=extra_config, variants=variants,
                               prime=prime, tensor_parallel_size=tensor_parallel_size,
                               pipeline_parallel_size=pipeline_parallel_size, progress=progress,
-                              num_gpu_blocks=num_gpu_blocks)
+                              num_gpu_blocks=num_gpu_blocks, engine_args=engine_args)
 
     if prime is not None and variants is not None:
         raise ValueError("give prime or variants, not both")
@@ -130,7 +133,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     def prompt_of(i: int) -> Any:
         return TokensPrompt(prompt_token_ids=prompts[i], **({"cache_salt": salts[i]} if salts[i] is not None else {}))
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(engine_args or {})
     if extra_config is not None:
         kwargs["kv_transfer_config"] = {"kv_connector": "SariaConnector",
                                         "kv_connector_module_path": "saria.integrations.vllm",
@@ -267,14 +270,17 @@ def _record_block_hashes(connector: Any, into: list[list[str]]) -> None:
 def _run_reference(model: str, prompts: list[list[int]], job: dict, *, max_tokens: int, block_size: int | None,
                    max_model_len: int, enforce_eager: bool, batches: list[int] | None, prefix_caching: bool,
                    extra_config: dict | None, variants: Any, prime: Any, tensor_parallel_size: int,
-                   pipeline_parallel_size: int, progress: bool, num_gpu_blocks: int | None) -> SessionResult:
+                   pipeline_parallel_size: int, progress: bool, num_gpu_blocks: int | None,
+                   engine_args: dict | None) -> SessionResult:
     """:func:`run_session` with ``reference``."""
     from saria.harness.reference_runs import CONNECTOR, replay
 
     if extra_config is not None or prefix_caching or variants is not None or prime is not None:
         raise ValueError("a reference replay runs plain vLLM with its own prefix cache off: no extra_config, "
                          "prefix_caching, variants or prime")
-    kwargs: dict[str, Any] = {"block_size": block_size} if block_size is not None else {}
+    kwargs: dict[str, Any] = dict(engine_args or {})
+    if block_size is not None:
+        kwargs["block_size"] = block_size
     if num_gpu_blocks is not None:
         kwargs["num_gpu_blocks_override"] = num_gpu_blocks
     llm = open_llm(model, max_model_len=max_model_len, enforce_eager=enforce_eager, kv_transfer_config=CONNECTOR,
