@@ -103,6 +103,7 @@ class SariaWorker:
         self.layerwise = layerwise  # loads inside the step, layer by layer (settings.layerwise_for)
         self.layers: LayerLoads | None = None  # the step's layer-wise loads (.layerwise)
         self._abandoned: set[str] = set()
+        self._followed: SariaConnectorMetadata | None = None  # the step's metadata, once followed
 
     @property
     def engine(self) -> DataPlane:
@@ -324,8 +325,16 @@ class SariaWorker:
     # --- epochs, faults, turning off -------------------------------------------------------------
 
     def _follow(self, meta: SariaConnectorMetadata) -> None:
+        """Take in what a step's metadata says of the worker's state (off, a new epoch, the requests
+        vLLM now holds for saria), once per step: whichever hook sees the metadata first. vLLM's hook
+        order differs by runner and version (with a speculator, ``get_transfer_results`` runs before
+        ``wait_for_save``), and a held request taken in again after ``get_finished`` reported it
+        sent would be reported a second time, after vLLM freed it (docs/vllm.md, "Hook order")."""
+        if meta is self._followed:
+            return
         if not isinstance(meta, SariaConnectorMetadata):
             raise TypeError(f"saria: unexpected connector metadata {type(meta).__name__}")
+        self._followed = meta
         if meta.off and not self.off:
             self._turn_off("the scheduler turned saria off")
         if meta.epoch != self.epoch:
