@@ -12,10 +12,10 @@ Nothing in saria's serving path imports this package.
 
 from saria.harness.compare import compare_outputs
 from saria.harness.faults import FAULT_TARGETS, corrupt_ssd, patch_faults
-from saria.harness.model import VOCAB, build_model, build_tokenizer
+from saria.harness.model import VOCAB, build_lora, build_model, build_tokenizer
 from saria.harness.run import SessionResult, TurnResult, run_in_subprocess, run_session
 from saria.harness.workload import synthetic_session, trace_session
 
-__all__ = ["FAULT_TARGETS", "SessionResult", "TurnResult", "VOCAB", "build_model", "build_tokenizer",
+__all__ = ["FAULT_TARGETS", "SessionResult", "TurnResult", "VOCAB", "build_lora", "build_model", "build_tokenizer",
            "compare_outputs", "corrupt_ssd", "patch_faults", "run_in_subprocess", "run_session",
            "synthetic_session", "trace_session"]

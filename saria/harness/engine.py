@@ -26,7 +26,8 @@ def open_llm(model: str, *, max_model_len: int = 8192, prefix_caching: bool = Fa
     if tensor_parallel_size * pipeline_parallel_size > 1:
         kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                       distributed_executor_backend="mp")
-    return LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len,
+    kwargs.setdefault("skip_tokenizer_init", True)  # token-id prompts; a model with a tokenizer may load it
+    return LLM(model=model, dtype="bfloat16", max_model_len=max_model_len,
                enable_prefix_caching=prefix_caching, disable_log_stats=False, seed=0, enforce_eager=enforce_eager,
                **kwargs)
 

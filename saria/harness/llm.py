@@ -103,14 +103,48 @@ def primed_turn(llm: Any, prompt: list[int], count: int, params: Any) -> TurnRes
     return turn_result(out, len(prompt), time.perf_counter() - t0)
 
 
+def sampling_params(max_tokens: int, sampling: dict | None = None, **more: Any) -> Any:
+    """The sampling parameters of every turn the harness runs: greedy, one logprob per token, no
+    detokenization (no tokenizer), overridden by ``sampling`` (more of vLLM's ``SamplingParams``,
+    as JSON: ``n``, ``seed``, ``temperature``, ``prompt_logprobs``, ``structured_outputs`` as a dict
+    of vLLM's ``StructuredOutputsParams``, ...)."""
+    from vllm import SamplingParams
+
+    options = dict({"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1, "detokenize": False},
+                   **(sampling or {}), **more)
+    if isinstance(options.get("structured_outputs"), dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        options["structured_outputs"] = StructuredOutputsParams(**options["structured_outputs"])
+    return SamplingParams(**options)
+
+
+def lora_requests(loras: list[str | None] | None, count: int) -> list[Any]:
+    """Per prompt, vLLM's ``LoRARequest`` for the adapter directory ``loras[i]`` (None: the base
+    model): one name and id per directory, in order of first use."""
+    if loras is None:
+        return [None] * count
+    if len(loras) != count:
+        raise ValueError(f"loras needs one adapter directory (or None) per prompt: {count} prompts, {len(loras)} given")
+    from vllm.lora.request import LoRARequest
+
+    ids: dict[str, int] = {}
+    for path in loras:
+        if path is not None:
+            ids.setdefault(path, len(ids) + 1)
+    return [None if p is None else LoRARequest(f"adapter-{ids[p]}", ids[p], p) for p in loras]
+
+
 def turn_result(out: Any, prompt_tokens: int, wall: float, dram: int = 0, ssd: int = 0,
                  ranks: list[dict[str, int]] | None = None, cluster: int = 0) -> TurnResult:
     """One request's ``TurnResult`` from vLLM's ``RequestOutput`` (``wall``: the time to first token
-    when vLLM reports none)."""
-    completion = out.outputs[0]
+    when vLLM reports none). With several completions (``n``), their tokens and logprobs one after
+    another, in vLLM's index order."""
+    completions = sorted(out.outputs, key=lambda c: c.index)
+    tokens = [t for c in completions for t in c.token_ids]
+    logprobs = [next(iter(lp.values())).logprob if lp else 0.0 for c in completions for lp in c.logprobs or []]
     ttft = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics is not None else 0.0
-    return TurnResult(prompt_tokens, out.num_cached_tokens or 0, dram, ssd, list(completion.token_ids),
-                      [next(iter(lp.values())).logprob if lp else 0.0 for lp in completion.logprobs or []],
+    return TurnResult(prompt_tokens, out.num_cached_tokens or 0, dram, ssd, tokens, logprobs,
                       ttft if ttft > 0 else wall, list(ranks or []), cluster)
 
 

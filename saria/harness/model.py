@@ -2,7 +2,7 @@
 for them (``saria serve``'s tests talk text to it).
 
 :func:`build_model` writes a Qwen3 dense model or a Qwen3-Next hybrid (GDN) model (transformers
-``from_config`` + ``save_pretrained``). Real weights matter: wrong KV then changes tokens and
+``from_config`` + ``save_pretrained``); :func:`build_lora` a random LoRA adapter for the dense one. Real weights matter: wrong KV then changes tokens and
 logprobs, which the comparisons check.
 """
 
@@ -66,6 +66,36 @@ def build_model(path: str | Path, kind: str = "dense", *, seed: int = 0, layers:
         model.generation_config.pad_token_id = special["<|endoftext|>"]
         model.generation_config.bos_token_id = None
         model.generation_config.save_pretrained(path)
+    return path
+
+
+def build_lora(path: str | Path, model: str | Path, *, seed: int = 1, rank: int = 8) -> Path:
+    """Save a LoRA adapter with random weights for the dense model at ``model`` (``build_model``),
+    in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``), at ``path``: every
+    attention projection adapted, K and V included, so the KV a prompt leaves differs under each
+    adapter and under the base model (KV served across them would change tokens and logprobs)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path, config = Path(path), json.loads((Path(model) / "config.json").read_text())
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
+              "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (out_features, in_features) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_features, generator=generator) * 0.05
+                                                  ).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_features, rank, generator=generator) * 0.05
+                                                  ).to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model), "r": rank,
+        "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(shapes)}))
     return path
 
 

@@ -73,19 +73,21 @@ def check_job(job: Mapping[str, Any], prompts: Sequence[Sequence[int]], block_si
 
 
 def replay(llm: Any, prompts: Sequence[Sequence[int]], job: Mapping[str, Any], *, max_tokens: int,
-           batches: Sequence[int] | None = None, progress: bool = False) -> dict[str, Any]:
+           batches: Sequence[int] | None = None, progress: bool = False,
+           sampling: dict | None = None, loras: list[str | None] | None = None) -> dict[str, Any]:
     """Run ``job`` on ``llm`` (an engine with the reference connector): the ``turns`` (each prompt
     loading ``job["loads"]`` tokens, keeping what it computes), the ``baseline`` turns (each
     computed in full first, when ``job["baseline"]``), and the connector's counters per rank
-    (``reference``)."""
-    from vllm import SamplingParams
+    (``reference``). ``sampling``: more of vLLM's ``SamplingParams``, and ``loras``: per prompt its
+    LoRA adapter's directory or None, as the run had them."""
     from vllm.inputs import TokensPrompt
 
-    from saria.harness.llm import turn_result
+    from saria.harness.llm import lora_requests, sampling_params, turn_result
     from saria.harness.reference import reference_snapshot
 
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     check_job(job, prompts, block_size)
+    adapters = lora_requests(loras, len(prompts))
     batches = list(batches) if batches is not None else [1] * len(prompts)
     if sum(batches) != len(prompts) or min(batches, default=1) < 1:
         raise ValueError(f"batches {batches} must be positive and add up to the {len(prompts)} prompts")
@@ -96,8 +98,7 @@ def replay(llm: Any, prompts: Sequence[Sequence[int]], job: Mapping[str, Any], *
         kv = {"load_tokens": load, "save": save, "history": history}
         if job.get("picks"):
             kv["picks"] = job["picks"]
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False,
-                              extra_args={"kv_transfer_params": kv})
+        return sampling_params(max_tokens, sampling, extra_args={"kv_transfer_params": kv})
 
     out: dict[str, Any] = {"turns": [], "baseline": [], "block_size": block_size}
     first = 0
@@ -108,11 +109,12 @@ def replay(llm: Any, prompts: Sequence[Sequence[int]], job: Mapping[str, Any], *
             for i in group:  # full recomputation, one prompt at a time: what plain vLLM's TTFT is
                 t0 = time.perf_counter()
                 (res,) = llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i]))], params(0, False),
-                                      use_tqdm=False)
+                                      use_tqdm=False, lora_request=adapters[i])
                 out["baseline"].append(asdict(turn_result(res, len(prompts[i]), time.perf_counter() - t0)))
         t0 = time.perf_counter()
         results = llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in group],
-                               [params(job["loads"][i], True) for i in group], use_tqdm=False)
+                               [params(job["loads"][i], True) for i in group], use_tqdm=False,
+                               lora_request=[adapters[i] for i in group])
         wall = time.perf_counter() - t0
         for i, res in zip(group, results):
             out["turns"].append(asdict(turn_result(res, len(prompts[i]), wall)))
@@ -170,12 +172,16 @@ class ReferenceEngine:
         return self._proc
 
     def replay(self, prompts: Sequence[Sequence[int]], job: Mapping[str, Any], *,
-               batches: Sequence[int] | None = None, max_tokens: int | None = None) -> dict[str, Any]:
-        """``job`` (:func:`reference_job`) over ``prompts``: the result of :func:`replay`."""
+               batches: Sequence[int] | None = None, max_tokens: int | None = None,
+               loras: Sequence[str | None] | None = None) -> dict[str, Any]:
+        """``job`` (:func:`reference_job`) over ``prompts`` (``loras``: per prompt its LoRA adapter,
+        as :func:`replay`): the result of :func:`replay`."""
         proc = self._start()
         out = Path(self._tmp.name) / f"job-{next(self._jobs)}.json"
         line = json.dumps({"prompts": [list(p) for p in prompts], "job": dict(job), "batches": batches,
-                           "max_tokens": max_tokens or self.spec.get("max_tokens", 8), "out": str(out)})
+                           "max_tokens": max_tokens or self.spec.get("max_tokens", 8),
+                           "sampling": self.spec.get("sampling"), "loras": None if loras is None else list(loras),
+                           "out": str(out)})
         if proc.poll() is not None:
             raise RuntimeError(f"the reference engine exited ({proc.returncode}):\n{self._tail()}")
         proc.stdin.write(line + "\n")
@@ -239,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         request = json.loads(line)
         try:
             result = replay(llm, request["prompts"], request["job"], max_tokens=request["max_tokens"],
+                            sampling=request.get("sampling"), loras=request.get("loras"),
                             batches=request["batches"])
         except ValueError as exc:  # a job that cannot replay: the caller's error, the engine stays up
             result = {"error": str(exc)}

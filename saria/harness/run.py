@@ -29,7 +29,7 @@ from typing import Any
 from saria.harness.engine import ENGINE_DEFAULTS, engine_env, open_llm
 from saria.harness.faults import corrupt_ssd, patch_faults, slow_packs
 from saria.harness.llm import (TurnResult, connectors, generate_and_abort, idle, prime_cache, primed_turn, rank_loads,
-                               rank_snapshot, empty_prefix_cache, turn_result)
+                               rank_snapshot, empty_prefix_cache, lora_requests, sampling_params, turn_result)
 
 __all__ = ["SessionResult", "TurnResult", "run_in_subprocess", "run_session"]
 
@@ -62,7 +62,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 abort_turns: list[int] = (), gap_s: float = 0.0, kv_cache_dtype: str = "auto",
                 emulate_ssd_fp8: bool | str = False, reference: dict | None = None,
                 cache_salts: list[str | None] | None = None, record_block_hashes: bool = False,
-                engine_args: dict | None = None) -> SessionResult:
+                engine_args: dict | None = None, sampling: dict | None = None,
+                loras: list[str | None] | None = None) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -105,8 +106,10 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     (``SessionResult.block_hashes``: what must never appear in saria's files, logs or metrics; an
     engine in this process). ``engine_args``: more of vLLM's engine arguments, as given
     (``speculative_config``, ``max_num_batched_tokens``, ...); a reference replaying the run
-    passes the same ones."""
-    from vllm import SamplingParams
+    passes the same ones. ``sampling``: more of vLLM's ``SamplingParams`` for every turn (JSON:
+    ``n``, ``seed``, ``temperature``, ``prompt_logprobs``, ...; :func:`~saria.harness.llm.sampling_params`),
+    a reference's too. ``loras``: per prompt, a LoRA adapter's directory or None (the base model;
+    the engine needs ``engine_args`` ``enable_lora``)."""
     from vllm.inputs import TokensPrompt
 
     if reference is not None:
@@ -115,7 +118,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                               prefix_caching=prefix_caching, extra_config=extra_config, variants=variants,
                               prime=prime, tensor_parallel_size=tensor_parallel_size,
                               pipeline_parallel_size=pipeline_parallel_size, progress=progress,
-                              num_gpu_blocks=num_gpu_blocks, engine_args=engine_args)
+                              num_gpu_blocks=num_gpu_blocks, engine_args=engine_args, sampling=sampling,
+                              loras=loras)
 
     if prime is not None and variants is not None:
         raise ValueError("give prime or variants, not both")
@@ -129,6 +133,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     if cache_salts is not None and (len(cache_salts) != len(prompts) or variants is not None or abort_turns):
         raise ValueError("cache_salts needs one salt (or None) per prompt, and no prime, variants or abort_turns")
     salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+    adapters = lora_requests(loras, len(prompts))
+    if loras is not None and (variants is not None or abort_turns):
+        raise ValueError("loras runs every turn through generate: no prime, variants or abort_turns")
 
     def prompt_of(i: int) -> Any:
         return TokensPrompt(prompt_token_ids=prompts[i], **({"cache_salt": salts[i]} if salts[i] is not None else {}))
@@ -157,7 +164,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     llm = open_llm(model, max_model_len=max_model_len, prefix_caching=prefix_caching, enforce_eager=enforce_eager,
                    **kwargs)
     ranks = (lambda: rank_loads(llm.collective_rpc(rank_snapshot))) if parallel and extra_config is not None else None
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, detokenize=False)
+    params = sampling_params(max_tokens, sampling)
     scheduler_side, worker_side = connectors(llm) if extra_config is not None else (None, None)
     guard = getattr(scheduler_side, "_scheduler", None)  # SchedulerGuard; guard.inner: the current SariaScheduler
     arm, restore = (None, None)
@@ -205,7 +212,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         if turn in abort_turns:
             outs = [generate_and_abort(llm, group[0], params, f"abort-{turn}")]
         else:
-            outs = llm.generate([prompt_of(i) for i in range(turn, turn + size)], params, use_tqdm=False)
+            outs = llm.generate([prompt_of(i) for i in range(turn, turn + size)], params, use_tqdm=False,
+                                **({"lora_request": adapters[turn:turn + size]} if loras is not None else {}))
         wall = time.perf_counter() - t0
         dram = ssd = cluster = 0
         if guard is not None:  # tokens the loads delivered (SchedulerGuard.totals: over rebuilds too)
@@ -271,7 +279,7 @@ def _run_reference(model: str, prompts: list[list[int]], job: dict, *, max_token
                    max_model_len: int, enforce_eager: bool, batches: list[int] | None, prefix_caching: bool,
                    extra_config: dict | None, variants: Any, prime: Any, tensor_parallel_size: int,
                    pipeline_parallel_size: int, progress: bool, num_gpu_blocks: int | None,
-                   engine_args: dict | None) -> SessionResult:
+                   engine_args: dict | None, sampling: dict | None, loras: list | None) -> SessionResult:
     """:func:`run_session` with ``reference``."""
     from saria.harness.reference_runs import CONNECTOR, replay
 
@@ -286,7 +294,8 @@ def _run_reference(model: str, prompts: list[list[int]], job: dict, *, max_token
     llm = open_llm(model, max_model_len=max_model_len, enforce_eager=enforce_eager, kv_transfer_config=CONNECTOR,
                    tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size, **kwargs)
     start = time.perf_counter()
-    out = replay(llm, prompts, job, max_tokens=max_tokens, batches=batches, progress=progress)
+    out = replay(llm, prompts, job, max_tokens=max_tokens, batches=batches, progress=progress, sampling=sampling,
+                 loras=loras)
     return SessionResult([TurnResult(**t) for t in out["turns"]], seconds=time.perf_counter() - start,
                          block_size=out["block_size"], baseline=[TurnResult(**t) for t in out["baseline"]],
                          reference=out["reference"])
