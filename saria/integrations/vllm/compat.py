@@ -100,6 +100,26 @@ VERSIONED: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+# Hook orders that differ from "results after the step's saves, allocation in the pass that builds
+# the metadata", by the call site a record names (contracts/record.py: hooks.model_runner.results_before_save,
+# hooks.scheduler.update_state_after_alloc_outside_schedule), with what saria relies on there.
+# A release with a site not named here fails tests/test_vllm_contracts.py.
+HOOK_SITES: dict[str, dict[str, str]] = {
+    "results_before_save": {
+        # 0.32, 0.33: the V1 GPU runner with a speculative config defers wait_for_save past the draft forward
+        "v1/worker/kv_connector_model_runner_mixin.py:KVConnectorModelRunnerMixin._get_kv_connector_output":
+            "V1 runner, speculative decoding: transfer results, load errors and worker metadata before wait_for_save",
+        # 0.33, 0.34: the V2 runner does the same with a speculator (finalize_step after the drafter)
+        "v1/worker/gpu/kv_connector.py:ActiveKVConnector.post_forward":
+            "V2 runner, speculative decoding: transfer results, load errors and worker metadata before wait_for_save",
+    },
+    "update_state_after_alloc_outside_schedule": {
+        # 0.33, 0.34: HiSparse with overlapping batches defers an async load's update_state_after_alloc
+        # to update_from_output; the guard keeps the request awaiting until the next build_connector_meta
+        "_drain_deferred_loads": "a deferred async load: allocated in update_from_output, sent with the next metadata",
+    },
+}
+
 # --- releases ---------------------------------------------------------------------------------------
 
 

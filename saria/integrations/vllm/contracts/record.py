@@ -115,6 +115,29 @@ def params_of(args: ast.arguments) -> list[str]:
     return out
 
 
+def live_params(fn: Any) -> list[str]:
+    """:func:`params_of` for a live function (the installed vLLM's, checked against its record)."""
+    import inspect
+
+    out: list[str] = []
+    star = False
+    params = list(inspect.signature(fn, follow_wrapped=False).parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            out.append("*" + p.name)
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            out.append("**" + p.name)
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                out.append("*")
+                star = True
+            out.append(p.name + ("=" if p.default is not p.empty else ""))
+            if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+                out.append("/")
+    return out
+
+
 def _decorators(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     names = set()
     for d in node.decorator_list:
@@ -335,14 +358,30 @@ def worker_facts(sources: dict[str, str]) -> dict[str, Any]:
 # --- a wheel ------------------------------------------------------------------------------------------
 
 
+def _wanted(path: str) -> bool:
+    """Whether a record reads the source at ``path`` (relative to the wheel's root, ``vllm/...``)."""
+    wanted = {p for paths in CLASSES.values() for p in paths} | {p for paths in FUNCTIONS.values() for p in paths}
+    return path in wanted or path == SCHEDULER_SOURCE or (path.startswith(WORKER_DIR) and path.endswith(".py"))
+
+
+def installed_sources(package_dir: str) -> dict[str, str]:
+    """The sources a record reads, from an installed ``vllm`` package directory (the live check of
+    the installed vLLM against its record)."""
+    root = Path(package_dir).parent
+    out = {}
+    for path in sorted(Path(package_dir).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if _wanted(rel):
+            out[rel] = path.read_text(encoding="utf-8")
+    return out
+
+
 def wheel_sources(wheel: str) -> tuple[str, dict[str, str]]:
     """(version, {path: text}) of the Python sources a record reads from ``wheel``."""
-    wanted = {p for paths in CLASSES.values() for p in paths} | {p for paths in FUNCTIONS.values() for p in paths}
-    wanted |= {SCHEDULER_SOURCE, "vllm/_version.py", "vllm/version.py"}
     out: dict[str, str] = {}
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
-            if name in wanted or (name.startswith(WORKER_DIR) and name.endswith(".py")):
+            if _wanted(name):
                 out[name] = z.read(name).decode("utf-8")
         version = None
         for name in z.namelist():
