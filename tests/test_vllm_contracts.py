@@ -78,6 +78,17 @@ def test_the_supported_range_is_the_recorded_releases_and_nothing_else():
         compat.check_version("")
 
 
+def test_the_connector_refuses_to_start_on_a_vllm_outside_the_range(monkeypatch):
+    """In each process, first thing (before vLLM's own base class reads the config): one line naming
+    the range. The installed distribution's version stands in for another vLLM."""
+    from saria.integrations.vllm.connector import SariaConnector
+
+    monkeypatch.setattr(compat, "installed_version", lambda: ("0.31.0", "vllm"))
+    for role in ("SCHEDULER", "WORKER"):
+        with pytest.raises(compat.UnsupportedVLLM, match=r"^saria supports vLLM 0\.32 to 0\.34 .*this is vLLM 0\.31\.0"):
+            SariaConnector(None, getattr(compat.load("KVConnectorRole"), role), None)
+
+
 # --- compat against every record ------------------------------------------------------------------------
 
 
