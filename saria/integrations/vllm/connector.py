@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from saria.dataplane.cluster.index import ClusterIndex
 
-from .compat import (CacheHitSource, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorPromMetrics, KVConnectorRole,
-                     KVConnectorStats, KVConnectorTransferResults, KVConnectorWorkerMetadata, SupportsHMA, check_version)
+from .compat import (CacheHitSource, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorPromMetrics,
+                     KVConnectorRole, KVConnectorStats, KVConnectorTransferResults, KVConnectorWorkerMetadata,
+                     SupportsHMA, check_version)
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
 from .layout import ParallelLayout, model_identity
