@@ -117,6 +117,91 @@ def test_every_field_saria_reads_is_in_the_release_or_handled_by_compat(version)
             "would misread this release")
 
 
+# What the connector's code calls vLLM's objects, and what a member of one of them is (for the scan below).
+PARAMETERS = {"request": "Request", "scheduler_output": "SchedulerOutput", "out": "SchedulerOutput",
+              "output": "KVConnectorOutput", "connector_output": "KVConnectorOutput", "blocks": "KVCacheBlocks",
+              "vllm_config": "VllmConfig", "kv_cache_config": "KVCacheConfig", "cache_config": "CacheConfig",
+              "parallel_config": "ParallelConfig"}
+MEMBER_TYPES = {("SchedulerOutput", "scheduled_new_reqs"): "NewRequestData",  # iterated
+                ("SchedulerOutput", "scheduled_cached_reqs"): "CachedRequestData",
+                ("Request", "prefill_stats"): "PrefillStats", ("VllmConfig", "cache_config"): "CacheConfig",
+                ("VllmConfig", "parallel_config"): "ParallelConfig", ("VllmConfig", "model_config"): "ModelConfig",
+                ("VllmConfig", "device_config"): "DeviceConfig",
+                ("KVCacheConfig", "kv_cache_groups"): "KVCacheGroupSpec"}  # iterated
+CONNECTOR_PACKAGE = CONNECTOR_SOURCE.parent
+
+
+def vllm_reads(tree: ast.Module) -> set[tuple[str, str]]:
+    """``(class, member)`` for every member read off a vLLM object in ``tree``: a parameter named as
+    in PARAMETERS, a name bound from a member of one (``for new in out.scheduled_new_reqs``,
+    ``stats = getattr(request, "prefill_stats", None)``), or ``state.request``."""
+    def member(node):
+        if isinstance(node, ast.Attribute):
+            return node.value, node.attr
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+            return node.args[0], node.args[1].value
+        return None
+
+    reads = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+        # a parameter so named is vLLM's object unless annotated as something else (``out: list[...]``)
+        env = {a.arg: PARAMETERS[a.arg] for a in args if a.arg in PARAMETERS and (
+            a.annotation is None or ast.unparse(a.annotation) in ("Any", "'Any'") or PARAMETERS[a.arg] in
+            ast.unparse(a.annotation))}
+
+        def typed(node):
+            if isinstance(node, ast.Name):
+                return env.get(node.id)
+            if isinstance(node, ast.Attribute) and node.attr == "request" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "state":
+                return "Request"  # RequestState.request
+            found = member(node)
+            return MEMBER_TYPES.get((typed(found[0]), found[1])) if found else None
+
+        for _ in range(3):  # bindings of bindings
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    target, value = node.targets[0].id, node.value
+                elif isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+                    target, value = node.target.id, node.iter
+                else:
+                    continue
+                cls = typed(value)
+                if cls is not None:
+                    env[target] = cls
+        for node in ast.walk(fn):
+            found = member(node)
+            if found is not None and isinstance(found[1], str):
+                cls = typed(found[0])
+                if cls is not None:
+                    reads.add((cls, found[1]))
+    return reads
+
+
+def test_every_field_the_connector_reads_off_vllm_objects_is_declared_in_compat():
+    """No read of a vLLM object's member bypasses compat's table (READS, or VERSIONED with its reader),
+    and no module of the connector but compat imports vLLM."""
+    reads = set()
+    for path in sorted(CONNECTOR_PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        reads |= vllm_reads(tree)
+        if path.name != "compat.py":
+            imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            names = [a.name for n in imports if isinstance(n, ast.Import) for a in n.names]
+            names += [n.module for n in imports if isinstance(n, ast.ImportFrom) and n.module and n.level == 0]
+            assert not [m for m in names if m == "vllm" or m.startswith("vllm.")], f"{path.name} imports vLLM"
+    declared = {(cls, m) for cls, members in compat.READS.items() for m in members} | set(compat.VERSIONED)
+    assert reads >= {("SchedulerOutput", "scheduled_cached_reqs"), ("CachedRequestData", "new_block_ids"),
+                     ("NewRequestData", "block_ids"), ("Request", "block_hashes"), ("KVCacheBlocks", "get_block_ids"),
+                     ("PrefillStats", "num_external_cached_tokens"), ("KVConnectorOutput", "kv_connector_worker_meta"),
+                     ("CacheConfig", "mamba_cache_mode")}  # the scan sees what it should
+    assert not sorted(reads - declared), f"read off vLLM's objects, not in compat.READS: {sorted(reads - declared)}"
+
+
 def _connector_methods() -> dict[str, list[str]]:
     """SariaConnector's methods and their parameters, read from its source (whatever vLLM is installed)."""
     tree = ast.parse(CONNECTOR_SOURCE.read_text())

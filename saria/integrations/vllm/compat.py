@@ -80,6 +80,7 @@ READS: dict[str, tuple[str, ...]] = {
     "KVCacheGroupSpec": ("kv_cache_spec", "layer_names"),
     "FullAttentionSpec": ("block_size", "page_size_bytes", "dtype", "sliding_window"),
     "MambaSpec": ("block_size", "shapes", "dtypes"),
+    "VllmConfig": ("model_config", "cache_config", "parallel_config", "device_config"),
     "ParallelConfig": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank",
                        "prefill_context_parallel_size", "decode_context_parallel_size"),
     "CacheConfig": ("cache_dtype", "prefix_caching_hash_algo", "mamba_cache_mode"),

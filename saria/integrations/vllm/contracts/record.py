@@ -57,6 +57,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "AttentionSpec": ("vllm/v1/kv_cache_interface.py",),
     "FullAttentionSpec": ("vllm/v1/kv_cache_interface.py",),
     "MambaSpec": ("vllm/v1/kv_cache_interface.py",),
+    "VllmConfig": ("vllm/config/vllm.py",),
     "ParallelConfig": ("vllm/config/parallel.py",),
     "CacheConfig": ("vllm/config/cache.py",),
     "KVTransferConfig": ("vllm/config/kv_transfer.py",),
