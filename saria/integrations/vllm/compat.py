@@ -21,8 +21,9 @@ and every field it reads off vLLM's objects, with the differences between releas
 
 Every release's facts are recorded from its wheel (:mod:`.contracts.record`, ``contracts/vllm-X.json``);
 ``tests/test_vllm_contracts.py`` checks this module against every record (each symbol where this
-module imports it from, each field saria reads present or handled here) and the installed vLLM against
-its own record, live. A release that changes one of them fails that test, not a user's server.
+module imports it from, each field saria reads present or handled here), the connector's code against
+this module (a member it reads off a vLLM object that :data:`READS` does not declare fails), and the
+installed vLLM against its own record, live. A release that changes one of them fails that test, not a user's server.
 """
 
 from __future__ import annotations
