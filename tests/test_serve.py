@@ -155,6 +155,21 @@ def test_a_cluster_without_mooncake_is_refused_before_vllm_starts(tmp_path, whic
     assert proc.stderr == f"saria serve: error: --cluster {master}: {': '.join(missing)}\n", proc.stderr
 
 
+def test_a_vllm_saria_does_not_support_is_refused_before_it_starts(capsys, monkeypatch):
+    """The installed distribution's version stands in for another vLLM (one vLLM is installed here)."""
+    from saria.integrations.vllm import compat
+
+    monkeypatch.setattr(compat, "installed_version", lambda: ("0.35.0", "vllm"))
+    started = []
+    monkeypatch.setattr(serve, "run_vllm", lambda *a: started.append(a) or 0)
+    rc, out, err = run_cli(capsys, "serve", "m")
+    assert rc == 2 and out == "" and not started
+    assert err == f"saria serve: error: {compat.unsupported_message('0.35.0')}\n"
+    assert "vLLM 0.32 to 0.34" in err and len(err.splitlines()) == 1
+    rc, _, _ = run_cli(capsys, "serve", "m", "--no-connector")  # plain vLLM is not saria's to refuse
+    assert rc == 0 and len(started) == 1
+
+
 def test_no_connector_serves_plain_vllm(capsys):
     rc, out, _ = run_cli(capsys, "serve", "m", "--enable-prefix-caching", "--no-connector", "--print-command")
     assert rc == 0 and out.split("vllm ", 1)[1].strip() == "serve m --enable-prefix-caching"

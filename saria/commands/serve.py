@@ -311,6 +311,17 @@ def run_vllm(argv: list[str], env: dict[str, str]) -> int:
     return 0
 
 
+def check_vllm_version() -> None:
+    """A vLLM that saria's connector does not support (``saria.integrations.vllm.compat``: 0.32 to
+    0.34) is refused here, in the connector's own one line (``ValueError``: exit 2), before vLLM
+    starts (none installed: ``run_vllm`` says so)."""
+    from saria.integrations.vllm.compat import installed_version, is_supported, unsupported_message  # no vLLM import
+
+    version, _ = installed_version()
+    if version is not None and not is_supported(version):
+        raise ValueError(unsupported_message(version))
+
+
 def check_cluster(master: str, local_hostname: str) -> None:
     """Before vLLM starts: a master that is down only delays the tier (one line; it comes on when the
     master answers), but a port that accepts connections and is no Mooncake master would stall every
@@ -350,6 +361,8 @@ def main(args: argparse.Namespace) -> int:
     if args.print_command:
         print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "vllm", *map(shlex.quote, argv)]))
         return 0
+    if not args.no_connector:
+        check_vllm_version()
     for path in extra.get("ssd_paths") or ():
         Path(path).mkdir(parents=True, exist_ok=True)  # OSError: one line, exit 2
     if extra.get("cluster") and not args.no_connector:

@@ -24,14 +24,11 @@ import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole, KVConnectorTransferResults,
-                                                              KVConnectorWorkerMetadata, SupportsHMA)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
 from saria.dataplane.cluster.index import ClusterIndex
 
+from .compat import (CacheHitSource, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorPromMetrics,
+                     KVConnectorRole, KVConnectorStats, KVConnectorTransferResults, KVConnectorWorkerMetadata,
+                     SupportsHMA, check_version)
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
 from .layout import ParallelLayout, model_identity
@@ -58,6 +55,7 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        check_version()  # another vLLM than 0.32 to 0.34: refused here, in one line (compat.py)
         super().__init__(vllm_config, role, kv_cache_config)
         route_to_vllm()  # again: vLLM has configured its logging by now (its level applies)
         self.settings = ConnectorSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MambaSpec
+from .compat import AttentionSpec, FullAttentionSpec, MambaSpec
 
 
 @dataclass(frozen=True)

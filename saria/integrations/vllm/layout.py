@@ -73,7 +73,7 @@ class ParallelLayout:
     @classmethod
     def of_this_worker(cls, parallel_config: Any) -> "ParallelLayout":
         """This worker process's coordinates, from vLLM's initialised process groups."""
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        from .compat import get_pp_group, get_tensor_model_parallel_rank
 
         server = cls.of_server(parallel_config)
         return cls(tp_size=server.tp_size, tp_rank=get_tensor_model_parallel_rank(), pp_size=server.pp_size,

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-
 from saria.orders import ObjectKey, Order, ReloadPlan
+
+from .compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)

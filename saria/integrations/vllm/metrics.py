@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from .compat import KVConnectorPromMetrics, KVConnectorStats
 
 # The worker's stats_delta keys that would collide with the scheduler's (or mean something else
 # summed over ranks) are renamed before the two halves' stats are merged.

@@ -9,6 +9,7 @@ from typing import Any
 
 from saria.control import DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
 
+from .compat import resumed_req_ids
 from .metadata import LoadReport, LoadSpec
 
 TOTALS_FROM_CONTROL = ("requests", "ssd_writes", "ssd_bytes_written", "admissions_eviction", "admissions_reuse",
@@ -90,7 +91,9 @@ class RequestState:
 
 def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int | None) -> None:
     """Follow each request's blocks (``fa``: vLLM's full-attention group, ``gdn``: its GDN group
-    or None) and computed tokens through vLLM's scheduler output."""
+    or None) and computed tokens through vLLM's scheduler output. A new request, or (vLLM 0.34) a
+    resumed one, brings all its blocks; a cached one appends its new blocks, unless it resumed
+    after a preemption this step (vLLM 0.32, 0.33: :func:`~.compat.resumed_req_ids`)."""
     scheduled = out.num_scheduled_tokens
     for new in out.scheduled_new_reqs:
         state = requests.get(new.req_id)
@@ -99,12 +102,13 @@ def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int
             state.state_block_ids = list(new.block_ids[gdn]) if new.block_ids and gdn is not None else []
             state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
     cached = out.scheduled_cached_reqs
+    resumed = resumed_req_ids(cached)
     for i, req_id in enumerate(cached.req_ids):
         state = requests.get(req_id)
         if state is None:
             continue
         new_ids = cached.new_block_ids[i]
-        if req_id in cached.resumed_req_ids:
+        if req_id in resumed:
             state.block_ids = list(new_ids[fa]) if new_ids else []
             state.state_block_ids = list(new_ids[gdn]) if new_ids and gdn is not None else []
         elif new_ids:
