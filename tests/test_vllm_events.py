@@ -293,3 +293,70 @@ def test_events_are_built_only_when_vllm_publishes_them():
     assert not events_enabled(SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=False)))
     with pytest.raises(ValueError):
         KVEvents(chunk_tokens=CHUNK, block_size=24, hash_tokens=BLOCK)
+
+
+def test_with_a_key_file_events_carry_vllms_block_hashes_never_a_chunk_id_or_the_salt(tmp_path):
+    """Sealed tenants: the control plane names chunks by keyed MACs of the block hashes. Events
+    carry the block hashes (which vLLM publishes itself with events on), never a chunk id, the
+    tenant's salt, or anything else derived from the key: not on the wire, in any form."""
+    from saria.integrations.vllm.sealing import ChunkNames
+    from saria.seal.keyfile import new_key_file
+    from saria.seal.keys import Keyring
+
+    keyring = Keyring(new_key_file(tmp_path / "saria.key"))
+    req = Request(base=9, chunks=2)
+    req.request_id, req.cache_salt = "r1", "tenant-salt-4e1f"
+    ids = ChunkNames(keyring, b"scope").names(req, req.names())
+    assert set(ids).isdisjoint(req.names())
+    events = new_events()
+    store = StoreOrder(1, tuple(ids), (), 0)
+    events.remember(req, ids, [store])
+    events.sent([store])
+    events.completed(1, True)
+    built = events.take()
+    wire = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=built))
+    assert [e.block_hashes for e in roundtrip(built)] == [ext(req.block_hashes[:4]), ext(req.block_hashes[4:8])]
+    for chunk_id in ids:
+        assert chunk_id not in wire and chunk_id[-8:] not in wire
+        assert maybe_convert_block_hash(chunk_id) not in {h for e in built for h in e.block_hashes}
+    assert b"tenant-salt" not in wire
+
+
+# --- wired: the scheduler half behind its guard ------------------------------------------------------
+
+def test_the_scheduler_half_announces_committed_chunks_and_a_rebuild_removes_them():
+    """A real SariaScheduler behind its guard, fed as vLLM's scheduler feeds it: a request's
+    prompt committed, its stores completed by the worker's report, then a fault rebuilds the
+    control plane: the router hears the chunks stored in CPU, then removed."""
+    import types
+
+    from saria.integrations.vllm.geometry import EngineGeometry
+    from saria.integrations.vllm.metadata import CompletionReport, SariaWorkerMetadata
+    from saria.integrations.vllm.scheduler import SariaScheduler
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    geometry = EngineGeometry(block_size=BLOCK, attention_group=0, attention_layers=("l0",), kv_bytes_per_token=512)
+    options = ConnectorSettings.from_extra_config({"chunk_tokens": CHUNK, "dram_bytes": 8 * CHUNK * 512,
+                                                   "log_interval_s": 0})
+    events = new_events()
+    guard = SchedulerGuard(lambda: SariaScheduler(options, geometry, events=events), events=events)
+    req = Request(base=10, chunks=2)
+    req.request_id = "r1"
+    assert guard.get_num_new_matched_tokens(req, 0) == (0, False)
+    out = types.SimpleNamespace(
+        num_scheduled_tokens={"r1": req.num_prompt_tokens},
+        scheduled_new_reqs=[types.SimpleNamespace(req_id="r1", block_ids=(list(range(1, 10)),), num_computed_tokens=0)],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                    num_computed_tokens=[]),
+        preempted_req_ids=set())
+    meta = guard.build_connector_meta(out)
+    (batch,) = meta.orders
+    assert guard.take_events() == []  # stores ordered, not done
+    guard.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=SariaWorkerMetadata(
+        [], [CompletionReport(o.order_id, True) for o in batch.orders], meta.epoch, False)))
+    router = Router()
+    router.apply(guard.take_events())
+    assert router.media(req, 0) == router.media(req, 1) == {"CPU"}
+    guard._fault("test", RuntimeError("injected"))
+    router.apply(guard.take_events())
+    assert router.held == set() and guard.epoch == 1

@@ -24,7 +24,7 @@ The control plane names chunks (vLLM's block hash of a chunk's last block, or wi
 tenant's chunk id); it never sees a request. The payload an event needs (the block hashes and
 tokens) is taken from the request when its prompt is committed, for the chunks that commit sends
 a store or write for, and kept while the chunk is resident in a tier or has an order in flight:
-at most ``max_chunks`` chunks (``kv_events_max_chunks``), about 4.4 KB each for a 512-token chunk
+at most ``max_chunks`` chunks (``kv_events_max_chunks``), about 4.5 KB each for a 512-token chunk
 of 16-token blocks. A chunk that finds the bound full is not announced (nor, later, removed): the
 router then under-counts saria, which costs it a better choice, never a wrong answer. Objects taken
 over from a previous run's SSD files have no payload (the files hold chunk names, not block hashes
