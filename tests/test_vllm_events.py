@@ -360,3 +360,13 @@ def test_the_scheduler_half_announces_committed_chunks_and_a_rebuild_removes_the
     guard._fault("test", RuntimeError("injected"))
     router.apply(guard.take_events())
     assert router.held == set() and guard.epoch == 1
+
+
+def test_the_bound_is_an_option_checked_at_start():
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    assert ConnectorSettings.from_extra_config({}).kv_events_max_chunks == 65_536
+    assert ConnectorSettings.from_extra_config({"kv_events_max_chunks": 8}).kv_events_max_chunks == 8
+    for bad in (0, -1, 1.5, "8", True):
+        with pytest.raises(ValueError, match="kv_events_max_chunks"):
+            ConnectorSettings.from_extra_config({"kv_events_max_chunks": bad})

@@ -15,7 +15,7 @@ and per medium, exactly once per residency:
   (``maybe_convert_block_hash``), the block before it as ``parent_block_hash``, the chunk's token
   ids, vLLM's block size, the request's LoRA id and name, and the attention group as ``group_idx``;
 * ``BlockRemoved`` (the same hashes) when it leaves the tier: a drop order of the control plane
-  (DRAM or SSD eviction, a corrupt copy, a write that replaced nothing), or every resident chunk
+  (DRAM or SSD eviction, a corrupt copy), or every resident chunk
   when the control plane is rebuilt (:meth:`KVEvents.restart`) or saria turns off (:meth:`close`).
   ``AllBlocksCleared`` is never sent: it has no medium, and a router would forget vLLM's GPU
   blocks with saria's.
