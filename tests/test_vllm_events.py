@@ -253,12 +253,15 @@ def _resident(cp: ControlPlane, name: bytes) -> set[str]:
 def test_published_residency_matches_the_control_planes_after_every_step(preset, ops):
     """A router that applies every event holds, per chunk and medium, exactly what the control
     plane can serve (DRAM ready or draining, SSD ready), after every step: commits (a random
-    context and length), and completions in any order, ok, failed or partly failed."""
+    context and length), and completions in any order, ok, failed or partly failed; and what a
+    completion announces the control plane can serve at once (a failed copy is never announced,
+    not even until its slot's drop)."""
     cp = ControlPlane(config(preset, dram_chunks=3, ssd_chunks=5, theta_E=1))
     events, router = new_events(), Router()
     in_flight: list = []
     follow_ups: list = []
     seen: dict[bytes, tuple[Request, int]] = {}
+    by_block: dict = {}  # a chunk's first block hash, as events carry it -> its name
     now = 0.0
     for commit, base, length, pick in ops:
         now += 1.0
@@ -274,6 +277,7 @@ def test_published_residency_matches_the_control_planes_after_every_step(preset,
             in_flight += [o for o in orders if not isinstance(o, DropOrder)]
             for i, name in enumerate(names):
                 seen[name] = (req, i)
+                by_block[ext([req.block_hashes[i * CHUNK // BLOCK]])[0]] = name
             router.apply(events.take())
             for name, (r, i) in seen.items():
                 assert router.media(r, i) == _resident(cp, name), (name, cp.chunk_info(name))
@@ -283,6 +287,11 @@ def test_published_residency_matches_the_control_planes_after_every_step(preset,
         failed = [ObjectKey(order.kv[0], "kv")] if ok and pick % 3 == 0 and order.kv else []
         follow_ups += cp.complete(order.order_id, ok, now, failed=failed)
         events.completed(order.order_id, ok, failed)
+        fresh = events.take()  # a chunk announced by a completion is one the control plane can serve now
+        for event in roundtrip(fresh):
+            name = by_block[event.block_hashes[0]]
+            assert isinstance(event, BlockStored) and event.medium in _resident(cp, name), (name, cp.chunk_info(name))
+        router.apply(fresh)
     assert events.stats()["payloads"] <= len(seen)
 
 
