@@ -379,3 +379,11 @@ def test_the_bound_is_an_option_checked_at_start():
     for bad in (0, -1, 1.5, "8", True):
         with pytest.raises(ValueError, match="kv_events_max_chunks"):
             ConnectorSettings.from_extra_config({"kv_events_max_chunks": bad})
+
+
+def test_the_media_are_vllms_own_names():
+    from vllm.distributed import kv_events
+
+    from saria.integrations.vllm.events import MEDIUM
+
+    assert MEDIUM == {Tier.DRAM: kv_events.MEDIUM_CPU, Tier.SSD: kv_events.MEDIUM_STORAGE}
