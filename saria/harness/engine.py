@@ -23,6 +23,10 @@ def open_llm(model: str, *, max_model_len: int = 8192, prefix_caching: bool = Fa
     engine arguments (``block_size``, ``kv_transfer_config``, ...)."""
     from vllm import LLM
 
+    if isinstance(kwargs.get("kv_events_config"), dict):  # a JSON spec's: vLLM's LLM converts kv_transfer_config only
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     if tensor_parallel_size * pipeline_parallel_size > 1:
         kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                       distributed_executor_backend="mp")

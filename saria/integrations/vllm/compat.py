@@ -57,6 +57,9 @@ SYMBOLS: dict[str, tuple[str, ...]] = {
     "MambaSpec": ("vllm.v1.kv_cache_interface",),
     "get_pp_group": ("vllm.distributed.parallel_state",),
     "get_tensor_model_parallel_rank": ("vllm.distributed.parallel_state",),
+    "BlockStored": ("vllm.distributed.kv_events",),
+    "BlockRemoved": ("vllm.distributed.kv_events",),
+    "maybe_convert_block_hash": ("vllm.v1.core.kv_cache_utils",),
 }
 
 # The enum members saria names.
@@ -71,7 +74,13 @@ READS: dict[str, tuple[str, ...]] = {
     "SchedulerOutput": ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "preempted_req_ids"),
     "NewRequestData": ("req_id", "block_ids", "num_computed_tokens"),
     "CachedRequestData": ("req_ids", "new_block_ids", "num_computed_tokens"),
-    "Request": ("request_id", "block_hashes", "num_prompt_tokens", "cache_salt", "prefill_stats"),
+    "Request": ("request_id", "block_hashes", "num_prompt_tokens", "cache_salt", "prefill_stats", "all_token_ids",
+                "lora_request"),
+    "LoRARequest": ("adapter_id", "name"),
+    "KVEventsConfig": ("enable_kv_cache_events",),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                    "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "PrefillStats": ("set", "num_prompt_tokens", "num_local_cached_tokens", "num_external_cached_tokens"),
     "KVCacheBlocks": ("get_block_ids",),
     "KVConnectorOutput": ("finished_sending", "kv_connector_worker_meta"),
@@ -81,7 +90,7 @@ READS: dict[str, tuple[str, ...]] = {
     "KVCacheGroupSpec": ("kv_cache_spec", "layer_names"),
     "FullAttentionSpec": ("block_size", "page_size_bytes", "dtype", "sliding_window"),
     "MambaSpec": ("block_size", "shapes", "dtypes"),
-    "VllmConfig": ("model_config", "cache_config", "parallel_config", "device_config"),
+    "VllmConfig": ("model_config", "cache_config", "parallel_config", "device_config", "kv_events_config"),
     "ParallelConfig": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank",
                        "prefill_context_parallel_size", "decode_context_parallel_size"),
     "CacheConfig": ("cache_dtype", "prefix_caching_hash_algo", "mamba_cache_mode"),

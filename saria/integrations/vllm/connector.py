@@ -29,6 +29,7 @@ from saria.dataplane.cluster.index import ClusterIndex
 from .compat import (CacheHitSource, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorPromMetrics,
                      KVConnectorRole, KVConnectorStats, KVConnectorTransferResults, KVConnectorWorkerMetadata,
                      SupportsHMA, check_version)
+from .events import KVEvents, events_enabled
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
 from .layout import ParallelLayout, model_identity
@@ -78,13 +79,18 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
                                chunk_tokens=chunk_tokens, kv_bytes_per_token=geometry.kv_bytes_per_token,
                                kv_element_bytes=geometry.kv_element_bytes, state_bytes=geometry.state_bytes)
             announce(self.settings, keyring)
+            # vLLM's KV events for saria's tiers, only when vLLM publishes events (else nothing is kept)
+            events = (KVEvents(chunk_tokens=chunk_tokens, block_size=geometry.block_size,
+                               hash_tokens=geometry.hash_tokens, group=geometry.attention_group,
+                               max_chunks=self.settings.kv_events_max_chunks)
+                      if events_enabled(vllm_config) else None)
             self._cluster = open_cluster_index(self.settings, workers)  # outlives rebuilt control planes
             self._scheduler = SchedulerGuard(
                 lambda: SariaScheduler(self.settings, geometry, workers=workers,
                                        recover=next(builds) == 0 and bool(self.settings.ssd_paths),
                                        cluster=self._cluster, names=ChunkNames(keyring, scope),
-                                       layerwise=layerwise),
-                log_interval_s=self.settings.log_interval_s)
+                                       layerwise=layerwise, events=events),
+                log_interval_s=self.settings.log_interval_s, events=events)
         else:
             self._worker = SariaWorker(self.settings, geometry, num_blocks=kv_cache_config.num_blocks,
                                        layout=ParallelLayout.of_this_worker(vllm_config.parallel_config),
@@ -218,3 +224,8 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def take_events(self) -> list:
+        """vLLM's KV events for saria's DRAM (``CPU``) and SSD (``STORAGE``) tiers, published by
+        vLLM's scheduler with its own (:mod:`.events`); none unless vLLM's KV events are enabled."""
+        return self._scheduler.take_events() if self._scheduler is not None else []

@@ -32,6 +32,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from .events import KVEvents
 from .faults import Faults
 from .metadata import SariaConnectorMetadata, SariaWorkerMetadata, add_counts
 from .requests import summary_line
@@ -45,8 +46,10 @@ class SchedulerGuard:
     :class:`SariaScheduler` (with a fresh control plane); ``inner`` is the current one."""
 
     def __init__(self, build: Callable[[], SariaScheduler], *, log_interval_s: float = 60.0,
-                 faults: Faults | None = None, clock: Callable[[], float] = time.monotonic):
+                 faults: Faults | None = None, clock: Callable[[], float] = time.monotonic,
+                 events: KVEvents | None = None):
         self._build = build
+        self.events = events  # vLLM's KV events for saria's tiers, or None (kv events off: nothing kept)
         self.inner = build()
         self.faults = faults or Faults("scheduler", clock=clock)
         self.epoch = 0
@@ -173,6 +176,18 @@ class SchedulerGuard:
             self._fault("has_pending_push_work", exc)
             return False
 
+    def take_events(self) -> list:
+        """vLLM's KV events for saria's tiers since the last call (:mod:`.events`): none when
+        vLLM's KV events are off; once saria is off, the removals of what it held, then none.
+        Never raises."""
+        if self.events is None:
+            return []
+        try:
+            return self.events.take()
+        except Exception as exc:  # KVEvents is fail-safe itself: this is a last resort, never a rebuild
+            log.warning("saria: KV events unavailable: %s", exc)
+            return []
+
     def totals(self) -> dict[str, int]:
         """Counters since start, monotonic over rebuilds (:meth:`SariaScheduler.totals` of every
         control plane so far, summed) and ``scheduler_faults``: for the summary line and vLLM's
@@ -215,6 +230,8 @@ class SchedulerGuard:
         if self.off:
             return
         self.off = True
+        if self.events is not None:
+            self.events.close()  # what saria held is gone: routers hear it removed
         log.error("saria: turned off for the rest of this run (%s); vLLM computes every token itself from now on",
                   reason)
 

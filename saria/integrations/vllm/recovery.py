@@ -29,6 +29,7 @@ class InventoryTakeover:
         self.reports = 0
         self._since: float | None = None
         self._inventory: dict[ObjectKey, int] = {}
+        self.recovered: list[ObjectKey] = []  # what the takeover gave the control plane (KV events)
 
     def waiting(self) -> bool:
         """Whether lookups should still wait: inventories are awaited, for at most ``wait_s``."""
@@ -57,6 +58,7 @@ class InventoryTakeover:
         # inventory that came after the wait): then the drives hold this run's copy.
         part = [key for key, count in inventory.items() if count < self.workers and not self._on_ssd(key)]
         orders = self.control.recover_ssd(whole, self.clock())
+        self.recovered = whole
         if part:
             orders.append(DropOrder(-1, *split_keys(part), 0, Tier.SSD))
         self.active = False

@@ -49,6 +49,7 @@ from saria.sizing import size_tiers
 from .geometry import EngineGeometry
 from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, SariaConnectorMetadata,
                        SariaWorkerMetadata, StateCapture)
+from .events import KVEvents
 from .prewarm import PrewarmSession, PrewarmSessions
 from .recovery import InventoryTakeover
 from .requests import TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
@@ -89,7 +90,7 @@ class SariaScheduler:
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, workers: int = 1,
                  recover: bool = False, recover_wait_s: float = RECOVER_WAIT_S,
                  clock: Callable[[], float] = time.monotonic, cluster: ClusterIndex | None = None,
-                 names: ChunkNames | None = None, layerwise: bool = False):
+                 names: ChunkNames | None = None, layerwise: bool = False, events: KVEvents | None = None):
         if cluster is not None and geometry.hybrid:
             raise ValueError("saria: the cluster tier serves dense (attention-only) models; this one is hybrid "
                              "(GDN states): drop the cluster option")
@@ -126,6 +127,12 @@ class SariaScheduler:
         self.prewarm = PrewarmSessions(self.control, self.config)
         self._sessions: dict[str, PrewarmSession] = {}  # request id -> its session (prewarming only)
         self.names = names or ChunkNames(None)  # block hashes, or with a key file the tenant's chunk ids
+        # vLLM's KV events for saria's tiers (shared by every control plane of this server): this one holds nothing yet
+        self.events = events
+        if events is not None:
+            events.restart()
+            if not recover:
+                events.recovered(())  # no SSD takeover will come
 
     # --- hashing ---------------------------------------------------------------------------------
 
@@ -251,6 +258,8 @@ class SariaScheduler:
                 meta.orders.append(RequestOrders(None, tuple(warm)))
         for batch in meta.orders:
             self._in_flight.update(o.order_id for o in batch.orders if completes(o))
+            if self.events is not None:
+                self.events.sent(batch.orders)
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -259,6 +268,8 @@ class SariaScheduler:
             return
         if report.inventory is not None:
             self._first += self.takeover.add(report.inventory, report.inventory_reports)
+            if self.events is not None and not self.takeover.active:
+                self.events.recovered(self.takeover.recovered)
         if report.cluster_layouts and self.cluster is not None:
             self.cluster.add_layouts(report.cluster_layouts)
         lost = {}
@@ -286,6 +297,8 @@ class SariaScheduler:
             if done is not None:
                 self._in_flight.discard(done.order_id)
                 self._follow_ups += self.control.complete(done.order_id, done.ok, self.clock(), failed=done.failed)
+                if self.events is not None:
+                    self.events.completed(done.order_id, done.ok, done.failed)
         if lost:  # the control plane holds copies the data plane does not: neither can be trusted
             raise RuntimeError(f"DRAM reloads failed (objects the control plane holds in DRAM that the data plane "
                                f"could not deliver): {lost}")
@@ -377,6 +390,8 @@ class SariaScheduler:
         orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states)
         state.plan, state.committed = None, True
         state.reads_pages = any(reads_pages(o) for o in orders)
+        if self.events is not None:  # what the events of the chunks these orders make resident carry
+            self.events.remember(request, hashes, orders)
         k = self.blocks_per_chunk
         blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
         computed = set(hashes[local:]) - set(state.cluster_loaded())

@@ -58,6 +58,10 @@ key                           meaning (default)
                               :data:`LAYERWISE_DEFAULT`). Hybrid (GDN) models always reload whole:
                               vLLM 0.32 cannot recompute a failed in-step load of a model with more
                               than one KV cache group (``auto``)
+``kv_events_max_chunks``      with vLLM's KV events enabled (``kv_events_config``): the most chunks whose
+                              event payload (block hashes, tokens) the scheduler keeps to announce
+                              saria's tiers to routers (:mod:`~saria.integrations.vllm.events`); a
+                              chunk past it is not announced (65536)
 ``on_load_failure``           ``recompute``: a reload that fails (corrupt SSD object, I/O error)
                               makes vLLM recompute those tokens; ``fail``: the request fails.
                               Sets vLLM's ``kv_load_failure_policy`` (``recompute``)
@@ -80,7 +84,7 @@ _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", 
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
          "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
          "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes",
-         "cluster_insecure", "secret_file", "layerwise"} | _POLICY_FIELDS
+         "cluster_insecure", "secret_file", "layerwise", "kv_events_max_chunks"} | _POLICY_FIELDS
 CLUSTER_ADMISSIONS = ("all", "evicted")
 # layerwise=auto, per device type: what the measurements support (docs/vllm.md, "Layer-wise reloads
 # and saves", has them). CPU: bench/bench_layerwise_ttft.py, turn-2 TTFT whole / layer-wise 1.01x
@@ -209,6 +213,7 @@ class ConnectorSettings:
     cluster_insecure: bool = False  # a cluster tier without a key (unsealed objects)
     secret_file: str = ""  # the key file that seals SSD and cluster objects; "" for none
     layerwise: bool | None = None  # None: auto (LAYERWISE_DEFAULT for the device)
+    kv_events_max_chunks: int = 65_536  # chunks whose KV event payload the scheduler keeps (events.py)
 
     def layerwise_for(self, device_type: str, hybrid: bool) -> bool:
         """Whether reloads go layer by layer on this engine: never for a hybrid model (module
@@ -267,7 +272,7 @@ class ConnectorSettings:
                    log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
                    on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")),
                    audit_kv=audit_kv, secret_file=secret_file, layerwise=None if layerwise == "auto" else layerwise,
-                   **cluster)
+                   kv_events_max_chunks=_positive_int(extra, "kv_events_max_chunks") or 65_536, **cluster)
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
         """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only

@@ -64,6 +64,10 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "DeviceConfig": ("vllm/config/device.py",),
     "ModelConfig": ("vllm/config/model.py",),
     "SchedulerConfig": ("vllm/config/scheduler.py",),
+    "KVEventsConfig": ("vllm/config/kv_events.py",),
+    "BlockStored": ("vllm/distributed/kv_events.py",),
+    "BlockRemoved": ("vllm/distributed/kv_events.py",),
+    "LoRARequest": ("vllm/lora/request.py",),
 }
 
 # the classes whose method signatures a record holds (saria subclasses or calls these methods);
@@ -76,6 +80,7 @@ SIGNATURES = frozenset({"KVConnectorBase_V1", "SupportsHMA", "KVConnectorStats",
 FUNCTIONS: dict[str, tuple[str, ...]] = {
     "get_pp_group": ("vllm/distributed/parallel_state.py",),
     "get_tensor_model_parallel_rank": ("vllm/distributed/parallel_state.py",),
+    "maybe_convert_block_hash": ("vllm/v1/core/kv_cache_utils.py",),
 }
 
 # The connector's hooks as call sites name them (vLLM's scheduler and model runners).
