@@ -110,6 +110,8 @@ def test_layerwise_resolves_per_device_and_never_for_hybrid_models():
     for value in (True, False):
         settings = ConnectorSettings.from_extra_config({"layerwise": value})
         assert settings.layerwise_for("cuda", hybrid=False) is value and not settings.layerwise_for("cuda", hybrid=True)
+        assert not settings.layerwise_for("cuda", hybrid=False, drafter=True)  # a draft model's layers run late
+    assert not auto.layerwise_for("cpu", hybrid=False, drafter=True)
     # a FULL CUDA graph would replay past the per-layer hooks: piecewise unless layerwise is off
     assert SariaConnector.requires_piecewise_for_cudagraph({}) is LAYERWISE_DEFAULT["cuda"]
     assert SariaConnector.requires_piecewise_for_cudagraph({"layerwise": True}) is True

@@ -66,6 +66,19 @@ def test_ngram_speculative_decoding(dense_session, tmp_path, layerwise):
 
 
 @pytest.mark.long
+def test_draft_model_speculative_decoding(dense_session, tmp_path):
+    """A draft model's attention layers share the KV cache and run after vLLM collected the step's
+    transfer results, once per proposed token: layer-wise reloads are off beside it (``auto`` and
+    ``true`` alike), saves and reloads cover its layers too."""
+    draft = build_model(tmp_path / "draft", "dense", layers=1, seed=3)
+    run = run_feature(dense_session, tmp_path, config=saria_config(tmp_path, layerwise=True),
+                      engine_args={"speculative_config": {"method": "draft_model", "model": str(draft),
+                                                          "num_speculative_tokens": 2}})
+    assert_reused_on_later_turns(run)
+    assert "layerwise" not in run["worker"]  # the worker loads whole
+
+
+@pytest.mark.long
 def test_chunked_prefill_with_a_small_token_budget(dense_session, tmp_path):
     """Prompts of 400-850 tokens in 64-token chunks: a reload lands in the step of the prompt's
     first chunk, later chunks are computed over it, stores follow the step that completes the prompt."""

@@ -90,7 +90,9 @@ READS: dict[str, tuple[str, ...]] = {
     "KVCacheGroupSpec": ("kv_cache_spec", "layer_names"),
     "FullAttentionSpec": ("block_size", "page_size_bytes", "dtype", "sliding_window"),
     "MambaSpec": ("block_size", "shapes", "dtypes"),
-    "VllmConfig": ("model_config", "cache_config", "parallel_config", "device_config", "kv_events_config"),
+    "VllmConfig": ("model_config", "cache_config", "parallel_config", "device_config", "kv_events_config",
+                   "speculative_config"),
+    "SpeculativeConfig": ("draft_model_config",),
     "ParallelConfig": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank",
                        "prefill_context_parallel_size", "decode_context_parallel_size"),
     "CacheConfig": ("cache_dtype", "prefix_caching_hash_algo", "mamba_cache_mode"),
@@ -244,3 +246,11 @@ def resumed_req_ids(cached: Any) -> Iterable[str]:
     if _declares(cached, "resumed_req_ids"):
         return cached.resumed_req_ids
     return frozenset()
+
+
+def has_drafter_layers(vllm_config: Any) -> bool:
+    """Whether speculative decoding runs a drafter with attention layers of its own (a draft model,
+    EAGLE, MTP: ``speculative_config.draft_model_config``), whose KV lives in the same cache as the
+    target's; ngram and suffix decoding run none."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return speculative is not None and speculative.draft_model_config is not None

@@ -28,7 +28,7 @@ from saria.dataplane.cluster.index import ClusterIndex
 
 from .compat import (CacheHitSource, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorPromMetrics,
                      KVConnectorRole, KVConnectorStats, KVConnectorTransferResults, KVConnectorWorkerMetadata,
-                     SupportsHMA, check_version)
+                     SupportsHMA, check_version, has_drafter_layers)
 from .events import KVEvents, events_enabled
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
@@ -65,7 +65,11 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
         model = model_identity(vllm_config)  # once: a rebuilt control plane names chunks alike
         # both halves decide alike: the scheduler reports loads as synchronous, the worker runs them per layer
-        layerwise = self.settings.layerwise_for(vllm_config.device_config.device_type, geometry.hybrid)
+        drafter = has_drafter_layers(vllm_config)
+        layerwise = self.settings.layerwise_for(vllm_config.device_config.device_type, geometry.hybrid, drafter)
+        if drafter and self.settings.layerwise:
+            log.warning("saria: layerwise is off beside a speculative drafter with attention layers (vLLM runs the "
+                        "drafter after collecting the step's transfer results): reloads go whole")
         self._scheduler: SchedulerGuard | None = None
         self._worker: SariaWorker | None = None
         self._cluster: ClusterIndex | None = None

@@ -65,6 +65,7 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "ModelConfig": ("vllm/config/model.py",),
     "SchedulerConfig": ("vllm/config/scheduler.py",),
     "KVEventsConfig": ("vllm/config/kv_events.py",),
+    "SpeculativeConfig": ("vllm/config/speculative.py",),
     "BlockStored": ("vllm/distributed/kv_events.py",),
     "BlockRemoved": ("vllm/distributed/kv_events.py",),
     "LoRARequest": ("vllm/lora/request.py",),
