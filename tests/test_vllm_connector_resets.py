@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from saria.harness import synthetic_session
 from saria.harness.engine import engine_env
@@ -126,3 +128,48 @@ def test_a_reset_rebuilds_the_control_plane_and_tells_the_workers():
     guard._build = lambda: (_ for _ in ()).throw(RuntimeError("no"))  # a rebuild that fails: saria turns off
     assert reset_scheduler(guard, weights) is True and guard.off
     assert guard.build_connector_meta(None).resets == 2
+
+
+def dense_worker(tmp_path):
+    from saria.integrations.vllm.geometry import engine_geometry
+    from saria.integrations.vllm.settings import ConnectorSettings
+    from saria.integrations.vllm.worker import SariaWorker
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    geometry = engine_geometry(config, types.SimpleNamespace(mamba_cache_mode="none"))
+    settings = ConnectorSettings.from_extra_config({"dram_bytes": 1 << 20, "ssd_paths": [str(tmp_path)],
+                                                     "ssd_bytes": 8 << 20, "log_interval_s": 0})
+    worker = SariaWorker(settings, geometry, num_blocks=16)
+    worker.register_kv_caches({"l0": torch.zeros(16, 2, 32, 128, dtype=torch.bfloat16)})
+    assert not worker.off
+    return worker
+
+
+def test_worker_drops_every_object_on_a_reset_and_follows_sleep(tmp_path):
+    from saria.control import ReloadPlan, Tier
+    from saria.integrations.vllm.metadata import LoadSpec
+
+    worker = dense_worker(tmp_path)
+    ssd = worker.data.ssd
+    ssd.write(b"kb" + bytes(32), torch.ones(4096, dtype=torch.uint8)).result()
+    assert len(ssd.keys()) == 1
+    worker.wait_for_save(SariaConnectorMetadata(epoch=1, resets=1))  # vLLM reset the connector
+    assert ssd.keys() == [] and (worker.resets, worker.epoch, worker.off) == (1, 1, False)
+    # sleep: no load starts while vLLM's KV memory is released; it fails and vLLM recomputes it
+    worker.unregister_kv_caches()
+    plan = ReloadPlan(1, ("h0",), (Tier.DRAM,), None, None, 32, 32 * 1024, 0, False)
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r1", plan, ((3,),), 0, None)], epoch=1, resets=1))
+    worker.get_finished(set())
+    assert worker.take_failed_requests() == {"r1"} and not worker.off
+    # woken with the KV cache elsewhere: page tables rebuilt over it
+    layer = worker.kv_caches["l0"]
+    engine = worker.engine
+    layer.set_(torch.zeros_like(layer))
+    assert engine.pages_moved()
+    worker.restore_kv_caches()
+    assert not worker.suspended and not worker.off and worker.engine is not engine
+    assert not worker.engine.pages_moved()
+    worker.restore_kv_caches()  # idempotent: the tables still hold
+    worker.shutdown()
