@@ -8,7 +8,8 @@ weights loaded back, ``wake_up``. After each change nothing computed before is r
 prompt reuses 0 tokens), the second prompt still reuses the first one's KV computed after the
 change, the SSD objects from before are gone, and with model A back every output is bit for bit
 the first phase's (plain vLLM with those weights: the first prompt computed in full, the second
-over the same prefix). Without ``reset_cache`` the first prompt reuses the old weights' KV.
+over the same prefix). Without ``reset_cache`` the first prompt reuses the old weights' KV. A long
+test holds model B's phase against plain vLLM started on model B.
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ def test_weight_updates_never_serve_old_kv_and_reuse_what_follows(weights_run):
     keys = weights_run["ssd_keys"]
     assert keys["a"] and keys["b"] and keys["a2"]
     assert not set(keys["a"]) & set(keys["b"]) and not set(keys["b"]) & set(keys["a2"])
+
+
+@pytest.mark.long
+def test_after_a_weight_update_outputs_are_plain_vllms_with_the_new_weights(weights_run):
+    """Model B's phase against plain vLLM started on model B: the first prompt computed in full, the
+    second over vLLM's own prefix cache holding the first (the same split as saria's run)."""
+    from saria.harness.run import run_in_subprocess
+
+    spec = weights_run["spec"]
+    plain = run_in_subprocess({"model": spec["model_b"], "prompts": spec["prompts"], "max_tokens": spec["max_tokens"],
+                               "enforce_eager": True, "prefix_caching": True, "reset_prefix_cache": False})
+    first = len(spec["prompts"][0])
+    assert [t["cached_tokens"] for t in plain["turns"]] == [0, first]
+    for got, want in zip(weights_run["phases"]["b"], plain["turns"]):
+        assert got["output_tokens"] == want["output_tokens"] and got["logprobs"] == want["logprobs"]
 
 
 # --- without an engine ------------------------------------------------------------------------------
