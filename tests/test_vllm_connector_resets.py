@@ -27,7 +27,7 @@ from saria.harness import synthetic_session
 from saria.harness.engine import engine_env
 from saria.integrations.vllm.guard import SchedulerGuard
 from saria.integrations.vllm.metadata import SariaConnectorMetadata
-from saria.integrations.vllm.resets import WeightsGeneration, reset_scheduler
+from saria.integrations.vllm.resets import MARKER, WeightsGeneration, reset_scheduler
 from saria.integrations.vllm.sealing import ChunkNames, seal_scope
 from saria.seal import Keyring
 from saria.seal.keyfile import new_key_file
@@ -173,6 +173,8 @@ def test_worker_drops_every_object_on_a_reset_and_follows_sleep(tmp_path):
     assert len(ssd.keys()) == 1
     worker.wait_for_save(SariaConnectorMetadata(epoch=1, resets=1))  # vLLM reset the connector
     assert ssd.keys() == [] and (worker.resets, worker.epoch, worker.off) == (1, 1, False)
+    marker = tmp_path / "rank0" / MARKER
+    assert marker.exists()  # what the store holds from now on is of weights a restart does not load
     # sleep: no load starts while vLLM's KV memory is released; it fails and vLLM recomputes it
     worker.unregister_kv_caches()
     plan = ReloadPlan(1, ("h0",), (Tier.DRAM,), None, None, 32, 32 * 1024, 0, False)
@@ -188,4 +190,13 @@ def test_worker_drops_every_object_on_a_reset_and_follows_sleep(tmp_path):
     assert not worker.suspended and not worker.off and worker.engine is not engine
     assert not worker.engine.pages_moved()
     worker.restore_kv_caches()  # idempotent: the tables still hold
+    worker.data.ssd.write(b"kb" + bytes(31) + b"x", torch.ones(4096, dtype=torch.uint8)).result()  # new weights' KV
     worker.shutdown()
+    # restarted (the model's own weights again): the objects of the run's updated weights are gone
+    again = dense_worker(tmp_path)
+    assert again.data.ssd.keys() == [] and not marker.exists() and again._inventory == {}
+    again.data.ssd.write(b"kb" + bytes(32), torch.ones(4096, dtype=torch.uint8)).result()
+    again.shutdown()
+    third = dense_worker(tmp_path)  # a run that never reset: its objects are taken over as before
+    assert len(third.data.ssd.keys()) == 1 and len(third._inventory) == 1
+    third.shutdown()

@@ -19,9 +19,12 @@ after a restart neither. vLLM tells the connector in two ways:
      not a fault): requests in flight run on as misses, late reports are ignored;
   3. counts the reset in every metadata (``SariaConnectorMetadata.resets``). A worker that sees
      the count change (:func:`worker_reset`) waits for its loads and orders in flight, fails those
-     loads, frees every host pool slot and deletes every SSD object of its rank: the capacity is
-     free again at once. The cluster tier's objects stay (other replicas may still run the old
-     weights); the new names never meet them.
+     loads, frees every host pool slot and deletes every SSD object of its rank, durably: the
+     capacity is free again at once. Before any object of the new weights is written it leaves a
+     marker (:data:`MARKER`) in the rank's store directories: the next start of the server (which
+     loads the model's files, not the weights this run was given) deletes whatever that store
+     holds, then the marker (:func:`forget_previous_weights`). The cluster tier's objects stay
+     (other replicas may still run the old weights); the new names never meet them.
 
   It always answers True (the reset took: nothing computed before it will be served), also when
   the rebuild fails (saria turns off then) and when saria is off.
@@ -43,7 +46,8 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import wait
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 if TYPE_CHECKING:
     from .guard import SchedulerGuard
@@ -53,6 +57,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("saria.vllm")
 
 NONCE_BYTES = 16
+# in each of a rank's SSD store directories once a reset deleted its objects: what it writes from then
+# on was computed with weights a restart does not load (it loads the model's files): the next start
+# deletes every object of the store, then this file
+MARKER = "saria-weights-updated"
 
 
 class WeightsGeneration:
@@ -99,8 +107,11 @@ def worker_reset(worker: "SariaWorker", meta: "SariaConnectorMetadata") -> None:
             wait(orders)
             worker.saves.drop_everything()
             ssd = worker.data.ssd
-            for key in ssd.keys() if ssd is not None else ():
-                ssd.delete(key)
+            if ssd is not None:
+                mark_updated(path.parent for path in ssd.paths)  # before any object of the new weights is written
+                for key in ssd.keys():
+                    ssd.delete(key)
+                ssd.sync()
             log.info("saria worker: the connector was reset (weights may have changed): every cached object of "
                      "this rank dropped")
         except Exception as exc:
@@ -109,6 +120,45 @@ def worker_reset(worker: "SariaWorker", meta: "SariaConnectorMetadata") -> None:
     for spec, _ in loads:  # loaded for the replaced control plane: vLLM recomputes them
         worker.results.fail_request(spec.req_id)
     worker._abandon_layers()
+
+
+def mark_updated(directories: Iterable[Path | str]) -> None:
+    """Leave :data:`MARKER` in each of a rank's store directories, durably (the file and its
+    directory entry synced): a restart then deletes what the store holds (:func:`forget_updated`)."""
+    for directory in directories:
+        path = Path(directory) / MARKER
+        if path.exists():
+            continue
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"objects written after a reset of the connector: deleted at the next start\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def forget_previous_weights(ssd: Any, directories: Sequence[str]) -> int:
+    """At start (:func:`~.worker_start.open_rank`): where a previous run of this rank reset the
+    connector (:data:`MARKER` in one of its store ``directories``), its store holds objects computed
+    with weights this run does not load (they have names no lookup makes, so they would only take
+    room): delete them all, durably, then the markers. The number of objects deleted."""
+    marked = [Path(d) / MARKER for d in directories if (Path(d) / MARKER).exists()]
+    if not marked or ssd is None:
+        return 0
+    keys = ssd.keys()
+    for key in keys:
+        ssd.delete(key)
+    ssd.sync()
+    for path in marked:
+        path.unlink(missing_ok=True)
+    log.info("saria worker: a previous run reset the connector (its weights changed): %d SSD object(s) it left "
+             "deleted", len(keys))
+    return len(keys)
 
 
 def suspend(worker: "SariaWorker") -> None:
@@ -148,7 +198,7 @@ def resume(worker: "SariaWorker") -> None:
         worker._close_cluster()
         data.close()
         worker.saves.turned_off()  # the host pool's objects and the states set aside are gone
-        worker._open(worker.kv_caches)
+        worker._open(worker.kv_caches, start=False)
         worker._inventory = None
         log.warning("saria worker: vLLM's KV cache moved while asleep: page tables rebuilt, DRAM copies dropped")
     except Exception as exc:

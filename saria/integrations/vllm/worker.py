@@ -135,9 +135,10 @@ class SariaWorker:
             self.faults.record("register_kv_caches", exc)
             self._turn_off("its data plane could not start")
 
-    def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def _open(self, kv_caches: dict[str, torch.Tensor], *, start: bool = True) -> None:
+        """``start``: the server's start (not a reopen within the run, :func:`.resets.resume`)."""
         rank = open_rank(self.settings, self.geometry, self.layout, self.model, self.num_blocks, kv_caches,
-                         keyring=self.keyring)
+                         keyring=self.keyring, start=start)
         self.data, self.state_table, self._inventory = rank.parts, rank.state_table, rank.inventory
         self.cluster = rank.cluster
         if rank.cluster is not None:
