@@ -200,3 +200,21 @@ def test_worker_drops_every_object_on_a_reset_and_follows_sleep(tmp_path):
     third = dense_worker(tmp_path)  # a run that never reset: its objects are taken over as before
     assert len(third.data.ssd.keys()) == 1 and len(third._inventory) == 1
     third.shutdown()
+
+
+def test_weights_rewritten_in_place_change_the_model_identity(tmp_path):
+    from saria.integrations.vllm.layout import model_identity
+
+    config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=str(tmp_path), revision=None, dtype=torch.bfloat16, hf_config=None),
+        cache_config=types.SimpleNamespace(cache_dtype="auto", prefix_caching_hash_algo="sha256"))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    first = model_identity(config)
+    assert model_identity(config) == first and first["weights"]
+    (tmp_path / "README.md").write_text("not weights")  # other files do not count
+    assert model_identity(config) == first
+    weights.write_bytes(b"b" * 65)  # a trainer saved new weights where the server loads them
+    assert model_identity(config)["weights"] != first["weights"]
+    config.model_config.model = "Qwen/Qwen3-8B"  # a hub name: its revision names the weights
+    assert model_identity(config)["weights"] == ""
