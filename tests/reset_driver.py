@@ -16,7 +16,8 @@ each running both prompts one after the other:
 OUT: per phase the turns (reused tokens, output tokens, logprobs), and the SSD object keys of the
 rank (hex digests of the keys, never the keys) and its DRAM object count after each phase; how the
 first ``sleep`` went (``sleep_error``: what vLLM raised when it was called right after a turn, or
-``""``).
+``""``). With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` the engine runs in its own process (no SSD
+keys then).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main(spec_path: str, out_path: str) -> int:
     llm = open_llm(spec["model_a"], block_size=32, enforce_eager=True, kv_transfer_config=config)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=1, detokenize=False)
     _, worker_side = connectors(llm)
-    worker = worker_side._worker
+    worker = getattr(worker_side, "_worker", None)  # None: the engine runs in its own process
     out: dict = {"phases": {}, "ssd_keys": {}, "dram_objects": {}, "sleep_error": ""}
 
     def phase(name: str) -> None:
@@ -57,10 +58,11 @@ def main(spec_path: str, out_path: str) -> int:
             (res,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             turns.append(turn_result(res, len(prompt), time.perf_counter() - t0).__dict__)
         empty_prefix_cache(llm)  # steps until saria's stores have landed and freed their blocks
-        ssd = worker.data.ssd
         out["phases"][name] = turns
-        out["ssd_keys"][name] = sorted(hashlib.blake2b(k, digest_size=8).hexdigest() for k in ssd.keys())
-        out["dram_objects"][name] = worker.data.engine.dram_objects()
+        if worker is not None:
+            ssd = worker.data.ssd
+            out["ssd_keys"][name] = sorted(hashlib.blake2b(k, digest_size=8).hexdigest() for k in ssd.keys())
+            out["dram_objects"][name] = worker.data.engine.dram_objects()
 
     phase("a")
     load_weights(llm, spec["model_b"])

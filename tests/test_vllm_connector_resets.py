@@ -36,11 +36,12 @@ CHUNK = 64
 DRIVER = Path(__file__).parent / "reset_driver.py"
 
 
-def run_driver(spec: dict, tmp: Path, timeout: float = 600) -> dict:
+def run_driver(spec: dict, tmp: Path, timeout: float = 600, multiprocessing: bool = False) -> dict:
     spec_path, out_path = tmp / "spec.json", tmp / "out.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(DRIVER), str(spec_path), str(out_path)], env=engine_env(1, tmp),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, str(DRIVER), str(spec_path), str(out_path)],
+                          env=engine_env(1, tmp, multiprocessing=multiprocessing), capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"reset driver failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out_path.read_text())
@@ -90,6 +91,22 @@ def test_after_a_weight_update_outputs_are_plain_vllms_with_the_new_weights(weig
     first = len(spec["prompts"][0])
     assert [t["cached_tokens"] for t in plain["turns"]] == [0, first]
     for got, want in zip(weights_run["phases"]["b"], plain["turns"]):
+        assert got["output_tokens"] == want["output_tokens"] and got["logprobs"] == want["logprobs"]
+
+
+@pytest.mark.long
+def test_a_multiprocess_engine_sleeps_right_after_a_turn(tmp_path, weights_run):
+    """vLLM's default engine, in its own process: its pause before sleeping waits for saria's stores
+    (nothing to do for the caller), and the phases go as in this process."""
+    spec = dict(weights_run["spec"], extra_config=dict(weights_run["spec"]["extra_config"]))
+    (tmp_path / "ssd").mkdir()
+    spec["extra_config"]["ssd_paths"] = [str(tmp_path / "ssd")]
+    run = run_driver(spec, tmp_path, multiprocessing=True)
+    assert run["sleep_error"] == ""
+    first = len(spec["prompts"][0])
+    for name in ("a", "b", "a2"):
+        assert [t["cached_tokens"] for t in run["phases"][name]] == [0, first]
+    for got, want in zip(run["phases"]["a2"], run["phases"]["a"]):
         assert got["output_tokens"] == want["output_tokens"] and got["logprobs"] == want["logprobs"]
 
 
