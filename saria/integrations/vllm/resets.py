@@ -70,11 +70,9 @@ class WeightsGeneration:
 
     def __init__(self) -> None:
         self.nonce = b""
-        self.count = 0
 
     def advance(self) -> None:
         self.nonce = os.urandom(NONCE_BYTES)
-        self.count += 1
 
 
 def reset_scheduler(guard: "SchedulerGuard", weights: WeightsGeneration) -> bool:
@@ -124,7 +122,7 @@ def worker_reset(worker: "SariaWorker", meta: "SariaConnectorMetadata") -> None:
 
 def mark_updated(directories: Iterable[Path | str]) -> None:
     """Leave :data:`MARKER` in each of a rank's store directories, durably (the file and its
-    directory entry synced): a restart then deletes what the store holds (:func:`forget_updated`)."""
+    directory entry synced): a restart then deletes what the store holds (:func:`forget_previous_weights`)."""
     for directory in directories:
         path = Path(directory) / MARKER
         if path.exists():
