@@ -194,6 +194,8 @@ def test_worker_drops_every_object_on_a_reset_and_follows_sleep(tmp_path):
     assert len(ssd.keys()) == 1
     worker.wait_for_save(SariaConnectorMetadata(epoch=1, resets=1))  # vLLM reset the connector
     assert ssd.keys() == [] and (worker.resets, worker.epoch, worker.off) == (1, 1, False)
+    report = worker.build_worker_meta()
+    assert report.inventory == {} and report.inventory_reports == 1 and report.epoch == 1  # nothing to take over
     marker = tmp_path / "rank0" / MARKER
     assert marker.exists()  # what the store holds from now on is of weights a restart does not load
     # sleep: no load starts while vLLM's KV memory is released; it fails and vLLM recomputes it

@@ -97,7 +97,9 @@ def worker_reset(worker: "SariaWorker", meta: "SariaConnectorMetadata") -> None:
     worker.results.take_reports()  # for the replaced control plane: never sent
     loads, worker._loads = list(worker._loads.values()), {}
     orders = worker.saves.forget()
-    worker._inventory = None  # the objects of a previous run go too: nothing to take over
+    # every SSD object goes: the rank reports an empty inventory (a control plane that takes over the
+    # ranks' SSD objects, as at start, hears at once that there is nothing to wait for)
+    worker._inventory = {}
     if not worker.off:
         try:
             for _, job in loads:  # every copy into vLLM's blocks ends before the objects go
