@@ -191,6 +191,7 @@ def test_model_identity_reads_dtypes_hashing_and_the_model_config(monkeypatch):
     base = model_identity(vllm_config("/m", HFConfig('{"layers": 2}')))
     assert base == {"model": "/m", "revision": "None",
                     "hf_config": hashlib.blake2b(b'{"layers": 2}', digest_size=8).hexdigest(),
+                    "weights": "",  # not a local directory (tests/test_vllm_connector_resets.py: one that is)
                     "dtype": "torch.bfloat16", "cache_dtype": "auto", "hash": "sha256",
                     "hash_seed": hashlib.blake2b(b"vllm-none-hash", digest_size=8).hexdigest()}
     assert model_identity(vllm_config("/m", HFConfig('{"layers": 2}'))) == base  # deterministic

@@ -311,6 +311,15 @@ class SSDStore:
             self._release(entry.info.parts)
         return entry is not None or pending
 
+    def sync(self) -> None:
+        """Make the deletes and the completed writes so far durable: ``fdatasync`` every drive file
+        in service (whatever ``durable`` says: the caller asks for it)."""
+        with self._lock:
+            self._check_open()
+            files = [f for drive, f in enumerate(self._files) if drive not in self._lost]
+        for f in files:
+            f.sync()
+
     def close(self) -> None:
         """Wait for reads and writes in flight, check the drive files are still in place (a vanished
         one is taken out of service and logged), sync the others (``durable``), close the files.

@@ -155,6 +155,20 @@ class TransferEngine:
         """How many objects are resident in DRAM."""
         return len(self.dram)
 
+    def pages_moved(self) -> bool:
+        """Whether a paged tensor of the engine's tables moved or changed since they were built
+        (:meth:`PageTable.verify` fails: e.g. an engine that re-allocated its KV cache on waking
+        from sleep). Every copy refuses a stale table; the caller builds a new engine over the
+        tensors as they are."""
+        for table in (self._tables.kv_table, self._tables.state_table):
+            if table is None:
+                continue
+            try:
+                table.verify()
+            except ValueError:  # StaleTableError
+                return True
+        return False
+
     # --- reloads ---------------------------------------------------------------------------------
 
 

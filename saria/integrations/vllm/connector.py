@@ -35,6 +35,7 @@ from .guard import SchedulerGuard
 from .layout import ParallelLayout, model_identity
 from .logs import route_to_vllm
 from .metrics import Deltas, SariaPromMetrics, SariaStats, worker_stats
+from .resets import WeightsGeneration, reset_scheduler
 from .scheduler import SariaScheduler, open_cluster_index
 from .sealing import ChunkNames, announce, load_keyring, seal_scope
 from .settings import LAYERWISE_DEFAULT, ConnectorSettings
@@ -89,10 +90,12 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
                                max_chunks=self.settings.kv_events_max_chunks)
                       if events_enabled(vllm_config) else None)
             self._cluster = open_cluster_index(self.settings, workers)  # outlives rebuilt control planes
+            self._weights = WeightsGeneration()  # names follow the weights: reset_cache draws a new one (.resets)
             self._scheduler = SchedulerGuard(
                 lambda: SariaScheduler(self.settings, geometry, workers=workers,
                                        recover=next(builds) == 0 and bool(self.settings.ssd_paths),
-                                       cluster=self._cluster, names=ChunkNames(keyring, scope),
+                                       cluster=self._cluster,
+                                       names=ChunkNames(keyring, scope, self._weights.nonce),
                                        layerwise=layerwise, events=events),
                 log_interval_s=self.settings.log_interval_s, events=events)
         else:
@@ -191,6 +194,23 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         """saria's Prometheus counters, ``vllm:saria_*`` (:mod:`.metrics`), served at ``/metrics``."""
         return SariaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM 0.33+: saria follows sleep mode (``unregister_kv_caches`` / ``restore_kv_caches``,
+        and the ``reset_cache`` vLLM makes before it: :mod:`.resets`)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+, before the KV cache's memory is released: every copy that touches it ends
+        first, and none starts until :meth:`restore_kv_caches` (:func:`.resets.suspend`)."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+, once the KV cache's memory is back: page tables rebuilt where it moved."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -233,3 +253,11 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's KV events for saria's DRAM (``CPU``) and SSD (``STORAGE``) tiers, published by
         vLLM's scheduler with its own (:mod:`.events`); none unless vLLM's KV events are enabled."""
         return self._scheduler.take_events() if self._scheduler is not None else []
+
+    def reset_cache(self) -> bool:
+        """vLLM resets the connector (``sleep``, ``pause_generation(clear_cache=True)``,
+        ``reset_prefix_cache(reset_connector=True)``: the weights may change): nothing cached before
+        is ever served again, in any tier (:mod:`.resets`). Always True (never fails vLLM's reset)."""
+        if self._scheduler is None:
+            return True
+        return reset_scheduler(self._scheduler, self._weights)

@@ -62,6 +62,7 @@ class SchedulerGuard:
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the worker sends them
         self._newly_held: list[str] = []  # of those, not yet told to the worker
         self._last_log = clock()
+        self.resets = 0  # vLLM's resets of the connector (reset_cache), told to the workers in every metadata
 
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
@@ -124,6 +125,7 @@ class SchedulerGuard:
         meta.held, self._newly_held = self._newly_held, []
         meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.epoch, meta.off = self.epoch, self.off
+        meta.resets = self.resets
         self._maybe_log()
         return meta
 
@@ -204,6 +206,29 @@ class SchedulerGuard:
     def stats(self) -> dict:
         """Faults and what they led to, for tests, the session result and the summary line."""
         return dict(self.faults.snapshot(), epoch=self.epoch, off=self.off)  # epoch: rebuilds so far
+
+    def reset(self) -> None:
+        """vLLM reset the connector (``reset_cache``, :mod:`.resets`): a fresh, empty control plane
+        under a new epoch, as after a fault but not counted as one, and the reset counted for the
+        workers (each drops every object it holds when the metadata tells it). Never raises; a
+        control plane that cannot be built turns saria off (nothing is served then either)."""
+        self.resets += 1
+        if self.off:
+            return
+        try:
+            inner = self._build()
+        except Exception as exc:
+            self.faults.record("reset_cache", exc)
+            self._turn_off("its control plane could not be rebuilt on a reset")
+            return
+        try:
+            self._retired = add_counts(self._retired, self.inner.totals())
+        except Exception as exc:
+            log.warning("saria: counters of the replaced control plane lost: %s", exc)
+        self.inner = inner
+        self.epoch += 1
+        log.info("saria scheduler: reset by vLLM (weights may have changed): control plane rebuilt empty (epoch %d); "
+                 "nothing cached before is served again", self.epoch)
 
     # --- faults ----------------------------------------------------------------------------------
 

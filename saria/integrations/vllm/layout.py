@@ -95,7 +95,8 @@ def rank_directories(ssd_paths: tuple[str, ...], layout: ParallelLayout) -> list
 
 
 def model_identity(vllm_config: Any) -> dict[str, Any]:
-    """What of vLLM's configuration decides the bytes of an object and the hashes that name it."""
+    """What of vLLM's configuration decides the bytes of an object and the hashes that name it (and,
+    for a local model directory, its weight files as they are: :func:`weight_files_digest`)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     hf_config = getattr(model, "hf_config", None)
     try:
@@ -107,9 +108,32 @@ def model_identity(vllm_config: Any) -> dict[str, Any]:
         name = "blake2b:" + hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
     return {"model": name, "revision": str(getattr(model, "revision", None)),
             "hf_config": hashlib.blake2b(config_text.encode(), digest_size=8).hexdigest(),
+            "weights": weight_files_digest(str(model.model)),
             "dtype": str(model.dtype), "cache_dtype": str(cache.cache_dtype),
             "hash": str(getattr(cache, "prefix_caching_hash_algo", None)),
             "hash_seed": hashlib.blake2b(_hash_seed(cache).encode(), digest_size=8).hexdigest()}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weight_files_digest(model: str) -> str:
+    """For a model in a local directory: a digest of its weight files' names, sizes and modification
+    times, so that checkpoint files rewritten in place (a trainer saving new weights where the server
+    loads them) give another identity, and a restart does not serve the old weights' SSD objects.
+    ``""`` for a model that is not a local directory (a hub name: its ``revision`` names it)."""
+    path = Path(model)
+    try:
+        if not path.is_dir():
+            return ""
+        files = sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
+        h = hashlib.blake2b(digest_size=8)
+        for p in files:
+            st = p.stat()
+            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return h.hexdigest()
+    except OSError:  # unreadable: the identity still names the model by its path
+        return ""
 
 
 def _hash_seed(cache_config: Any) -> str:

@@ -72,7 +72,10 @@ class SariaConnectorMetadata(KVConnectorMetadata):
     reports in error (vLLM drops the step's output for it and recomputes). ``held``: finished
     requests whose blocks vLLM keeps until the worker reports them sent (``request_finished``
     said so: orders still read them); ``preempted``: requests whose blocks vLLM freed this step, which the worker must stop reading
-    before the step's forward writes them (``handle_preemptions``)."""
+    before the step's forward writes them (``handle_preemptions``). ``resets``: how many times vLLM
+    reset the connector (``reset_cache``: sleep, a weight update's pause,
+    ``reset_prefix_cache(reset_connector=True)``); a worker that sees it change drops every object
+    it holds (:mod:`.resets`)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     captures: list[StateCapture] = field(default_factory=list)
@@ -83,6 +86,7 @@ class SariaConnectorMetadata(KVConnectorMetadata):
     preempted: list[str] = field(default_factory=list)
     epoch: int = 0
     off: bool = False
+    resets: int = 0
 
 
 @dataclass(frozen=True)

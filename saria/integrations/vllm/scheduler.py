@@ -204,7 +204,7 @@ class SariaScheduler:
         cluster = state.cluster[max(0, first - state.cluster_start):]
         state.load_tokens = self._load_tokens(state, num_external_tokens)
         audit_names = ()
-        if self.settings.audit_kv and self.names.keyring is not None:  # a verification mode (docs/security.md)
+        if self.settings.audit_kv and self.names.renamed:  # a verification mode (docs/security.md)
             h = self.config.chunk.chunk_tokens // self.geometry.hash_tokens
             audit_names = tuple(request.block_hashes[(c + 1) * h - 1] for c in range(first, first + sub.num_chunks))
         state.load = LoadSpec(request.request_id, sub,

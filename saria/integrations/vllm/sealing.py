@@ -10,7 +10,10 @@ scheduler's chunk ids, and what the start says about sealing.
   block hash under the tenant's naming key, so no store, order, log line or metric sees a block
   hash, and two tenants' (two salts') names never meet. The request's salt is read here and never
   leaves (the worker reads the tenant back from the chunk id, :meth:`~saria.seal.Keyring.tenant_of`).
-  Without a key, the chunk hash is vLLM's block hash, as before.
+  Without a key, the chunk hash is vLLM's block hash, as before. After a reset of the connector
+  (:mod:`.resets`: the weights may have changed) every name also depends on that generation's
+  random nonce: the scope's ``weights`` field with a key, a keyed BLAKE2b of the block hash without
+  one, so no object named before the reset (in any tier, after a restart too) is found again.
 * :func:`seal_scope`: what an object's bytes depend on that the scheduler knows (the model identity
   and the page geometry; not the rank: every rank's shard of a chunk has the chunk's one name).
 * :func:`announce`: one line at start, a warning where objects that leave the process (SSD, cluster)
@@ -21,6 +24,7 @@ No secret, salt, chunk id or block hash is logged or put in an exception here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from typing import Any, Mapping, Sequence
@@ -55,25 +59,43 @@ def seal_scope(model: Mapping[str, Any], *, block_size: int, hash_tokens: int, c
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
+def with_weights(scope: bytes, weights: bytes) -> bytes:
+    """``scope`` (:func:`seal_scope`'s canonical JSON) with the weights generation's nonce folded in
+    (``weights``: ``b""`` for the weights loaded at start, ``scope`` unchanged)."""
+    if not weights:
+        return scope
+    doc = json.loads(scope) if scope else {}
+    doc["weights"] = weights.hex()
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
 class ChunkNames:
     """The names the scheduler half gives a request's chunks: vLLM's block hashes without a key,
     chunk ids with one (module docstring). A request's chunk ids are computed once (block hashes are
     prefix-chained: a longer prompt's first ids are its shorter prefix's) and kept until
     :meth:`forget`."""
 
-    def __init__(self, keyring: Keyring | None, scope: bytes = b""):
+    def __init__(self, keyring: Keyring | None, scope: bytes = b"", weights: bytes = b""):
         self.keyring = keyring
-        self.scope = scope
+        self.weights = weights  # the weights generation's nonce (:mod:`.resets`); b"": the weights loaded at start
+        self.scope = with_weights(scope, weights) if keyring is not None else scope
         self._requests: dict[str, tuple[Any, Tenant, list[bytes]]] = {}  # request id -> (request, tenant, ids)
 
     @property
     def sealed(self) -> bool:
         return self.keyring is not None
 
+    @property
+    def renamed(self) -> bool:
+        """Whether names differ from vLLM's block hashes (a key file, or weights updated since start)."""
+        return self.keyring is not None or bool(self.weights)
+
     def names(self, request: Any, hashes: Sequence[bytes]) -> list:
         """The names of ``hashes``, the request's chunk hashes in order from its first chunk."""
         if self.keyring is None:
-            return list(hashes)
+            if not self.weights:
+                return list(hashes)
+            return [hashlib.blake2b(bytes(h), key=self.weights, digest_size=32).digest() for h in hashes]
         found = self._requests.get(request.request_id)
         if found is None or found[0] is not request:  # a new request (or a request id used again)
             if len(self._requests) >= MAX_CACHED_REQUESTS:

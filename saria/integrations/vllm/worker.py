@@ -37,6 +37,10 @@ Faults (:mod:`.faults`; no exception leaves these hooks):
   so no byte of it can land in vLLM's blocks later.
 * A new epoch in the metadata (the scheduler replaced its control plane): wait for every load and
   order in flight, fail those loads, free every host pool slot and delete every SSD object.
+* A new reset count in the metadata (vLLM reset the connector: the weights may have changed,
+  :mod:`.resets`): the same, and every SSD object of the rank is deleted whatever else keeps them.
+  vLLM 0.33+'s sleep hooks (``unregister_kv_caches`` / ``restore_kv_caches``) end every copy before
+  the KV memory goes and rebuild the page tables where it came back elsewhere.
 * The data plane cannot open, a fault outside any one load or order, or ``faults.LIMIT`` faults
   within ``faults.WINDOW_S``: turn off. The data plane is closed (which waits for the work in
   flight), the loads in flight are failed, and from then on every load fails and every order
@@ -56,6 +60,7 @@ from saria.dataplane.transfer.engine import LoadJob
 from saria.kernels import PageTable
 from saria.seal import Keyring
 
+from . import resets
 from .audit import KVAudit
 from .cluster import WorkerCluster
 from .cluster_loads import ClusterLoad, CombinedLoad
@@ -104,6 +109,9 @@ class SariaWorker:
         self.layers: LayerLoads | None = None  # the step's layer-wise loads (.layerwise)
         self._abandoned: set[str] = set()
         self._followed: SariaConnectorMetadata | None = None  # the step's metadata, once followed
+        self.resets = 0  # vLLM's resets of the connector seen so far (.resets)
+        self.suspended = False  # vLLM's KV memory is released (sleep, .resets): no load starts
+        self.kv_caches: dict[str, torch.Tensor] | None = None  # as registered: .resets rebuilds over them
 
     @property
     def engine(self) -> DataPlane:
@@ -120,15 +128,17 @@ class SariaWorker:
         return self.saves.reading
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
         try:
             self._open(kv_caches)
         except Exception as exc:
             self.faults.record("register_kv_caches", exc)
             self._turn_off("its data plane could not start")
 
-    def _open(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def _open(self, kv_caches: dict[str, torch.Tensor], *, start: bool = True) -> None:
+        """``start``: the server's start (not a reopen within the run, :func:`.resets.resume`)."""
         rank = open_rank(self.settings, self.geometry, self.layout, self.model, self.num_blocks, kv_caches,
-                         keyring=self.keyring)
+                         keyring=self.keyring, start=start)
         self.data, self.state_table, self._inventory = rank.parts, rank.state_table, rank.inventory
         self.cluster = rank.cluster
         if rank.cluster is not None:
@@ -183,7 +193,7 @@ class SariaWorker:
 
     def _start_layers(self, specs: list[LoadSpec]) -> None:
         """Start the step's in-step loads (:mod:`.layerwise`): layer by layer where the engine can."""
-        if self.off or self.layers is None:  # nothing starts: vLLM recomputes their blocks
+        if self.off or self.suspended or self.layers is None:  # nothing starts: vLLM recomputes their blocks
             for spec in specs:
                 self.results.ended_in_step(spec, None, None, True)
             return
@@ -239,7 +249,7 @@ class SariaWorker:
             self.results.ended_in_step(spec, result, None if unsure else self.audit, unsure)
 
     def _start_load(self, spec: LoadSpec) -> LoadJob | None:
-        if self.off:
+        if self.off or self.suspended:
             self.results.fail_load(spec)
             return None
         try:
@@ -337,6 +347,8 @@ class SariaWorker:
         self._followed = meta
         if meta.off and not self.off:
             self._turn_off("the scheduler turned saria off")
+        if getattr(meta, "resets", 0) != self.resets:  # vLLM reset the connector: every object goes (.resets)
+            resets.worker_reset(self, meta)
         if meta.epoch != self.epoch:
             self._new_epoch(meta.epoch)
         self.saves.held.update(meta.held)
@@ -362,6 +374,15 @@ class SariaWorker:
         for spec, _ in loads:  # loaded for the old control plane: vLLM recomputes them
             self.results.fail_request(spec.req_id)
         self._abandon_layers()
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+: the KV cache's memory is about to be released (sleep): end every copy that
+        touches it, start none until :meth:`restore_kv_caches` (:func:`.resets.suspend`)."""
+        resets.suspend(self)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+: the KV cache's memory is back: page tables rebuilt where it moved (:func:`.resets.resume`)."""
+        resets.resume(self)
 
     def _fault(self, where: str, exc: BaseException) -> None:
         """A fault confined to one load or order (already failed by the caller)."""

@@ -22,6 +22,7 @@ from saria.ssd_dtype import FP8_FORMAT
 from .cluster import WorkerCluster
 from .geometry import EngineGeometry
 from .layout import ParallelLayout, page_format, rank_directories, store_identity
+from .resets import forget_previous_weights
 from .settings import ConnectorSettings
 
 log = logging.getLogger("saria.vllm")
@@ -58,11 +59,14 @@ class RankDataPlane:
 
 
 def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: ParallelLayout, model: dict[str, Any],
-              num_blocks: int, kv_caches: dict[str, torch.Tensor], *, keyring: Keyring | None = None) -> RankDataPlane:
+              num_blocks: int, kv_caches: dict[str, torch.Tensor], *, keyring: Keyring | None = None,
+              start: bool = True) -> RankDataPlane:
     """Open this rank's data plane over vLLM's registered ``kv_caches``; ``ValueError`` where they
     are not what vLLM's spec said. ``keyring`` (the connector's ``secret_file``): the SSD store and
     the cluster tier seal their objects, each with a :class:`~saria.seal.Sealer` bound to its kind
-    and its identity (this rank's: an object moved to another rank, model or layout fails its tag)."""
+    and its identity (this rank's: an object moved to another rank, model or layout fails its tag).
+    ``start``: the server's start, where a store a previous run reset is emptied
+    (:func:`~.resets.forget_previous_weights`); False for a reopen within the run."""
     g = geometry
     block_size = g.block_size
     views = _views(g.attention_layers + g.state_layers, kv_caches, num_blocks)
@@ -92,6 +96,8 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
                             ssd_paths=directories, ssd_identity=identity, coordinator_mode=settings.coordinator,
                             durable=settings.durable,
                             staging_bytes=settings.cluster_staging_bytes if settings.cluster else 0, **sealed)
+    if start:  # a previous run's objects of weights this one does not load (not this run's: a reopen)
+        forget_previous_weights(parts.ssd, directories)
     inventory = _take_inventory(parts)
     cluster = None
     if settings.cluster:
