@@ -160,18 +160,21 @@ class KVEvents:
         if not self.on:
             return
         try:
+            orders = list(orders)
+            # the copies first: a drop earlier in the batch (the control plane taking back an old
+            # copy it writes again) must not forget the payload a later write announces
             for order in orders:
-                if isinstance(order, DropOrder):
-                    for name in order.kv:
-                        self._leave(name, order.tier)
-                    continue
                 tier = _medium_of(order)
                 names = tuple(name for name in order.kv if name in self._payloads)
-                if tier is None or not names:
+                if isinstance(order, DropOrder) or tier is None or not names:
                     continue
                 self._pending[order.order_id] = (tier, names)
                 for name in names:
                     self._pending_refs[name] = self._pending_refs.get(name, 0) + 1
+            for order in orders:
+                if isinstance(order, DropOrder):
+                    for name in order.kv:
+                        self._leave(name, order.tier)
         except Exception as exc:
             self._fault("sent", exc)
 
