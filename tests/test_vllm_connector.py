@@ -13,6 +13,8 @@ from saria.harness import build_model, run_in_subprocess, synthetic_session
 from saria.harness.compare import compare_outputs
 from saria.harness.reference_runs import ReferenceEngine, reference_job
 
+from kv_events_router import Subscriber, assert_events_match_the_run
+
 CHUNK = 64  # dense: two 32-token vLLM blocks per chunk
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 KV heads, head dim 64, bf16
 
@@ -61,8 +63,15 @@ def dense(tmp_path_factory, dense_session):
     (root / "ssd").mkdir()
     saria_config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
                     "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0, "audit_kv": True}
-    saria = run_in_subprocess(dict(dense_session["spec"], extra_config=saria_config, corrupt_before=[3]))
-    return dict(dense_session, saria=saria, config=saria_config, root=root)
+    router = Subscriber()  # the run also publishes vLLM's KV events: a router's view of them
+    try:
+        events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": router.endpoint,
+                         "topic": "kv"}
+        saria = run_in_subprocess(dict(dense_session["spec"], extra_config=saria_config, corrupt_before=[3],
+                                       record_block_hashes=True, engine_args={"kv_events_config": events_config}))
+    finally:
+        router.close()
+    return dict(dense_session, saria=saria, config=saria_config, root=root, events=router.events())
 
 
 def test_second_turn_reloads_its_prefix_through_saria_with_identical_outputs(dense):
@@ -71,6 +80,12 @@ def test_second_turn_reloads_its_prefix_through_saria_with_identical_outputs(den
     assert turns[1]["cached_tokens"] == 4 * CHUNK == turns[1]["dram_tokens"]  # what DRAM could hold of turn 1
     assert_same_outputs(dense["reference"], dense["prompts"], dense["saria"])
     assert_kv_audited(dense["saria"])
+
+
+def test_saria_publishes_its_dram_and_ssd_chunks_through_vllms_event_publisher(dense):
+    """KV events for routers (``take_events``), as vLLM's ZMQ publisher sent them during the run
+    (:func:`kv_events_router.assert_events_match_the_run`)."""
+    assert_events_match_the_run(dense["saria"], dense["prompts"], dense["events"])
 
 
 def test_reloads_ran_layer_by_layer_and_every_layer_waited_in_every_step(dense):

