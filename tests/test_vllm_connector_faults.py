@@ -10,11 +10,13 @@ import logging
 import threading
 import time
 import types
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 from saria.control import ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
+from saria.dataplane.ssd.keys import object_key
 from saria.integrations.vllm.faults import Faults
 from saria.integrations.vllm.guard import SchedulerGuard
 from saria.integrations.vllm.geometry import EngineGeometry
@@ -292,10 +294,14 @@ def test_reports_merge_across_workers_with_epoch_and_off():
 
 # --- the worker half -------------------------------------------------------------------------------
 
+PAGES = torch.arange(16 * BLOCK * KV_BYTES_PER_TOKEN // 2, dtype=torch.int16).view(torch.bfloat16)
+
+
 def dense_worker(tmp_path, ssd=True):
+    """A worker on 16 blocks of distinct bf16 values (``PAGES``: each test's own copy, ``worker.pages``)."""
     worker = SariaWorker(settings(tmp_path if ssd else None), GEOMETRY, num_blocks=16)
-    pages = torch.arange(16 * BLOCK * KV_BYTES_PER_TOKEN // 2, dtype=torch.int16).view(torch.bfloat16)
-    worker.register_kv_caches({"l0": pages.view(16, 2, BLOCK, 2, 64)})
+    worker.pages = PAGES.clone()
+    worker.register_kv_caches({"l0": worker.pages.view(16, 2, BLOCK, 2, 64)})
     assert worker.data is not None
     return worker
 
@@ -363,18 +369,139 @@ def test_an_order_that_raises_reports_a_failed_completion(tmp_path, monkeypatch)
     worker.shutdown()
 
 
-def test_a_new_epoch_drops_every_object_of_the_old_control_plane(tmp_path):
+def test_a_new_epoch_drops_dram_keeps_ssd_and_reports_the_inventory_again(tmp_path):
+    """A fault says nothing about the SSD tier: at a new epoch the DRAM objects go (the new control
+    plane knows none of them) but the SSD objects stay, offered to the new control plane in the
+    rank's next report, and they reload bit for bit."""
     worker = dense_worker(tmp_path)
+    assert worker.build_worker_meta().inventory == {}  # at start: an empty store
     store_and_write(worker, "h0", (2, 3))
     store_and_write(worker, "h1", (4, 5))
-    assert worker.engine.dram_objects() == 2 and len(worker.data.ssd.keys()) == 2
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders("r1", (StoreOrder(7, ("h2",), (), SIZE),),
+                                                                   {"h2": (6, 7)})]))
+    assert [c.ok for c in completions(worker, 1)] == [True]
+    assert worker.engine.dram_objects() == 3 and len(worker.data.ssd.keys()) == 2
     worker.start_load_kv(SariaConnectorMetadata(epoch=1))
     assert worker.engine.dram_objects() == 0 and worker.data.host_pool.used_slots == 0
-    assert worker.data.ssd.keys() == [] and worker.epoch == 1 and not worker.off
-    # Nothing of the old epoch can be read any more.
-    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(3, ["h0"], Tier.SSD), ((5, 6),))], epoch=1))
-    assert worker.get_finished(set()) == (set(), {"r"}) and worker.take_error_blocks() == {5, 6}
-    assert worker.build_worker_meta().epoch == 1
+    assert sorted(worker.data.ssd.keys()) == sorted(object_key(h, "kv") for h in ("h0", "h1"))
+    assert worker.epoch == 1 and not worker.off
+    report = worker.build_worker_meta()
+    assert report.epoch == 1 and report.inventory_reports == 1
+    assert report.inventory == {ObjectKey("h0", "kv"): 1, ObjectKey("h1", "kv"): 1}
+    assert worker.build_worker_meta() is None  # reported once per epoch
+    # The SSD objects reload whole; nothing of the old epoch's DRAM tier can be read any more.
+    blocks = worker.pages.view(16, -1)
+    blocks[10:14].zero_()
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(3, ["h1"], Tier.SSD), ((10, 11),)),
+                                                       LoadSpec("q", plan(4, ["h2"], Tier.DRAM), ((12, 13),))],
+                                                epoch=1))
+    assert worker.get_finished(set()) == (set(), {"r", "q"})
+    reports = {r.req_id: r for r in worker.build_worker_meta().loads}
+    assert reports["r"].failed == () and reports["q"].failed == (ObjectKey("h2", "kv"),)
+    assert torch.equal(blocks[10:12].view(torch.int16), PAGES.view(16, -1)[4:6].view(torch.int16))
+    assert not blocks[12:14].view(torch.int16).any()  # (bits compared: some of these bf16 values are NaN)
+    worker.shutdown()
+
+
+def test_a_new_epoch_deletes_the_ssd_objects_whose_write_had_not_ended(tmp_path, monkeypatch):
+    """A write still in flight when the control plane was replaced: the worker waits for it, then
+    deletes its object (the new control plane cannot vouch for it), and leaves it out of the
+    inventory; objects written before stay."""
+    worker = dense_worker(tmp_path)
+    store_and_write(worker, "h0", (2, 3))
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders("r1", (StoreOrder(7, ("h1",), (), SIZE),),
+                                                                   {"h1": (4, 5)})]))
+    assert [c.ok for c in completions(worker, 1)] == [True]
+    ssd, gate = worker.data.ssd, threading.Event()
+    write = ssd.write
+
+    def held_write(key, *args, **kwargs):  # the write starts once the gate opens
+        out = Future()
+
+        def run():
+            gate.wait(30)
+            done = write(key, *args, **kwargs)
+            done.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else
+                                   out.set_result(f.result()))
+        threading.Thread(target=run, daemon=True).start()
+        return out
+
+    monkeypatch.setattr(ssd, "write", held_write)
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders(None, (
+        WriteOrder(8, ("h1",), (), SIZE, Tier.DRAM, "eviction"),))]))
+    threading.Timer(0.2, gate.set).start()  # it ends after the epoch changed, before the worker goes on
+    worker.start_load_kv(SariaConnectorMetadata(epoch=1))
+    assert gate.is_set() and ssd.keys() == [object_key("h0", "kv")]  # h1 committed, then deleted
+    report = worker.build_worker_meta()
+    assert report.inventory == {ObjectKey("h0", "kv"): 1} and report.completions == []  # the old epoch's: never sent
+    assert not worker.off and worker.faults.count == 0
+    worker.shutdown()
+
+
+def test_the_ssd_tier_survives_faults_in_consecutive_steps_and_is_served_after(tmp_path, monkeypatch):
+    """Both halves wired as vLLM wires them (the step's metadata to the worker, its report back):
+    the scheduler half faults in two consecutive steps (two rebuilds, below the limit that turns
+    saria off), the second before the worker's report of the first epoch came back (vLLM's async
+    scheduling builds a step before the previous one's output). Then it heals: the control plane
+    built last has taken over the SSD objects written before the faults, and a request sharing the
+    prefix reloads them from SSD, bit for bit."""
+    s = settings(tmp_path, policy="full-duplicate")  # every chunk stored to DRAM and written to SSD
+    clock = Clock()
+    guard = SchedulerGuard(lambda: SariaScheduler(s, GEOMETRY, recover=True, clock=clock),
+                           faults=Faults("scheduler", clock=clock))
+    worker = SariaWorker(s, GEOMETRY, num_blocks=16)
+    kv = PAGES.clone().view(16, 2, BLOCK, 2, 64)
+    worker.register_kv_caches({"l0": kv})
+    engine = Engine(guard)
+
+    def run(meta):
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        sent, _ = worker.get_finished(set())
+        return types.SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta(), finished_sending=sent)
+
+    def settle():
+        for _ in range(200):
+            guard.update_connector_output(run(engine.step()))
+            if not guard.has_pending_work():
+                return
+            time.sleep(0.01)
+        raise AssertionError("saria still has pending work")
+
+    settle()  # the start-up inventory (empty)
+    r1 = engine.request("r1", 2)
+    assert guard.get_num_new_matched_tokens(r1, 0) == (0, False)
+    guard.update_connector_output(run(engine.step(r1)))  # r1's chunks: stored and written through
+    guard.request_finished(r1, [])
+    settle()
+    assert len(worker.data.ssd.keys()) == 2 and worker.engine.dram_objects() == 2
+    written = {h: kv[1 + 2 * i:3 + 2 * i].view(torch.int16).clone() for i, h in enumerate(("b1", "b3"))}
+
+    build = SariaScheduler.build_connector_meta
+    monkeypatch.setattr(SariaScheduler, "build_connector_meta", lambda self, out: 1 / 0)
+    first = run(engine.step())  # epoch 1: the worker drops DRAM, keeps SSD, reports its inventory...
+    second = run(engine.step())  # ...which comes back only after the next step faulted too (epoch 2)
+    guard.update_connector_output(first)
+    guard.update_connector_output(second)
+    assert guard.epoch == 2 and not guard.off and worker.epoch == 2 and guard.faults.count == 2
+    assert first.kv_connector_worker_meta.inventory == second.kv_connector_worker_meta.inventory == {
+        ObjectKey(b"b1", "kv"): 1, ObjectKey(b"b3", "kv"): 1}
+    assert worker.engine.dram_objects() == 0 and len(worker.data.ssd.keys()) == 2
+    monkeypatch.setattr(SariaScheduler, "build_connector_meta", build)  # healed
+
+    r2 = engine.request("r2", 3)
+    assert guard.get_num_new_matched_tokens(r2, 0) == (2 * CHUNK, True)
+    assert guard.hit_sources(r2, 2 * CHUNK) == {"ssd": 2 * CHUNK}
+    target = [9, 10, 11, 12, 13, 14, 15]
+    kv[9:13].zero_()
+    guard.update_state_after_alloc(r2, blocks_of(target), 2 * CHUNK)
+    meta = engine.step()
+    (load,) = meta.loads
+    assert load.plan.kv_sources == (Tier.SSD, Tier.SSD)
+    guard.update_connector_output(run(meta))
+    assert guard.totals()["hit_tokens_ssd"] == 2 * CHUNK
+    bits = kv.view(torch.int16)  # some of these bf16 values are NaN: compare bits
+    assert torch.equal(bits[9:11], written["b1"]) and torch.equal(bits[11:13], written["b3"])
     worker.shutdown()
 
 

@@ -374,14 +374,20 @@ def test_an_fp8_store_is_served_after_a_restart_and_wiped_by_a_bf16_one(tmp_path
         worker.shutdown()
 
 
-def test_the_inventory_goes_with_a_new_epoch(tmp_path):
+def test_the_inventory_is_reported_again_at_a_new_epoch(tmp_path):
+    """The control plane replaced before the rank's first report: the rank reports its inventory
+    at the new epoch instead (objects a previous run left and objects this run wrote alike), and
+    the objects stay, for the new control plane to take over."""
     worker = rank_worker(tmp_path, TP2[0])
     store_and_write(worker, "h0")
     worker.shutdown()
     worker = rank_worker(tmp_path, TP2[0])
+    store_and_write(worker, "h1", (4, 5))
     worker.start_load_kv(SariaConnectorMetadata(epoch=1))  # the control plane was replaced before any report
-    assert worker.build_worker_meta() is None
-    assert worker.data.ssd.keys() == []  # and every object went with it
+    report = worker.build_worker_meta()
+    assert report.epoch == 1 and report.inventory_reports == 1
+    assert report.inventory == {ObjectKey("h0", "kv"): 1, ObjectKey("h1", "kv"): 1}
+    assert sorted(worker.data.ssd.keys()) == sorted(object_key(h, "kv") for h in ("h0", "h1"))
     worker.shutdown()
 
 
