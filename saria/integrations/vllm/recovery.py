@@ -65,7 +65,7 @@ class InventoryTakeover:
             orders.append(DropOrder(-1, *split_keys(part), 0, Tier.SSD))
         self.active = False
         if inventory:
-            log.info("saria: took over %d SSD object(s) of a previous run (%d held by all %d rank(s); %d held by some "
+            log.info("saria: took over %d SSD object(s) the drives hold (%d held by all %d rank(s); %d held by some "
                      "ranks only: deleted)", self.control.counters().recovered, len(whole), self.workers, len(part))
         return orders
 
