@@ -1,19 +1,25 @@
 """The connector's fault handling without an engine: the fault counter's policy, the scheduler
 half behind its guard (rebuilds, epochs, cancels, turning off), the worker half failing only what
-a fault touched, and dropping everything at a new epoch. Real control plane, real data plane (host
+a fault touched, and at a new epoch dropping what the new control plane cannot vouch for while the
+SSD tier survives. Real control plane, real data plane (host
 pool, SSD store in a temp dir), vLLM's objects as plain stand-ins carrying the fields saria reads.
-Faults are injected by making one method raise."""
+Faults are injected by making one method raise; a property test injects them in random hooks of
+random requests over both halves wired together (``Rig``)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
 import time
 import types
+import zlib
 from concurrent.futures import Future
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings as settings_, strategies as st
 
 from saria.control import ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane.ssd.keys import object_key
@@ -503,6 +509,147 @@ def test_the_ssd_tier_survives_faults_in_consecutive_steps_and_is_served_after(t
     bits = kv.view(torch.int16)  # some of these bf16 values are NaN: compare bits
     assert torch.equal(bits[9:11], written["b1"]) and torch.equal(bits[11:13], written["b3"])
     worker.shutdown()
+
+
+FAULT_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+               "update_connector_output", "request_finished")
+FAULT_EXAMPLES = int(os.environ.get("SARIA_FAULT_EXAMPLES", "8"))  # SARIA_FAULT_EXAMPLES=200: a longer hunt
+
+
+def computed_pages(chunk: bytes) -> torch.Tensor:
+    """What vLLM computes for ``chunk``: its two blocks' bytes (int16), a function of the chunk alone."""
+    generator = torch.Generator().manual_seed(zlib.crc32(chunk))
+    return torch.randint(-30000, 30000, (2, BLOCK * KV_BYTES_PER_TOKEN // 2), generator=generator, dtype=torch.int16)
+
+
+class Rig:
+    """The two halves wired as vLLM wires them, one request at a time on blocks 1..7: the step's
+    metadata to the worker, its report back (``lag``: one step late, as under vLLM's async
+    scheduling); every chunk's pages are :func:`computed_pages`."""
+
+    def __init__(self, root, lag: bool):
+        s = settings(root, policy="full-duplicate", durable=False)  # every chunk stored to DRAM and written to SSD
+        self.clock = Clock()
+        self.guard = SchedulerGuard(lambda: SariaScheduler(s, GEOMETRY, recover=True, clock=self.clock),
+                                    faults=Faults("scheduler", clock=self.clock))
+        self.worker = SariaWorker(s, GEOMETRY, num_blocks=16)
+        self.kv = torch.zeros(16, 2, BLOCK, 2, 64, dtype=torch.bfloat16)
+        self.bits = self.kv.view(16, -1).view(torch.int16)
+        self.worker.register_kv_caches({"l0": self.kv})
+        self.lag, self.late = lag, None
+        self.served = 0  # chunks whose reload was checked
+
+    def step(self, new=(), scheduled=None):
+        out = types.SimpleNamespace(
+            num_scheduled_tokens=scheduled or {}, scheduled_new_reqs=list(new),
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                        num_computed_tokens=[]), preempted_req_ids=set())
+        meta = self.guard.build_connector_meta(out)
+        worker = self.worker
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        sent, loaded = worker.get_finished(set())
+        failed = worker.take_failed_requests()
+        report = types.SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta(), finished_sending=sent)
+        for spec in meta.loads:  # what a load delivered is what vLLM computed
+            if spec.req_id in loaded and spec.req_id not in failed:
+                for chunk, blocks in zip(spec.plan.chunk_hashes, spec.kv_blocks):
+                    assert torch.equal(self.bits[list(blocks)], computed_pages(chunk))
+                    self.served += 1
+        report, self.late = (self.late, report) if self.lag else (report, None)
+        if report is not None:
+            self.guard.update_connector_output(report)
+        return loaded, failed
+
+    def settle(self):
+        for _ in range(300):
+            self.step()
+            if self.late is not None and not self.guard.has_pending_work():  # the last report, late
+                late, self.late = self.late, None
+                self.guard.update_connector_output(late)
+            if self.late is None and not self.guard.has_pending_work():
+                return
+            time.sleep(0.005)
+        raise AssertionError("saria still has pending work")
+
+    def lookup(self, request):
+        for _ in range(50):  # "not yet": a rebuilt control plane awaits the ranks' inventories
+            tokens, asynchronous = self.guard.get_num_new_matched_tokens(request, 0)
+            if tokens is not None:
+                return tokens
+            self.step()
+        raise AssertionError("the lookup never got an answer")
+
+    def run(self, request) -> int:
+        """One request through vLLM's hooks: lookup, load, compute, commit, finish. Its tokens loaded."""
+        tokens = self.lookup(request)
+        ids = list(range(1, len(request.block_hashes) + 1))
+        self.bits[ids] = 0
+        self.guard.update_state_after_alloc(request, blocks_of(ids), tokens)
+        if tokens:
+            for _ in range(50):
+                loaded, failed = self.step()
+                if request.request_id in loaded:
+                    break
+            else:
+                raise AssertionError("the load never finished")
+            tokens = 0 if request.request_id in failed else tokens  # vLLM recomputes a failed load
+        for i in range(len(request.block_hashes) // 2):  # the forward: every chunk's pages
+            self.bits[ids[2 * i:2 * i + 2]] = computed_pages(request.block_hashes[2 * i + 1])
+        new = types.SimpleNamespace(req_id=request.request_id, block_ids=(ids,), num_computed_tokens=tokens)
+        self.step([new], {request.request_id: request.num_prompt_tokens - tokens})
+        self.guard.request_finished(request, ids)
+        self.settle()
+        return tokens
+
+    def on_ssd(self) -> set:
+        return set(self.worker.data.ssd.keys())
+
+
+@settings_(max_examples=FAULT_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(st.tuples(st.sampled_from("ab"), st.integers(1, 3)), min_size=2, max_size=6),
+       faults=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(FAULT_HOOKS)), max_size=2), lag=st.booleans())
+def test_faults_anywhere_never_shrink_the_ssd_tier_and_it_stays_served(requests, faults, lag):
+    """Random requests over two prefixes, with up to two scheduler faults in random hooks of random
+    requests (fewer than turn saria off), reports on time or a step late. Every reload delivers the
+    pages vLLM computed; the SSD objects written before a fault survive it (a fault drops nothing
+    but the writes in flight, and between requests none is); and in the end every SSD object is
+    served: a request over each prefix reloads the leading chunks the SSD store holds, whole."""
+    with tempfile.TemporaryDirectory() as root:
+        rig = Rig(root, lag)
+        rig.settle()  # the start-up inventory
+        armed = {}
+        originals = {hook: getattr(SariaScheduler, hook) for hook in FAULT_HOOKS}
+
+        def one_shot(hook):
+            def method(self, *args, **kwargs):
+                if armed.pop(hook, False):
+                    raise RuntimeError(f"injected fault in {hook}")
+                return originals[hook](self, *args, **kwargs)
+            return method
+
+        try:
+            for hook in FAULT_HOOKS:
+                setattr(SariaScheduler, hook, one_shot(hook))
+            for i, (prefix, chunks) in enumerate(requests):
+                before = rig.on_ssd()
+                armed.update({hook: True for at, hook in faults if at == i})
+                rig.run(Engine.request(f"r{i}", chunks, prefix))
+                armed.clear()
+                assert rig.on_ssd() >= before  # nothing the SSD tier held is gone
+        finally:
+            for hook, method in originals.items():
+                setattr(SariaScheduler, hook, method)
+        assert not rig.guard.off and rig.guard.epoch == rig.guard.faults.count <= 2
+        on_ssd = rig.on_ssd()
+        for prefix in "ab":  # heal: each prefix's chunks on SSD are served
+            request = Engine.request(f"last-{prefix}", 3, prefix)
+            hashes = [request.block_hashes[2 * c + 1] for c in range(3)]
+            leading = next((c for c, h in enumerate(hashes) if object_key(h, "kv") not in on_ssd), 3)
+            served = rig.served
+            assert rig.run(request) == leading * CHUNK
+            assert rig.served == served + leading
+        rig.worker.shutdown()
 
 
 def test_a_worker_whose_data_plane_cannot_open_is_off_and_answers_everything(tmp_path, monkeypatch, caplog):
