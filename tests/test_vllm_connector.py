@@ -170,7 +170,8 @@ def test_control_plane_fault_is_rebuilt_and_outputs_stay_identical(dense, faulty
     assert scheduler == {"faults": 1, "by_where": {"build_connector_meta": 1}, "epoch": 1, "off": False}
     assert worker["epoch"] == 1 and worker["faults"] == 0 and not worker["off"]
     # Turn 2 reused turn 1's prefix, then its commit failed: the rebuilt control plane starts empty
-    # (the worker dropped every object), so turn 3 misses, and turn 4 hits what turn 3 stored.
+    # (the worker dropped its DRAM objects; nothing was on SSD yet: turn 2's commit would have
+    # evicted chunks 0-3 there), so turn 3 misses, and turn 4 hits what turn 3 stored.
     assert [t["cached_tokens"] for t in run["turns"]] == [0, 4 * CHUNK, 0, 4 * CHUNK]
     assert run["turns"][3]["dram_tokens"] == 4 * CHUNK
 
