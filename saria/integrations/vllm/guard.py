@@ -12,11 +12,12 @@ On a fault (:mod:`.faults`) in the control plane or in :class:`~.scheduler.Saria
   write had not ended); reports of the old epoch are ignored here. The SSD tier survives: the new
   control plane takes over the ranks' SSD inventories, which each rank sends again with its first
   report of the new epoch, exactly as the first control plane takes over a previous run's objects
-  (``recover``, :mod:`.recovery`: lookups answer "not yet" until every rank's inventory is in, for
-  at most ``recover_wait_s``), and the cluster tier's lookups go on (its index outlives control
-  planes). A fault is no evidence about the tier's bytes: only a failed checksum or seal, another
-  identity or a retired key drops SSD objects. Requests in flight are forgotten: they run on as
-  misses, and are not stored;
+  (the connector builds every one with ``recover``, :mod:`.recovery`: lookups answer "not yet"
+  until every rank's inventory is in, for at most ``recover_wait_s``), and the cluster tier's
+  lookups go on (its index outlives control planes). A fault is no evidence about the tier's
+  bytes: only a failed checksum or seal, another identity or a retired key file epoch drops SSD
+  objects (the ``epoch`` here is the control plane's, not a key file's). Requests in flight are
+  forgotten: they run on as misses, and are not stored;
 * after ``faults.LIMIT`` faults within ``faults.WINDOW_S`` (or when a rebuild fails, or the worker
   reports its data plane off) saria turns off for the rest of the run, with one log line: lookups
   miss, no loads or orders are sent, and the worker closes its data plane.
