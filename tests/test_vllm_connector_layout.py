@@ -531,6 +531,32 @@ def test_lookups_wait_for_every_ranks_inventory_then_recovered_chunks_load_from_
     assert engine.guard.stats()["faults"] == 0
 
 
+def test_a_rebuilt_control_plane_takes_over_what_every_rank_reports_at_its_epoch(monkeypatch):
+    """TP=2: a fault replaces the control plane after start; it takes over, as at start, the
+    objects both ranks report with their first reports of the new epoch (an inventory of the old
+    epoch, late, counts for nothing), and serves them from SSD."""
+    clock = Clock()
+    engine = recovering(clock)
+    report(engine, inventory(RANK0).aggregate(inventory(RANK1)))  # at start
+    assert engine.guard.inner.control.counters().recovered == 2
+    monkeypatch.setattr(engine.guard.inner, "build_connector_meta", lambda out: 1 / 0)
+    assert engine.step().epoch == 1  # the ranks see the new epoch and report their stores again
+    inner = engine.guard.inner
+    request = engine.request("r1", 3)
+    assert engine.guard.get_num_new_matched_tokens(request, 0) == (None, False)  # "not yet"
+    report(engine, inventory(RANK0 + kv(b"b5")).aggregate(inventory(RANK1)))  # epoch 0's, late: ignored
+    assert inner.control.counters().recovered == 0 and engine.guard.has_pending_work()
+    report(engine, inventory(kv(b"b1", b"b3", b"b5"), epoch=1).aggregate(inventory(kv(b"b3", b"b1"), epoch=1)))
+    assert inner.control.counters().recovered == 2
+    assert engine.guard.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
+    assert engine.guard.hit_sources(request, 2 * CHUNK) == {"ssd": 2 * CHUNK}
+    engine.guard.update_state_after_alloc(request, blocks_of(engine.blocks(7)), 2 * CHUNK)
+    meta = engine.step()
+    assert meta.epoch == 1 and meta.orders[0] == RequestOrders(None, (DropOrder(-1, (b"b5",), (), 0, Tier.SSD),))
+    (load,) = meta.loads
+    assert load.plan.chunk_hashes == (b"b1", b"b3") and load.plan.kv_sources == (Tier.SSD, Tier.SSD)
+
+
 def test_half_shared_is_nothing_shared_with_one_rank_only():
     """An object one rank of two holds is dropped; with every rank reporting nothing, nothing waits."""
     clock = Clock()
