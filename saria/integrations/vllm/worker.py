@@ -109,7 +109,7 @@ class SariaWorker:
         self.results = LoadResults(geometry.hybrid)  # the loads that ended, until they are reported
         self.saves = WorkerSaves(self)  # the orders, and the blocks they still read
         self.counters = WorkerCounters(self)  # snapshot(), stats_delta()
-        self._inventory: dict[ObjectKey, int] | None = None  # to report once: this rank's SSD objects (start, new epoch)
+        self._inventory: dict[ObjectKey, int] | None = None  # to report: this rank's SSD objects (start, new epoch)
         self.audit: KVAudit | None = None  # audit_kv: reloaded pages checked against what vLLM computed
         self.cluster: WorkerCluster | None = None  # the cluster tier (settings.cluster)
         self._cluster_layouts: tuple[str, ...] = ()  # to report once: this rank's cluster layout
