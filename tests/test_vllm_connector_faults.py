@@ -511,6 +511,25 @@ def test_the_ssd_tier_survives_faults_in_consecutive_steps_and_is_served_after(t
     worker.shutdown()
 
 
+def test_a_control_plane_built_on_a_reset_waits_for_no_inventory(tmp_path, monkeypatch):
+    """Every control plane is built to take over the ranks' SSD objects (one rebuilt after a fault
+    waits for their inventories of its epoch), but on a reset (the weights may have changed) every
+    rank deletes its SSD objects: that one waits for nothing, so a paused vLLM, which steps no more,
+    sees no pending work (``release_kv_cache_memory`` requires none)."""
+    clock = Clock()
+    guard = SchedulerGuard(lambda: SariaScheduler(settings(tmp_path), GEOMETRY, recover=True, clock=clock),
+                           faults=Faults("scheduler", clock=clock))
+    start = SariaWorkerMetadata(inventory={}, inventory_reports=1)
+    guard.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=start))
+    assert not guard.has_pending_work()
+    guard.reset()
+    assert guard.epoch == 1 and not guard.has_pending_work()
+    assert guard.get_num_new_matched_tokens(Engine.request("r1", 2), 0) == (0, False)
+    monkeypatch.setattr(guard.inner, "build_connector_meta", lambda out: 1 / 0)
+    assert Engine(guard).step().epoch == 2  # a fault: the rebuilt one waits for the ranks' inventories
+    assert guard.has_pending_work() and guard.get_num_new_matched_tokens(Engine.request("r2", 2), 0) == (None, False)
+
+
 FAULT_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "update_connector_output", "request_finished")
 FAULT_EXAMPLES = int(os.environ.get("SARIA_FAULT_EXAMPLES", "8"))  # SARIA_FAULT_EXAMPLES=200: a longer hunt

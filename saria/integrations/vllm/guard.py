@@ -224,9 +224,6 @@ class SchedulerGuard:
             return
         try:
             inner = self._build()
-            # every rank deletes its SSD objects on a reset (an empty inventory): nothing to wait for,
-            # not even while vLLM is paused and steps no more (release_kv_cache_memory needs no pending work)
-            inner.takeover.active = False
         except Exception as exc:
             self.faults.record("reset_cache", exc)
             self._turn_off("its control plane could not be rebuilt on a reset")
@@ -235,6 +232,9 @@ class SchedulerGuard:
             self._retired = add_counts(self._retired, self.inner.totals())
         except Exception as exc:
             log.warning("saria: counters of the replaced control plane lost: %s", exc)
+        takeover = getattr(inner, "takeover", None)
+        if takeover is not None:  # every rank deletes its SSD objects on a reset (it reports none): nothing
+            takeover.active = False  # to wait for, also while vLLM is paused (it then steps no more)
         self.inner = inner
         self.epoch += 1
         log.info("saria scheduler: reset by vLLM (weights may have changed): control plane rebuilt empty (epoch %d); "
