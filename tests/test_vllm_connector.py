@@ -185,7 +185,8 @@ def test_control_plane_fault_is_rebuilt_and_outputs_stay_identical(dense, faulty
     assert scheduler == {"faults": 1, "by_where": {"build_connector_meta": 1}, "epoch": 1, "off": False}
     assert worker["epoch"] == 1 and worker["faults"] == 0 and not worker["off"]
     # Turn 2 reused turn 1's prefix, then its commit failed: the rebuilt control plane starts empty
-    # (the worker dropped every object), so turn 3 misses, and turn 4 hits what turn 3 stored.
+    # (the worker dropped its DRAM objects; nothing was on SSD yet: turn 2's commit would have
+    # evicted chunks 0-3 there), so turn 3 misses, and turn 4 hits what turn 3 stored.
     assert [t["cached_tokens"] for t in run["turns"]] == [0, 4 * CHUNK, 0, 4 * CHUNK]
     assert run["turns"][3]["dram_tokens"] == 4 * CHUNK
 
@@ -218,6 +219,30 @@ def test_ssd_read_fault_fails_only_that_load_and_outputs_stay_identical(dense, f
     assert turns[1]["cached_tokens"] == 4 * CHUNK  # before the fault, as without one
     assert turns[2]["cached_tokens"] == 0 and turns[2]["ssd_tokens"] == 0  # its SSD reload failed: recomputed
     assert turns[3]["cached_tokens"] > 0  # the cache stayed on
+
+
+def test_scheduler_faults_never_cost_the_ssd_tier(dense):
+    """The scheduler half faults in two turns running (``build_connector_meta`` raises at the second
+    step of turns 3 and 4, where vLLM 0.34's API change made it raise: two rebuilds, one short of
+    turning saria off), then heals. Turn 2 evicted chunks 0-3 to SSD (the idle gap after each turn
+    lets the writes end); turns 3 and 4 reload them from SSD, and then their control plane is
+    replaced (their commits lost). Each rebuilt control plane takes over the SSD objects from the
+    worker's inventory, so turns 4 and 5 still reload chunks 0-3 from SSD (before, each rebuild
+    deleted every SSD object and they missed). Outputs are plain vLLM's with the same history, and
+    every reloaded page is audited."""
+    prompts = synthetic_session(5, system_tokens=250, step_tokens=150, seed=1)  # the dense session, one turn more
+    assert prompts[:4] == dense["prompts"]
+    ssd = dense["root"] / "ssd-faults-heal"
+    ssd.mkdir()
+    run = run_in_subprocess(dict(dense["spec"], prompts=prompts, extra_config=dict(dense["config"], ssd_paths=[str(ssd)]),
+                                 inject_faults={"build_connector_meta": [2, 3]}, gap_s=0.2))
+    assert run["faults"]["scheduler"] == {"faults": 2, "by_where": {"build_connector_meta": 2}, "epoch": 2,
+                                          "off": False}
+    assert run["faults"]["worker"]["epoch"] == 2 and run["faults"]["worker"]["faults"] == 0
+    assert [t["dram_tokens"] for t in run["turns"]] == [0, 4 * CHUNK, 0, 0, 0]
+    assert [t["ssd_tokens"] for t in run["turns"]] == [0, 0, 4 * CHUNK, 4 * CHUNK, 4 * CHUNK]
+    assert_same_outputs(dense["reference"], prompts, run)
+    assert_kv_audited(run)
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,28 @@
 """The connector's fault handling without an engine: the fault counter's policy, the scheduler
 half behind its guard (rebuilds, epochs, cancels, turning off), the worker half failing only what
-a fault touched, and dropping everything at a new epoch. Real control plane, real data plane (host
+a fault touched, and at a new epoch dropping what the new control plane cannot vouch for while the
+SSD tier survives. Real control plane, real data plane (host
 pool, SSD store in a temp dir), vLLM's objects as plain stand-ins carrying the fields saria reads.
-Faults are injected by making one method raise."""
+Faults are injected by making one method raise; a property test injects them in random hooks of
+random requests over both halves wired together (``Rig``)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
 import time
 import types
+import zlib
+from concurrent.futures import Future
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings as settings_, strategies as st
 
 from saria.control import ObjectKey, ReloadPlan, StoreOrder, Tier, WriteOrder
+from saria.dataplane.ssd.keys import object_key
 from saria.integrations.vllm.faults import Faults
 from saria.integrations.vllm.guard import SchedulerGuard
 from saria.integrations.vllm.geometry import EngineGeometry
@@ -292,10 +300,14 @@ def test_reports_merge_across_workers_with_epoch_and_off():
 
 # --- the worker half -------------------------------------------------------------------------------
 
+PAGES = torch.arange(16 * BLOCK * KV_BYTES_PER_TOKEN // 2, dtype=torch.int16).view(torch.bfloat16)
+
+
 def dense_worker(tmp_path, ssd=True):
+    """A worker on 16 blocks of distinct bf16 values (``PAGES``: each test's own copy, ``worker.pages``)."""
     worker = SariaWorker(settings(tmp_path if ssd else None), GEOMETRY, num_blocks=16)
-    pages = torch.arange(16 * BLOCK * KV_BYTES_PER_TOKEN // 2, dtype=torch.int16).view(torch.bfloat16)
-    worker.register_kv_caches({"l0": pages.view(16, 2, BLOCK, 2, 64)})
+    worker.pages = PAGES.clone()
+    worker.register_kv_caches({"l0": worker.pages.view(16, 2, BLOCK, 2, 64)})
     assert worker.data is not None
     return worker
 
@@ -363,19 +375,300 @@ def test_an_order_that_raises_reports_a_failed_completion(tmp_path, monkeypatch)
     worker.shutdown()
 
 
-def test_a_new_epoch_drops_every_object_of_the_old_control_plane(tmp_path):
+def test_a_new_epoch_drops_dram_keeps_ssd_and_reports_the_inventory_again(tmp_path):
+    """A fault says nothing about the SSD tier: at a new epoch the DRAM objects go (the new control
+    plane knows none of them) but the SSD objects stay, offered to the new control plane in the
+    rank's next report, and they reload bit for bit."""
     worker = dense_worker(tmp_path)
+    assert worker.build_worker_meta().inventory == {}  # at start: an empty store
     store_and_write(worker, "h0", (2, 3))
     store_and_write(worker, "h1", (4, 5))
-    assert worker.engine.dram_objects() == 2 and len(worker.data.ssd.keys()) == 2
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders("r1", (StoreOrder(7, ("h2",), (), SIZE),),
+                                                                   {"h2": (6, 7)})]))
+    assert [c.ok for c in completions(worker, 1)] == [True]
+    assert worker.engine.dram_objects() == 3 and len(worker.data.ssd.keys()) == 2
     worker.start_load_kv(SariaConnectorMetadata(epoch=1))
     assert worker.engine.dram_objects() == 0 and worker.data.host_pool.used_slots == 0
-    assert worker.data.ssd.keys() == [] and worker.epoch == 1 and not worker.off
-    # Nothing of the old epoch can be read any more.
-    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(3, ["h0"], Tier.SSD), ((5, 6),))], epoch=1))
-    assert worker.get_finished(set()) == (set(), {"r"}) and worker.take_error_blocks() == {5, 6}
-    assert worker.build_worker_meta().epoch == 1
+    assert sorted(worker.data.ssd.keys()) == sorted(object_key(h, "kv") for h in ("h0", "h1"))
+    assert worker.epoch == 1 and not worker.off
+    report = worker.build_worker_meta()
+    assert report.epoch == 1 and report.inventory_reports == 1
+    assert report.inventory == {ObjectKey("h0", "kv"): 1, ObjectKey("h1", "kv"): 1}
+    assert worker.build_worker_meta() is None  # reported once per epoch
+    # The SSD objects reload whole; nothing of the old epoch's DRAM tier can be read any more.
+    blocks = worker.pages.view(16, -1)
+    blocks[10:14].zero_()
+    worker.start_load_kv(SariaConnectorMetadata(loads=[LoadSpec("r", plan(3, ["h1"], Tier.SSD), ((10, 11),)),
+                                                       LoadSpec("q", plan(4, ["h2"], Tier.DRAM), ((12, 13),))],
+                                                epoch=1))
+    assert worker.get_finished(set()) == (set(), {"r", "q"})
+    reports = {r.req_id: r for r in worker.build_worker_meta().loads}
+    assert reports["r"].failed == () and reports["q"].failed == (ObjectKey("h2", "kv"),)
+    assert torch.equal(blocks[10:12].view(torch.int16), PAGES.view(16, -1)[4:6].view(torch.int16))
+    assert not blocks[12:14].view(torch.int16).any()  # (bits compared: some of these bf16 values are NaN)
     worker.shutdown()
+
+
+def test_a_new_epoch_deletes_the_ssd_objects_whose_write_had_not_ended(tmp_path, monkeypatch):
+    """A write still in flight when the control plane was replaced: the worker waits for it, then
+    deletes its object (the new control plane cannot vouch for it), and leaves it out of the
+    inventory; objects written before stay."""
+    worker = dense_worker(tmp_path)
+    store_and_write(worker, "h0", (2, 3))
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders("r1", (StoreOrder(7, ("h1",), (), SIZE),),
+                                                                   {"h1": (4, 5)})]))
+    assert [c.ok for c in completions(worker, 1)] == [True]
+    ssd, gate = worker.data.ssd, threading.Event()
+    write = ssd.write
+
+    def held_write(key, *args, **kwargs):  # the write starts once the gate opens
+        out = Future()
+
+        def run():
+            gate.wait(30)
+            done = write(key, *args, **kwargs)
+            done.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() else
+                                   out.set_result(f.result()))
+        threading.Thread(target=run, daemon=True).start()
+        return out
+
+    monkeypatch.setattr(ssd, "write", held_write)
+    worker.wait_for_save(SariaConnectorMetadata(orders=[RequestOrders(None, (
+        WriteOrder(8, ("h1",), (), SIZE, Tier.DRAM, "eviction"),))]))
+    threading.Timer(0.2, gate.set).start()  # it ends after the epoch changed, before the worker goes on
+    worker.start_load_kv(SariaConnectorMetadata(epoch=1))
+    assert gate.is_set() and ssd.keys() == [object_key("h0", "kv")]  # h1 committed, then deleted
+    report = worker.build_worker_meta()
+    assert report.inventory == {ObjectKey("h0", "kv"): 1} and report.completions == []  # the old epoch's: never sent
+    assert not worker.off and worker.faults.count == 0
+    worker.shutdown()
+
+
+def test_the_ssd_tier_survives_faults_in_consecutive_steps_and_is_served_after(tmp_path, monkeypatch):
+    """Both halves wired as vLLM wires them (the step's metadata to the worker, its report back):
+    the scheduler half faults in two consecutive steps (two rebuilds, below the limit that turns
+    saria off), the second before the worker's report of the first epoch came back (vLLM's async
+    scheduling builds a step before the previous one's output). Then it heals: the control plane
+    built last has taken over the SSD objects written before the faults, and a request sharing the
+    prefix reloads them from SSD, bit for bit."""
+    s = settings(tmp_path, policy="full-duplicate")  # every chunk stored to DRAM and written to SSD
+    clock = Clock()
+    guard = SchedulerGuard(lambda: SariaScheduler(s, GEOMETRY, recover=True, clock=clock),
+                           faults=Faults("scheduler", clock=clock))
+    worker = SariaWorker(s, GEOMETRY, num_blocks=16)
+    kv = PAGES.clone().view(16, 2, BLOCK, 2, 64)
+    worker.register_kv_caches({"l0": kv})
+    engine = Engine(guard)
+
+    def run(meta):
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        sent, _ = worker.get_finished(set())
+        return types.SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta(), finished_sending=sent)
+
+    def settle():
+        for _ in range(200):
+            guard.update_connector_output(run(engine.step()))
+            if not guard.has_pending_work():
+                return
+            time.sleep(0.01)
+        raise AssertionError("saria still has pending work")
+
+    settle()  # the start-up inventory (empty)
+    r1 = engine.request("r1", 2)
+    assert guard.get_num_new_matched_tokens(r1, 0) == (0, False)
+    guard.update_connector_output(run(engine.step(r1)))  # r1's chunks: stored and written through
+    guard.request_finished(r1, [])
+    settle()
+    assert len(worker.data.ssd.keys()) == 2 and worker.engine.dram_objects() == 2
+    written = {h: kv[1 + 2 * i:3 + 2 * i].view(torch.int16).clone() for i, h in enumerate(("b1", "b3"))}
+
+    build = SariaScheduler.build_connector_meta
+    monkeypatch.setattr(SariaScheduler, "build_connector_meta", lambda self, out: 1 / 0)
+    first = run(engine.step())  # epoch 1: the worker drops DRAM, keeps SSD, reports its inventory...
+    second = run(engine.step())  # ...which comes back only after the next step faulted too (epoch 2)
+    guard.update_connector_output(first)
+    guard.update_connector_output(second)
+    assert guard.epoch == 2 and not guard.off and worker.epoch == 2 and guard.faults.count == 2
+    assert first.kv_connector_worker_meta.inventory == second.kv_connector_worker_meta.inventory == {
+        ObjectKey(b"b1", "kv"): 1, ObjectKey(b"b3", "kv"): 1}
+    assert worker.engine.dram_objects() == 0 and len(worker.data.ssd.keys()) == 2
+    monkeypatch.setattr(SariaScheduler, "build_connector_meta", build)  # healed
+
+    r2 = engine.request("r2", 3)
+    assert guard.get_num_new_matched_tokens(r2, 0) == (2 * CHUNK, True)
+    assert guard.hit_sources(r2, 2 * CHUNK) == {"ssd": 2 * CHUNK}
+    target = [9, 10, 11, 12, 13, 14, 15]
+    kv[9:13].zero_()
+    guard.update_state_after_alloc(r2, blocks_of(target), 2 * CHUNK)
+    meta = engine.step()
+    (load,) = meta.loads
+    assert load.plan.kv_sources == (Tier.SSD, Tier.SSD)
+    guard.update_connector_output(run(meta))
+    assert guard.totals()["hit_tokens_ssd"] == 2 * CHUNK
+    bits = kv.view(torch.int16)  # some of these bf16 values are NaN: compare bits
+    assert torch.equal(bits[9:11], written["b1"]) and torch.equal(bits[11:13], written["b3"])
+    worker.shutdown()
+
+
+def test_a_control_plane_built_on_a_reset_waits_for_no_inventory(tmp_path, monkeypatch):
+    """Every control plane is built to take over the ranks' SSD objects (one rebuilt after a fault
+    waits for their inventories of its epoch), but on a reset (the weights may have changed) every
+    rank deletes its SSD objects: that one waits for nothing, so a paused vLLM, which steps no more,
+    sees no pending work (``release_kv_cache_memory`` requires none)."""
+    clock = Clock()
+    guard = SchedulerGuard(lambda: SariaScheduler(settings(tmp_path), GEOMETRY, recover=True, clock=clock),
+                           faults=Faults("scheduler", clock=clock))
+    start = SariaWorkerMetadata(inventory={}, inventory_reports=1)
+    guard.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=start))
+    assert not guard.has_pending_work()
+    guard.reset()
+    assert guard.epoch == 1 and not guard.has_pending_work()
+    assert guard.get_num_new_matched_tokens(Engine.request("r1", 2), 0) == (0, False)
+    monkeypatch.setattr(guard.inner, "build_connector_meta", lambda out: 1 / 0)
+    assert Engine(guard).step().epoch == 2  # a fault: the rebuilt one waits for the ranks' inventories
+    assert guard.has_pending_work() and guard.get_num_new_matched_tokens(Engine.request("r2", 2), 0) == (None, False)
+
+
+FAULT_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+               "update_connector_output", "request_finished")
+FAULT_EXAMPLES = int(os.environ.get("SARIA_FAULT_EXAMPLES", "8"))  # SARIA_FAULT_EXAMPLES=200: a longer hunt
+
+
+def computed_pages(chunk: bytes) -> torch.Tensor:
+    """What vLLM computes for ``chunk``: its two blocks' bytes (int16), a function of the chunk alone."""
+    generator = torch.Generator().manual_seed(zlib.crc32(chunk))
+    return torch.randint(-30000, 30000, (2, BLOCK * KV_BYTES_PER_TOKEN // 2), generator=generator, dtype=torch.int16)
+
+
+class Rig:
+    """The two halves wired as vLLM wires them, one request at a time on blocks 1..7: the step's
+    metadata to the worker, its report back (``lag``: one step late, as under vLLM's async
+    scheduling); every chunk's pages are :func:`computed_pages`."""
+
+    def __init__(self, root, lag: bool):
+        s = settings(root, policy="full-duplicate", durable=False)  # every chunk stored to DRAM and written to SSD
+        self.clock = Clock()
+        self.guard = SchedulerGuard(lambda: SariaScheduler(s, GEOMETRY, recover=True, clock=self.clock),
+                                    faults=Faults("scheduler", clock=self.clock))
+        self.worker = SariaWorker(s, GEOMETRY, num_blocks=16)
+        self.kv = torch.zeros(16, 2, BLOCK, 2, 64, dtype=torch.bfloat16)
+        self.bits = self.kv.view(16, -1).view(torch.int16)
+        self.worker.register_kv_caches({"l0": self.kv})
+        self.lag, self.late = lag, None
+        self.served = 0  # chunks whose reload was checked
+
+    def step(self, new=(), scheduled=None):
+        out = types.SimpleNamespace(
+            num_scheduled_tokens=scheduled or {}, scheduled_new_reqs=list(new),
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                        num_computed_tokens=[]), preempted_req_ids=set())
+        meta = self.guard.build_connector_meta(out)
+        worker = self.worker
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        sent, loaded = worker.get_finished(set())
+        failed = worker.take_failed_requests()
+        report = types.SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta(), finished_sending=sent)
+        for spec in meta.loads:  # what a load delivered is what vLLM computed
+            if spec.req_id in loaded and spec.req_id not in failed:
+                for chunk, blocks in zip(spec.plan.chunk_hashes, spec.kv_blocks):
+                    assert torch.equal(self.bits[list(blocks)], computed_pages(chunk))
+                    self.served += 1
+        report, self.late = (self.late, report) if self.lag else (report, None)
+        if report is not None:
+            self.guard.update_connector_output(report)
+        return loaded, failed
+
+    def settle(self):
+        for _ in range(300):
+            self.step()
+            if self.late is not None and not self.guard.has_pending_work():  # the last report, late
+                late, self.late = self.late, None
+                self.guard.update_connector_output(late)
+            if self.late is None and not self.guard.has_pending_work():
+                return
+            time.sleep(0.005)
+        raise AssertionError("saria still has pending work")
+
+    def lookup(self, request):
+        for _ in range(50):  # "not yet": a rebuilt control plane awaits the ranks' inventories
+            tokens, asynchronous = self.guard.get_num_new_matched_tokens(request, 0)
+            if tokens is not None:
+                return tokens
+            self.step()
+        raise AssertionError("the lookup never got an answer")
+
+    def run(self, request) -> int:
+        """One request through vLLM's hooks: lookup, load, compute, commit, finish. Its tokens loaded."""
+        tokens = self.lookup(request)
+        ids = list(range(1, len(request.block_hashes) + 1))
+        self.bits[ids] = 0
+        self.guard.update_state_after_alloc(request, blocks_of(ids), tokens)
+        if tokens:
+            for _ in range(50):
+                loaded, failed = self.step()
+                if request.request_id in loaded:
+                    break
+            else:
+                raise AssertionError("the load never finished")
+            tokens = 0 if request.request_id in failed else tokens  # vLLM recomputes a failed load
+        for i in range(len(request.block_hashes) // 2):  # the forward: every chunk's pages
+            self.bits[ids[2 * i:2 * i + 2]] = computed_pages(request.block_hashes[2 * i + 1])
+        new = types.SimpleNamespace(req_id=request.request_id, block_ids=(ids,), num_computed_tokens=tokens)
+        self.step([new], {request.request_id: request.num_prompt_tokens - tokens})
+        self.guard.request_finished(request, ids)
+        self.settle()
+        return tokens
+
+    def on_ssd(self) -> set:
+        return set(self.worker.data.ssd.keys())
+
+
+@settings_(max_examples=FAULT_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(st.tuples(st.sampled_from("ab"), st.integers(1, 3)), min_size=2, max_size=6),
+       faults=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(FAULT_HOOKS)), max_size=2), lag=st.booleans())
+def test_faults_anywhere_never_shrink_the_ssd_tier_and_it_stays_served(requests, faults, lag):
+    """Random requests over two prefixes, with up to two scheduler faults in random hooks of random
+    requests (fewer than turn saria off), reports on time or a step late. Every reload delivers the
+    pages vLLM computed; the SSD objects written before a fault survive it (a fault drops nothing
+    but the writes in flight, and between requests none is); and in the end every SSD object is
+    served: a request over each prefix reloads the leading chunks the SSD store holds, whole."""
+    with tempfile.TemporaryDirectory() as root:
+        rig = Rig(root, lag)
+        rig.settle()  # the start-up inventory
+        armed = {}
+        originals = {hook: getattr(SariaScheduler, hook) for hook in FAULT_HOOKS}
+
+        def one_shot(hook):
+            def method(self, *args, **kwargs):
+                if armed.pop(hook, False):
+                    raise RuntimeError(f"injected fault in {hook}")
+                return originals[hook](self, *args, **kwargs)
+            return method
+
+        try:
+            for hook in FAULT_HOOKS:
+                setattr(SariaScheduler, hook, one_shot(hook))
+            for i, (prefix, chunks) in enumerate(requests):
+                before = rig.on_ssd()
+                armed.update({hook: True for at, hook in faults if at == i})
+                rig.run(Engine.request(f"r{i}", chunks, prefix))
+                armed.clear()
+                assert rig.on_ssd() >= before  # nothing the SSD tier held is gone
+        finally:
+            for hook, method in originals.items():
+                setattr(SariaScheduler, hook, method)
+        assert not rig.guard.off and rig.guard.epoch == rig.guard.faults.count <= 2
+        on_ssd = rig.on_ssd()
+        for prefix in "ab":  # heal: each prefix's chunks on SSD are served
+            request = Engine.request(f"last-{prefix}", 3, prefix)
+            hashes = [request.block_hashes[2 * c + 1] for c in range(3)]
+            leading = next((c for c, h in enumerate(hashes) if object_key(h, "kv") not in on_ssd), 3)
+            served = rig.served
+            assert rig.run(request) == leading * CHUNK
+            assert rig.served == served + leading
+        rig.worker.shutdown()
 
 
 def test_a_worker_whose_data_plane_cannot_open_is_off_and_answers_everything(tmp_path, monkeypatch, caplog):

@@ -374,14 +374,20 @@ def test_an_fp8_store_is_served_after_a_restart_and_wiped_by_a_bf16_one(tmp_path
         worker.shutdown()
 
 
-def test_the_inventory_goes_with_a_new_epoch(tmp_path):
+def test_the_inventory_is_reported_again_at_a_new_epoch(tmp_path):
+    """The control plane replaced before the rank's first report: the rank reports its inventory
+    at the new epoch instead (objects a previous run left and objects this run wrote alike), and
+    the objects stay, for the new control plane to take over."""
     worker = rank_worker(tmp_path, TP2[0])
     store_and_write(worker, "h0")
     worker.shutdown()
     worker = rank_worker(tmp_path, TP2[0])
+    store_and_write(worker, "h1", (4, 5))
     worker.start_load_kv(SariaConnectorMetadata(epoch=1))  # the control plane was replaced before any report
-    assert worker.build_worker_meta() is None
-    assert worker.data.ssd.keys() == []  # and every object went with it
+    report = worker.build_worker_meta()
+    assert report.epoch == 1 and report.inventory_reports == 1
+    assert report.inventory == {ObjectKey("h0", "kv"): 1, ObjectKey("h1", "kv"): 1}
+    assert sorted(worker.data.ssd.keys()) == sorted(object_key(h, "kv") for h in ("h0", "h1"))
     worker.shutdown()
 
 
@@ -523,6 +529,32 @@ def test_lookups_wait_for_every_ranks_inventory_then_recovered_chunks_load_from_
     assert load.plan.chunk_hashes == (b"b1", b"b3") and load.plan.kv_sources == (Tier.SSD, Tier.SSD)
     assert engine.step().orders == []  # sent once
     assert engine.guard.stats()["faults"] == 0
+
+
+def test_a_rebuilt_control_plane_takes_over_what_every_rank_reports_at_its_epoch(monkeypatch):
+    """TP=2: a fault replaces the control plane after start; it takes over, as at start, the
+    objects both ranks report with their first reports of the new epoch (an inventory of the old
+    epoch, late, counts for nothing), and serves them from SSD."""
+    clock = Clock()
+    engine = recovering(clock)
+    report(engine, inventory(RANK0).aggregate(inventory(RANK1)))  # at start
+    assert engine.guard.inner.control.counters().recovered == 2
+    monkeypatch.setattr(engine.guard.inner, "build_connector_meta", lambda out: 1 / 0)
+    assert engine.step().epoch == 1  # the ranks see the new epoch and report their stores again
+    inner = engine.guard.inner
+    request = engine.request("r1", 3)
+    assert engine.guard.get_num_new_matched_tokens(request, 0) == (None, False)  # "not yet"
+    report(engine, inventory(RANK0 + kv(b"b5")).aggregate(inventory(RANK1)))  # epoch 0's, late: ignored
+    assert inner.control.counters().recovered == 0 and engine.guard.has_pending_work()
+    report(engine, inventory(kv(b"b1", b"b3", b"b5"), epoch=1).aggregate(inventory(kv(b"b3", b"b1"), epoch=1)))
+    assert inner.control.counters().recovered == 2
+    assert engine.guard.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
+    assert engine.guard.hit_sources(request, 2 * CHUNK) == {"ssd": 2 * CHUNK}
+    engine.guard.update_state_after_alloc(request, blocks_of(engine.blocks(7)), 2 * CHUNK)
+    meta = engine.step()
+    assert meta.epoch == 1 and meta.orders[0] == RequestOrders(None, (DropOrder(-1, (b"b5",), (), 0, Tier.SSD),))
+    (load,) = meta.loads
+    assert load.plan.chunk_hashes == (b"b1", b"b3") and load.plan.kv_sources == (Tier.SSD, Tier.SSD)
 
 
 def test_half_shared_is_nothing_shared_with_one_rank_only():

@@ -10,16 +10,18 @@ import time
 from pathlib import Path
 from typing import Callable
 
-FAULT_TARGETS = ("plan", "commit_prefill", "complete", "update_state_after_alloc", "ssd_load")
+FAULT_TARGETS = ("plan", "commit_prefill", "complete", "update_state_after_alloc", "build_connector_meta", "ssd_load")
 
 
 def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int], None], Callable[[], None]]:
     """Test faults, in this process: patch saria's classes so that each target raises
     ``RuntimeError`` once in each of its turns (0-based). Targets: the control plane's ``plan``,
     ``commit_prefill`` and ``complete``; the connector scheduler's ``update_state_after_alloc``
-    (after vLLM was told to wait for a load); ``ssd_load``: the transfer engine's reload of a plan
-    that reads from SSD (whole, ``load``, or a layer-wise step that holds one, ``load_layers``). Returns ``(arm, restore)``: call ``arm(turn)`` before each turn,
-    ``restore()`` at the end."""
+    (after vLLM was told to wait for a load) and ``build_connector_meta`` (in a step that schedules
+    a request already running, its second step on: where vLLM 0.34, which removed a field saria
+    read there, made it raise); ``ssd_load``: the transfer engine's reload of a plan that reads from
+    SSD (whole, ``load``, or a layer-wise step that holds one, ``load_layers``). Returns
+    ``(arm, restore)``: call ``arm(turn)`` before each turn, ``restore()`` at the end."""
     from saria.control import ControlPlane, Tier
     from saria.dataplane.transfer.engine import TransferEngine
 
@@ -31,10 +33,14 @@ def patch_faults(turns_by_target: dict[str, list[int]]) -> tuple[Callable[[int],
     def step_reads_ssd(loads, *args, **kwargs) -> bool:
         return any(reads_ssd(plan) for plan, _, _ in loads)
 
+    def schedules_running(scheduler_output, *args, **kwargs) -> bool:
+        return bool(getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "req_ids", None))
+
     where = {"plan": [(ControlPlane, "plan", None)], "commit_prefill": [(ControlPlane, "commit_prefill", None)],
              "complete": [(ControlPlane, "complete", None)],
              "ssd_load": [(TransferEngine, "load", reads_ssd), (TransferEngine, "load_layers", step_reads_ssd)],
-             "update_state_after_alloc": [(SariaScheduler, "update_state_after_alloc", None)]}
+             "update_state_after_alloc": [(SariaScheduler, "update_state_after_alloc", None)],
+             "build_connector_meta": [(SariaScheduler, "build_connector_meta", schedules_running)]}
     unknown = sorted(set(turns_by_target) - set(where))
     if unknown:
         raise ValueError(f"unknown fault target(s) {unknown}; known: {', '.join(FAULT_TARGETS)}")

@@ -20,7 +20,6 @@ themselves; both count faults (:mod:`saria.integrations.vllm.faults`).
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +77,6 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
             # A cache miss must never fail a request: vLLM reads this right after building us.
             self._kv_transfer_config.kv_load_failure_policy = self.settings.on_load_failure
             workers = ParallelLayout.of_server(vllm_config.parallel_config).shards
-            builds = itertools.count()  # the first control plane takes over the SSD objects of a previous run
             chunk_tokens = self.settings.chunk_tokens_for(geometry.block_size, geometry.hybrid)
             scope = seal_scope(model, block_size=geometry.block_size, hash_tokens=geometry.hash_tokens,
                                chunk_tokens=chunk_tokens, kv_bytes_per_token=geometry.kv_bytes_per_token,
@@ -93,7 +91,10 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
             self._weights = WeightsGeneration()  # names follow the weights: reset_cache draws a new one (.resets)
             self._scheduler = SchedulerGuard(
                 lambda: SariaScheduler(self.settings, geometry, workers=workers,
-                                       recover=next(builds) == 0 and bool(self.settings.ssd_paths),
+                                       # every control plane takes over the ranks' SSD objects: the first
+                                       # a previous run's, one rebuilt after a fault this run's (after a
+                                       # reset the ranks report none: they deleted them)
+                                       recover=bool(self.settings.ssd_paths),
                                        cluster=self._cluster,
                                        names=ChunkNames(keyring, scope, self._weights.nonce),
                                        layerwise=layerwise, events=events),

@@ -8,9 +8,16 @@ On a fault (:mod:`.faults`) in the control plane or in :class:`~.scheduler.Saria
 * the :class:`~.scheduler.SariaScheduler` (and its control plane, whose state may be half
   changed) is replaced by a fresh, empty one under a new ``epoch``. The metadata carries the epoch:
   the worker, on seeing a new one, waits for its loads and orders in flight, fails those loads
-  and drops every object it caches (nothing the new control plane does not know of may be read or
-  leak); reports of the old epoch are ignored here. Requests in flight are forgotten: they run on
-  as misses, and are not stored;
+  and drops what the new control plane cannot vouch for (its DRAM objects, and SSD objects whose
+  write had not ended); reports of the old epoch are ignored here. The SSD tier survives: the new
+  control plane takes over the ranks' SSD inventories, which each rank sends again with its first
+  report of the new epoch, exactly as the first control plane takes over a previous run's objects
+  (the connector builds every one with ``recover``, :mod:`.recovery`: lookups answer "not yet"
+  until every rank's inventory is in, for at most ``recover_wait_s``), and the cluster tier's
+  lookups go on (its index outlives control planes). A fault is no evidence about the tier's
+  bytes: only a failed checksum or seal, another identity or a retired key file epoch drops SSD
+  objects (the ``epoch`` here is the control plane's, not a key file's). Requests in flight are
+  forgotten: they run on as misses, and are not stored;
 * after ``faults.LIMIT`` faults within ``faults.WINDOW_S`` (or when a rebuild fails, or the worker
   reports its data plane off) saria turns off for the rest of the run, with one log line: lookups
   miss, no loads or orders are sent, and the worker closes its data plane.
@@ -225,6 +232,9 @@ class SchedulerGuard:
             self._retired = add_counts(self._retired, self.inner.totals())
         except Exception as exc:
             log.warning("saria: counters of the replaced control plane lost: %s", exc)
+        takeover = getattr(inner, "takeover", None)
+        if takeover is not None:  # every rank deletes its SSD objects on a reset (it reports none): nothing
+            takeover.active = False  # to wait for, also while vLLM is paused (it then steps no more)
         self.inner = inner
         self.epoch += 1
         log.info("saria scheduler: reset by vLLM (weights may have changed): control plane rebuilt empty (epoch %d); "
@@ -248,8 +258,8 @@ class SchedulerGuard:
             log.warning("saria: counters of the replaced control plane lost: %s", exc)
         self.inner = inner
         self.epoch += 1
-        log.warning("saria scheduler: control plane rebuilt empty (epoch %d); requests in flight are served as "
-                    "misses and the worker drops every cached object", self.epoch)
+        log.warning("saria scheduler: control plane rebuilt (epoch %d): it takes over the workers' SSD objects as at "
+                    "start; requests in flight run on as misses and the DRAM tier starts empty", self.epoch)
 
     def _turn_off(self, reason: str) -> None:
         if self.off:

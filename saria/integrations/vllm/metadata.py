@@ -3,8 +3,9 @@ metadata (loads to start, orders to run) and the worker's per-step report (loads
 orders completed). Plain picklable dataclasses: the halves may live in different processes.
 
 Both carry the control plane's ``epoch``: the scheduler starts a new one whenever it replaces its
-control plane after a fault, the worker drops every object of an older epoch when it first sees
-a newer one, and the scheduler ignores reports of an older epoch. ``off``: that half turned
+control plane after a fault, the worker drops what the new control plane cannot vouch for (DRAM
+objects, unfinished SSD writes) when it first sees a newer one and reports its SSD inventory again
+for the new control plane to take over, and the scheduler ignores reports of an older epoch. ``off``: that half turned
 saria off for the rest of the run, and the other follows."""
 
 from __future__ import annotations
@@ -132,9 +133,10 @@ class CompletionReport:
 
 @dataclass
 class SariaWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's report of the workers. ``inventory`` (sent once, after a worker's data plane
-    opened): the SSD objects a previous run left, each with the number of ranks whose store holds
-    its shard, merged over ``inventory_reports`` ranks. ``cluster_layouts`` (sent once, after a
+    """One step's report of the workers. ``inventory`` (sent once after a worker's data plane
+    opened, and again at each new epoch): the SSD objects a previous run left (this run's too, at
+    a new epoch), each with the number of ranks whose store holds its shard, merged over
+    ``inventory_reports`` ranks. ``cluster_layouts`` (sent once, after a
     worker's cluster store opened): the layout each rank's cluster objects are keyed by."""
 
     loads: list[LoadReport] = field(default_factory=list)

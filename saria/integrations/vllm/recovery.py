@@ -1,7 +1,9 @@
 """At start, the SSD objects a previous run of this server left: each worker rank reports its
 store's inventory with its first report, and once every rank has, the objects every rank holds a
 shard of go to the control plane (``ControlPlane.recover_ssd``); the others are deleted on every
-rank (a chunk is served only whole). Until then (at most ``wait_s``) lookups answer "not yet"."""
+rank (a chunk is served only whole). Until then (at most ``wait_s``) lookups answer "not yet".
+A control plane rebuilt after a fault takes over this run's SSD objects the same way: each rank
+reports its inventory again with its first report of the new epoch."""
 
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class InventoryTakeover:
             orders.append(DropOrder(-1, *split_keys(part), 0, Tier.SSD))
         self.active = False
         if inventory:
-            log.info("saria: took over %d SSD object(s) of a previous run (%d held by all %d rank(s); %d held by some "
+            log.info("saria: took over %d SSD object(s) the drives hold (%d held by all %d rank(s); %d held by some "
                      "ranks only: deleted)", self.control.counters().recovered, len(whole), self.workers, len(part))
         return orders
 

@@ -96,7 +96,7 @@ def worker_reset(worker: "SariaWorker", meta: "SariaConnectorMetadata") -> None:
     worker.resets, worker.epoch = meta.resets, meta.epoch
     worker.results.take_reports()  # for the replaced control plane: never sent
     loads, worker._loads = list(worker._loads.values()), {}
-    orders = worker.saves.forget()
+    orders, _ = worker.saves.forget()  # every SSD object goes, written or not
     # every SSD object goes: the rank reports an empty inventory (a control plane that takes over the
     # ranks' SSD objects, as at start, hears at once that there is nothing to wait for)
     worker._inventory = {}

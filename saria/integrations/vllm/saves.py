@@ -18,8 +18,11 @@ still read.
   ``save_kv_layer``) as soon as the forward wrote it; ``wait_for_save`` ends them (every copy has
   run once it returns) and starts the rest as above.
 * :meth:`~WorkerSaves.take_completions` (``build_connector_worker_meta``): the orders that ended.
-* :meth:`~WorkerSaves.drop_everything` (a new epoch): free every host pool slot a store may have
-  filled and delete every SSD object.
+* :meth:`~WorkerSaves.forget` and :meth:`~WorkerSaves.drop_unvouched` (a new epoch): free every
+  host pool slot a store may have filled and delete the SSD objects whose write had not ended when
+  the control plane was replaced; every other SSD object stays, for the new control plane to take
+  over (the worker reports its inventory again). :meth:`~WorkerSaves.drop_everything` (a reset):
+  free every host pool slot and delete every SSD object.
 
 The worker that owns it (``worker``) gives it its engine, cluster tier, audit, settings, ``off``
 and fault handling; this object only keeps the orders' state.
@@ -33,7 +36,7 @@ from typing import Any, Hashable, Iterable
 
 import torch
 
-from saria.orders import STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, split_keys
+from saria.orders import STATE, DropOrder, ObjectKey, Order, PromoteOrder, StoreOrder, Tier, WriteOrder, split_keys
 
 from .metadata import CompletionReport, RequestOrders, SariaConnectorMetadata
 
@@ -45,7 +48,7 @@ class WorkerSaves:
 
     def __init__(self, worker: Any):
         self.worker = worker
-        self.orders: list[tuple[int, Future]] = []  # started, their completion not reported yet
+        self.orders: list[tuple[Order, Future]] = []  # started, their completion not reported yet
         self.completions: list[CompletionReport] = []  # orders that failed before they started
         self.reading: dict[str, list[threading.Event]] = {}  # per request: orders still reading its blocks
         self.held: set[str] = set()  # finished requests whose blocks vLLM keeps until get_finished sends them
@@ -121,7 +124,7 @@ class WorkerSaves:
                     if chunk in batch.kv_blocks:
                         audit.stored(chunk, batch.kv_blocks[chunk])
         for (order, batch), run in zip(stores, step.finish()):
-            self.orders.append((order.order_id, run.completion))
+            self.orders.append((order, run.completion))
             if batch.share and cluster is not None and isinstance(order, StoreOrder):
                 cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
 
@@ -174,7 +177,7 @@ class WorkerSaves:
         if batch.req_id is not None and not run.released.is_set():
             self.reading.setdefault(batch.req_id, []).append(run.released)
         if run.completion is not None:
-            self.orders.append((order.order_id, run.completion))
+            self.orders.append((order, run.completion))
             if batch.share and cluster is not None and isinstance(order, StoreOrder):
                 cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
 
@@ -215,11 +218,11 @@ class WorkerSaves:
         out += self.completions
         self.completions = []
         orders, self.orders = self.orders, []
-        for order_id, future in orders:
+        for order, future in orders:
             if future.done() or self.worker.off:  # off: the data plane closed, nothing more will finish
-                out.append(self._completion(order_id, future))
+                out.append(self._completion(order.order_id, future))
             else:
-                self.orders.append((order_id, future))
+                self.orders.append((order, future))
 
     def _completion(self, order_id: int, future: Future) -> CompletionReport:
         if not future.done():  # the data plane closed before it finished
@@ -244,17 +247,24 @@ class WorkerSaves:
         finally:
             self.ahead = 0
 
-    def forget(self) -> list[Future]:
+    def forget(self) -> tuple[list[Future], set[ObjectKey]]:
         """A new epoch: the reports for the old control plane are never sent and the states set
-        aside go; the orders in flight, for the caller to wait for."""
+        aside go. Returns the orders in flight, for the caller to wait for, and the keys of the SSD
+        writes among them that had not ended (the new control plane cannot vouch for them:
+        :meth:`drop_unvouched` deletes them once they ended)."""
         self.abandon_layers()
         self.completions = []
         orders, self.orders = self.orders, []
         self.captured.clear()
-        return [future for _, future in orders]
+        unfinished = {key for order, future in orders if isinstance(order, WriteOrder) and not future.done()
+                      for key in order.keys()}
+        return [future for _, future in orders], unfinished
 
-    def drop_everything(self) -> None:
-        """Free every object a store may have put in the host pool and delete every SSD object."""
+    def drop_unvouched(self, unfinished: Iterable[ObjectKey]) -> None:
+        """After a new epoch, once every order in flight ended: free every object a store may have
+        put in the host pool, and delete the SSD objects of the writes that had not ended
+        (``unfinished``, from :meth:`forget`). Every other SSD object stays: the new control plane
+        takes it over from the rank's inventory, as at start."""
         worker = self.worker
         engine = worker.engine
         if worker.cluster is not None:
@@ -263,14 +273,23 @@ class WorkerSaves:
         kv, state = split_keys(keys)
         if kv or state:
             engine.drop(DropOrder(-1, kv, state, 0, Tier.DRAM))
-        if worker.data.ssd is not None:
-            for key in worker.data.ssd.keys():
-                worker.data.ssd.delete(key)
-        if worker.audit is not None:
-            worker.audit.forget()
+        unfinished = list(unfinished)
+        if unfinished and worker.data.ssd is not None:
+            engine.drop(DropOrder(-1, *split_keys(unfinished), 0, Tier.SSD))
         left = engine.dram_objects()
         if left:
             raise RuntimeError(f"{left} DRAM object(s) left after dropping every one stored")
+
+    def drop_everything(self) -> None:
+        """A reset (:mod:`.resets`: the weights may have changed), once every order in flight
+        ended: free every host pool slot a store may have filled and delete every SSD object."""
+        self.drop_unvouched(())
+        ssd = self.worker.data.ssd
+        if ssd is not None:
+            for key in ssd.keys():
+                ssd.delete(key)
+        if self.worker.audit is not None:
+            self.worker.audit.forget()
 
     def turned_off(self) -> None:
         """The data plane closed: the states set aside and the host pool's objects are gone (the

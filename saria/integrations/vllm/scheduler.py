@@ -28,7 +28,9 @@ worker rank reports its store's inventory with its first report, and once every 
 objects every rank holds a shard of go to the control plane (``ControlPlane.recover_ssd``); the
 others are deleted on every rank (a chunk is served only whole). Until then (at most
 ``recover_wait_s``) lookups answer "not yet" and vLLM asks again next step (the pending work keeps
-it stepping), so the first requests after a restart find the previous run's prefixes.
+it stepping), so the first requests after a restart find the previous run's prefixes. A control
+plane built after a fault (:class:`~.guard.SchedulerGuard`) does the same with the objects this run
+wrote: the ranks send their inventories again at the new epoch, and the SSD tier is served on.
 
 vLLM calls it through :class:`~.guard.SchedulerGuard`, which replaces it (and its control plane)
 when it raises.

@@ -21,7 +21,7 @@
 * ``build_connector_worker_meta``: load results and order completions, for the scheduler; once,
   after the data plane opened, the inventory: the objects a previous run of this server left in
   this rank's SSD store (found whole and verified, written for the same model and layout), which
-  the scheduler takes over when every rank holds them.
+  the scheduler takes over when every rank holds them; and again after each new epoch (below).
 * ``snapshot`` / ``stats_delta``: the rank's counters (:mod:`.counters`).
 
 Parallelism (:mod:`.layout`): under tensor and pipeline parallelism this worker holds one shard of
@@ -35,12 +35,20 @@ Faults (:mod:`.faults`; no exception leaves these hooks):
   reported finished and failed (``failed_recving``) and vLLM recomputes it; one in one order
   reports that order failed. A load or order call of the engine that raises has started nothing,
   so no byte of it can land in vLLM's blocks later.
-* A new epoch in the metadata (the scheduler replaced its control plane): wait for every load and
-  order in flight, fail those loads, free every host pool slot and delete every SSD object.
+* A new epoch in the metadata (the scheduler replaced its control plane, empty): wait for every
+  load and order in flight and fail those loads; then drop what the new control plane cannot
+  vouch for: every host pool slot, and the SSD objects whose write had not ended when the epoch
+  changed. The other SSD objects stay: the rank reports its store's inventory again, and the new
+  control plane takes them over as at start (``recover``, :mod:`.recovery`); the cluster tier's
+  objects stay too (the scheduler's cluster index outlives its control planes). A fault says nothing
+  about the SSD tier's bytes; only evidence about the tier itself drops its objects (a checksum
+  or seal that fails on a read, a store written for another identity, a key file without their
+  seal epoch). The control plane's epoch here is not a key file's seal epoch.
 * A new reset count in the metadata (vLLM reset the connector: the weights may have changed,
-  :mod:`.resets`): the same, and every SSD object of the rank is deleted whatever else keeps them.
-  vLLM 0.33+'s sleep hooks (``unregister_kv_caches`` / ``restore_kv_caches``) end every copy before
-  the KV memory goes and rebuild the page tables where it came back elsewhere.
+  :mod:`.resets`): as for a new epoch, and every SSD object of the rank is deleted whatever else
+  keeps them (the rank reports an empty inventory). vLLM 0.33+'s sleep hooks
+  (``unregister_kv_caches`` / ``restore_kv_caches``) end every copy before the KV memory goes and
+  rebuild the page tables where it came back elsewhere.
 * The data plane cannot open, a fault outside any one load or order, or ``faults.LIMIT`` faults
   within ``faults.WINDOW_S``: turn off. The data plane is closed (which waits for the work in
   flight), the loads in flight are failed, and from then on every load fails and every order
@@ -73,7 +81,7 @@ from .load_results import LoadResults
 from .metadata import CompletionReport, LoadReport, LoadSpec, SariaConnectorMetadata, SariaWorkerMetadata
 from .saves import WorkerSaves
 from .settings import ConnectorSettings
-from .worker_start import open_rank
+from .worker_start import open_rank, take_inventory
 
 log = logging.getLogger("saria.vllm")
 
@@ -101,7 +109,7 @@ class SariaWorker:
         self.results = LoadResults(geometry.hybrid)  # the loads that ended, until they are reported
         self.saves = WorkerSaves(self)  # the orders, and the blocks they still read
         self.counters = WorkerCounters(self)  # snapshot(), stats_delta()
-        self._inventory: dict[ObjectKey, int] | None = None  # to report once: this rank's recovered SSD objects
+        self._inventory: dict[ObjectKey, int] | None = None  # to report: this rank's SSD objects (start, new epoch)
         self.audit: KVAudit | None = None  # audit_kv: reloaded pages checked against what vLLM computed
         self.cluster: WorkerCluster | None = None  # the cluster tier (settings.cluster)
         self._cluster_layouts: tuple[str, ...] = ()  # to report once: this rank's cluster layout
@@ -354,20 +362,24 @@ class SariaWorker:
         self.saves.held.update(meta.held)
 
     def _new_epoch(self, epoch: int) -> None:
-        """The scheduler replaced its control plane: nothing the old one placed may be read again
-        (it could not vouch for it) or stay behind (the new one does not know of it)."""
+        """The scheduler replaced its control plane (with an empty one): nothing the old one had in
+        flight or in DRAM may be read again, nor stay behind; the SSD objects it had written stay,
+        and the new one takes them over from this rank's inventory, as at start."""
         self.epoch = epoch
         self.results.take_reports()  # for the old control plane: never sent
         loads, self._loads = list(self._loads.values()), {}
-        orders = self.saves.forget()
-        self._inventory = None  # every object goes: nothing for the new control plane to take over
+        orders, unfinished = self.saves.forget()
+        self._inventory = None
         if not self.off:
             try:
                 for _, job in loads:  # let every copy into vLLM's blocks end before the objects go
                     job.wait()
                 wait(orders)
-                self.saves.drop_everything()
-                log.warning("saria worker: control plane replaced (epoch %d): every cached object dropped", epoch)
+                self.saves.drop_unvouched(unfinished)
+                self._inventory = take_inventory(self.data)  # for the new control plane, as at start
+                log.warning("saria worker: control plane replaced (epoch %d): DRAM objects dropped, %d SSD object(s) "
+                            "offered to the new one%s", epoch, len(self._inventory),
+                            f" ({len(unfinished)} whose write had not ended dropped)" if unfinished else "")
             except Exception as exc:
                 self.faults.record("new epoch", exc)
                 self._turn_off("it could not drop the objects of a replaced control plane")

@@ -98,7 +98,7 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
                             staging_bytes=settings.cluster_staging_bytes if settings.cluster else 0, **sealed)
     if start:  # a previous run's objects of weights this one does not load (not this run's: a reopen)
         forget_previous_weights(parts.ssd, directories)
-    inventory = _take_inventory(parts)
+    inventory = take_inventory(parts)
     cluster = None
     if settings.cluster:
         if g.hybrid:
@@ -132,9 +132,11 @@ def _views(layers: tuple[str, ...], kv_caches: dict[str, torch.Tensor], num_bloc
     return {name: page_views(name, kv_caches[name], num_blocks) for name in layers}
 
 
-def _take_inventory(parts: DataPlaneParts) -> dict[ObjectKey, int]:
-    """The objects in this rank's SSD store (``{key: 1}``, one rank's count); a key no saria
-    object has (not ours) is deleted."""
+def take_inventory(parts: DataPlaneParts) -> dict[ObjectKey, int]:
+    """The objects in this rank's SSD store (``{key: 1}``, one rank's count): at start, those a
+    previous run left; after the scheduler replaced its control plane, those this run kept. Only
+    committed objects are in a store's index (a write in flight is not, one that failed never
+    is). A key no saria object has (not ours) is deleted."""
     ssd = parts.ssd
     inventory: dict[ObjectKey, int] = {}
     for key in ssd.keys() if ssd is not None else ():
