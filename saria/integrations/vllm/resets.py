@@ -94,32 +94,22 @@ def worker_reset(worker: "SariaWorker", meta: "SariaConnectorMetadata") -> None:
     fail those loads, free every host pool slot, delete every SSD object of this rank (module
     docstring); take the metadata's epoch (the control plane was replaced with the reset)."""
     worker.resets, worker.epoch = meta.resets, meta.epoch
-    worker.results.take_reports()  # for the replaced control plane: never sent
-    loads, worker._loads = list(worker._loads.values()), {}
-    orders, _ = worker.saves.forget()  # every SSD object goes, written or not
-    # every SSD object goes: the rank reports an empty inventory (a control plane that takes over the
-    # ranks' SSD objects, as at start, hears at once that there is nothing to wait for)
+    # every SSD object goes, written or not: the rank reports an empty inventory (a control plane
+    # that takes over the ranks' SSD objects, as at start, hears at once that there is nothing to wait for)
     worker._inventory = {}
-    if not worker.off:
-        try:
-            for _, job in loads:  # every copy into vLLM's blocks ends before the objects go
-                job.wait()
-            wait(orders)
-            worker.saves.drop_everything()
-            ssd = worker.data.ssd
-            if ssd is not None:
-                mark_updated(path.parent for path in ssd.paths)  # before any object of the new weights is written
-                for key in ssd.keys():
-                    ssd.delete(key)
-                ssd.sync()
-            log.info("saria worker: the connector was reset (weights may have changed): every cached object of "
-                     "this rank dropped")
-        except Exception as exc:
-            worker.faults.record("reset", exc)
-            worker._turn_off("it could not drop its objects on a reset")
-    for spec, _ in loads:  # loaded for the replaced control plane: vLLM recomputes them
-        worker.results.fail_request(spec.req_id)
-    worker._abandon_layers()
+
+    def drop_everything(unfinished: object) -> None:
+        worker.saves.drop_everything()
+        ssd = worker.data.ssd
+        if ssd is not None:
+            mark_updated(path.parent for path in ssd.paths)  # before any object of the new weights is written
+            for key in ssd.keys():
+                ssd.delete(key)
+            ssd.sync()
+        log.info("saria worker: the connector was reset (weights may have changed): every cached object of "
+                 "this rank dropped")
+
+    worker._replace_control_plane(drop_everything, "reset", "it could not drop its objects on a reset")
 
 
 def mark_updated(directories: Iterable[Path | str]) -> None:

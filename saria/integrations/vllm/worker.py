@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import wait
+from typing import Callable
 
 import torch
 
@@ -366,23 +367,35 @@ class SariaWorker:
         flight or in DRAM may be read again, nor stay behind; the SSD objects it had written stay,
         and the new one takes them over from this rank's inventory, as at start."""
         self.epoch = epoch
+        self._inventory = None
+
+        def keep_ssd(unfinished: set) -> None:
+            self.saves.drop_unvouched(unfinished)
+            self._inventory = take_inventory(self.data)  # for the new control plane, as at start
+            log.warning("saria worker: control plane replaced (epoch %d): DRAM objects dropped, %d SSD object(s) "
+                        "offered to the new one%s", epoch, len(self._inventory),
+                        f" ({len(unfinished)} whose write had not ended dropped)" if unfinished else "")
+
+        self._replace_control_plane(keep_ssd, "new epoch", "it could not drop the objects of a replaced control plane")
+
+    def _replace_control_plane(self, drop: Callable[[set], None], where: str, failure: str) -> None:
+        """What the old control plane had in flight ends here, for a new epoch or a reset: its
+        reports are never sent, every load and order in flight is waited for (no copy into vLLM's
+        blocks or out of an object runs past this), then ``drop(unfinished)`` takes away what the new
+        control plane cannot vouch for (``unfinished``: the SSD objects whose write had not ended),
+        and those loads fail (vLLM recomputes them). A fault in between turns the worker off."""
         self.results.take_reports()  # for the old control plane: never sent
         loads, self._loads = list(self._loads.values()), {}
         orders, unfinished = self.saves.forget()
-        self._inventory = None
         if not self.off:
             try:
                 for _, job in loads:  # let every copy into vLLM's blocks end before the objects go
                     job.wait()
                 wait(orders)
-                self.saves.drop_unvouched(unfinished)
-                self._inventory = take_inventory(self.data)  # for the new control plane, as at start
-                log.warning("saria worker: control plane replaced (epoch %d): DRAM objects dropped, %d SSD object(s) "
-                            "offered to the new one%s", epoch, len(self._inventory),
-                            f" ({len(unfinished)} whose write had not ended dropped)" if unfinished else "")
+                drop(unfinished)
             except Exception as exc:
-                self.faults.record("new epoch", exc)
-                self._turn_off("it could not drop the objects of a replaced control plane")
+                self.faults.record(where, exc)
+                self._turn_off(failure)
         for spec, _ in loads:  # loaded for the old control plane: vLLM recomputes them
             self.results.fail_request(spec.req_id)
         self._abandon_layers()
