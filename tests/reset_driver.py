@@ -41,13 +41,14 @@ def main(spec_path: str, out_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     from saria.harness.engine import open_llm
-    from saria.harness.llm import connectors, empty_prefix_cache, turn_result
+    from saria.harness.llm import connectors, empty_prefix_cache, idle, turn_result
 
     config = {"kv_connector": "SariaConnector", "kv_connector_module_path": "saria.integrations.vllm",
               "kv_role": "kv_both", "kv_connector_extra_config": spec["extra_config"]}
     llm = open_llm(spec["model_a"], block_size=32, enforce_eager=True, kv_transfer_config=config)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=1, detokenize=False)
-    _, worker_side = connectors(llm)
+    scheduler_side, worker_side = connectors(llm)
+    guard = getattr(scheduler_side, "_scheduler", None)  # None: the engine runs in its own process
     worker = getattr(worker_side, "_worker", None)  # None: the engine runs in its own process
     out: dict = {"phases": {}, "ssd_keys": {}, "dram_objects": {}, "sleep_error": ""}
 
@@ -58,6 +59,7 @@ def main(spec_path: str, out_path: str) -> int:
             (res,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             turns.append(turn_result(res, len(prompt), time.perf_counter() - t0).__dict__)
         empty_prefix_cache(llm)  # steps until saria's stores have landed and freed their blocks
+        idle(llm, guard, 60.0, until_done=True)  # and until its SSD writes have landed: the keys read below
         out["phases"][name] = turns
         if worker is not None:
             ssd = worker.data.ssd
