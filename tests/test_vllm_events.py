@@ -217,6 +217,22 @@ def test_a_fault_in_the_bookkeeping_turns_events_off_and_never_raises(caplog):
     assert "KV events off" in caplog.text
 
 
+def test_a_fault_logs_no_chunk_its_exception_names(caplog):
+    """An exception's message may carry a chunk's name (a KeyError's key): the log line says its type."""
+    class Hashes:
+        def __getitem__(self, index):
+            raise KeyError(b"token-derived-chunk-name")
+
+        def __len__(self):
+            return 4
+
+    req = Request(base=3, chunks=1)
+    req.block_hashes = Hashes()
+    events = new_events()
+    events.remember(req, [b"x"], [StoreOrder(1, (b"x",), (), 0)])
+    assert not events.on and "KeyError" in caplog.text and "token-derived" not in caplog.text
+
+
 def test_without_events_enabled_the_guard_keeps_and_publishes_nothing():
     guard = SchedulerGuard(lambda: None)
     assert guard.events is None and guard.take_events() == []

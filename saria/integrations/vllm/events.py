@@ -305,8 +305,9 @@ class KVEvents:
             self._payloads.pop(name, None)
 
     def _fault(self, where: str, exc: BaseException) -> None:
-        log.warning("saria: KV events off for the rest of this run (%s failed: %s: %s); routers learn nothing more "
-                    "about saria's tiers", where, type(exc).__name__, exc)
+        # the exception's type only: its message may name a chunk (a key's repr), which no log line may carry
+        log.warning("saria: KV events off for the rest of this run (%s failed: %s); routers learn nothing more "
+                    "about saria's tiers", where, type(exc).__name__)
         self.on = False
         self._queue, self._payloads, self._resident, self._pending = [], {}, {}, {}
         self._pending_refs, self._recoverable = {}, set()
