@@ -222,21 +222,12 @@ class SchedulerGuard:
         self.resets += 1
         if self.off:
             return
-        try:
-            inner = self._build()
-        except Exception as exc:
-            self.faults.record("reset_cache", exc)
-            self._turn_off("its control plane could not be rebuilt on a reset")
+        inner = self._rebuild("reset_cache", "its control plane could not be rebuilt on a reset")
+        if inner is None:
             return
-        try:
-            self._retired = add_counts(self._retired, self.inner.totals())
-        except Exception as exc:
-            log.warning("saria: counters of the replaced control plane lost: %s", exc)
         takeover = getattr(inner, "takeover", None)
         if takeover is not None:  # every rank deletes its SSD objects on a reset (it reports none): nothing
             takeover.active = False  # to wait for, also while vLLM is paused (it then steps no more)
-        self.inner = inner
-        self.epoch += 1
         log.info("saria scheduler: reset by vLLM (weights may have changed): control plane rebuilt empty (epoch %d); "
                  "nothing cached before is served again", self.epoch)
 
@@ -246,20 +237,27 @@ class SchedulerGuard:
         if self.faults.record(where, exc):
             self._turn_off(f"{self.faults.limit} faults within {self.faults.window_s:g} s")
             return
+        if self._rebuild("rebuild", "its control plane could not be rebuilt") is None:
+            return
+        log.warning("saria scheduler: control plane rebuilt (epoch %d): it takes over the workers' SSD objects as at "
+                    "start; requests in flight run on as misses and the DRAM tier starts empty", self.epoch)
+
+    def _rebuild(self, where: str, failure: str) -> SariaScheduler | None:
+        """Replace the control plane with a fresh one under a new epoch (its predecessor's counters
+        kept in the totals); the new one, or None when it could not be built (saria turned off)."""
         try:
             inner = self._build()
-        except Exception as build_exc:
-            self.faults.record("rebuild", build_exc)
-            self._turn_off("its control plane could not be rebuilt")
-            return
+        except Exception as exc:
+            self.faults.record(where, exc)
+            self._turn_off(failure)
+            return None
         try:
             self._retired = add_counts(self._retired, self.inner.totals())
         except Exception as exc:
             log.warning("saria: counters of the replaced control plane lost: %s", exc)
         self.inner = inner
         self.epoch += 1
-        log.warning("saria scheduler: control plane rebuilt (epoch %d): it takes over the workers' SSD objects as at "
-                    "start; requests in flight run on as misses and the DRAM tier starts empty", self.epoch)
+        return inner
 
     def _turn_off(self, reason: str) -> None:
         if self.off:
