@@ -99,12 +99,11 @@ def worker_reset(worker: "SariaWorker", meta: "SariaConnectorMetadata") -> None:
     worker._inventory = {}
 
     def drop_everything(unfinished: object) -> None:
-        worker.saves.drop_everything()
         ssd = worker.data.ssd
+        if ssd is not None:  # marked first: a crash from here on leaves a store the next start empties
+            mark_updated(path.parent for path in ssd.paths)
+        worker.saves.drop_everything()  # every host pool slot and every SSD object
         if ssd is not None:
-            mark_updated(path.parent for path in ssd.paths)  # before any object of the new weights is written
-            for key in ssd.keys():
-                ssd.delete(key)
             ssd.sync()
         log.info("saria worker: the connector was reset (weights may have changed): every cached object of "
                  "this rank dropped")
