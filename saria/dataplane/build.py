@@ -87,7 +87,7 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
     try:
         if sizing.ssd.units:
             ssd = SSDStore(paths, sizing.ssd.file_bytes, sizing.ssd.unit_bytes, durable=durable, direct=direct,
-                           identity=ssd_identity, sealer=ssd_sealer)
+                           identity=ssd_identity, sealer=ssd_sealer, device=kv_table.device)
             if ssd.total_parts != sizing.ssd.units:  # the store's own rule for its files' slots
                 raise RuntimeError(f"the SSD store holds {ssd.total_parts} parts, its layout says {sizing.ssd.units}")
         coordinator = Coordinator(config.bandwidth, mode=coordinator_mode)

@@ -47,6 +47,7 @@ import torch
 
 from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 
+from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
 from saria.dataplane.transfer.layerwise import LayerwiseLoads, prepare_layers, slot_places
@@ -402,6 +403,7 @@ class LayerSaves:
         step._done[layer].set()
 
     def _loop(self) -> None:
+        bind_thread(self.streams.device)
         while True:
             work = self._queue.get()
             if work is None:

@@ -46,6 +46,7 @@ import torch
 from saria.kernels import PageTable, prepare_scattered
 from saria.orders import Tier
 
+from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.dram.staging import StagingPool
 from saria.dataplane.dram.store import DramStore
@@ -256,6 +257,7 @@ class LayerwiseLoads:
     # --- the path threads ------------------------------------------------------------------------
 
     def _loop(self, name: str) -> None:
+        bind_thread(self.streams.device)
         run = self._run_dram if name == "dram" else self._run_ssd
         while True:
             work = self._queues[name].get()

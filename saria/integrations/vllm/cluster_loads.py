@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 from saria.dataplane.cluster import ClusterTimeout
+from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
 from saria.dataplane.ssd.keys import object_key
@@ -178,6 +179,7 @@ class ClusterLoad:
                 self._free(slots)
 
     def _release_later(self, released: threading.Event, slots: list[int]) -> None:
+        bind_thread(self.tier.engine.device)
         released.wait()
         self._free(slots)
 
