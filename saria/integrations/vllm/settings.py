@@ -215,13 +215,16 @@ class ConnectorSettings:
     layerwise: bool | None = None  # None: auto (LAYERWISE_DEFAULT for the device)
     kv_events_max_chunks: int = 65_536  # chunks whose KV event payload the scheduler keeps (events.py)
 
-    def layerwise_for(self, device_type: str, hybrid: bool, drafter: bool = False) -> bool:
+    def layerwise_for(self, device_type: str, hybrid: bool, drafter: bool = False, ubatching: bool = False) -> bool:
         """Whether reloads go layer by layer on this engine: never for a hybrid model (module
         docstring), nor beside a speculative drafter with attention layers of its own (``drafter``:
         vLLM runs the drafter's forward after it has asked for the step's transfer results, so its
         layers' waits would come after the step's loads were reported, and it runs once per
-        proposed token), else the option, or for ``auto`` :data:`LAYERWISE_DEFAULT` of the device."""
-        if hybrid or drafter:
+        proposed token), nor under vLLM's micro-batching (``ubatching``: dual-batch overlap runs each
+        layer once per micro-batch, so a layer would be saved twice in a step, and each save would
+        hold only its micro-batch's pages), else the option, or for ``auto``
+        :data:`LAYERWISE_DEFAULT` of the device."""
+        if hybrid or drafter or ubatching:
             return False
         return LAYERWISE_DEFAULT.get(device_type, False) if self.layerwise is None else self.layerwise
 
