@@ -47,7 +47,7 @@ from saria.kernels import PageTable, prepare_scattered
 from saria.orders import Tier
 
 from saria.dataplane.devices import bind_thread
-from saria.dataplane.dram.host_pool import HostPool
+from saria.dataplane.dram.host_pool import HostPool, host_address_refusal
 from saria.dataplane.dram.staging import StagingPool
 from saria.dataplane.dram.store import DramStore
 from saria.dataplane.ssd.keys import object_key
@@ -184,7 +184,9 @@ class LayerwiseLoads:
 
     ``layers``: the kv table's tensors grouped by model layer (tensor indices; default one tensor
     per layer). ``capable`` is ``False`` when a page of some tensor would straddle two host slots
-    (slot size not a multiple of the page layout): such an engine reloads and stores whole only.
+    (slot size not a multiple of the page layout), or when the device cannot read the host pool's
+    registered memory at its host address (:func:`~saria.dataplane.dram.host_pool.host_address_refusal`,
+    asked once here): such an engine reloads and stores whole only; ``refusal`` says why.
     The layer-wise saves (:mod:`~saria.dataplane.transfer.layer_saves`) share ``layers``,
     ``tensor_tables`` and ``page_offsets``."""
 
@@ -220,8 +222,12 @@ class LayerwiseLoads:
         self.page_offsets = [table.tensor_offsets[t] * ppc + torch.arange(ppc, dtype=torch.int64) * seg.page_bytes
                               for t, seg in enumerate(table.segments)]
         slot = host_pool.slot_bytes
-        self.capable = all(bool(((offsets % slot) + seg.page_bytes <= slot).all())
-                           for offsets, seg in zip(self.page_offsets, table.segments))
+        fits = all(bool(((offsets % slot) + seg.page_bytes <= slot).all())
+                   for offsets, seg in zip(self.page_offsets, table.segments))
+        # why not (None: capable): the copies address host slots by their host address
+        self.refusal = "a page straddles two host slots" if not fits else \
+            host_address_refusal(streams.device, host_pool.segment_addresses(), host_pool.pinned)
+        self.capable = self.refusal is None
         self._queues = {name: queue.Queue() for name in PATHS}
         self._threads = [threading.Thread(target=self._loop, args=(name,), name=f"saria-layers-{name}", daemon=True)
                          for name in PATHS]

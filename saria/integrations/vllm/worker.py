@@ -157,7 +157,8 @@ class SariaWorker:
         if self.layerwise:
             self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors)
             if not self.layers.capable:
-                log.warning("saria worker: a page straddles two host slots; reloads go whole (still inside the step)")
+                log.warning("saria worker: layer-wise copies off (%s); reloads go whole (still inside the step)",
+                            self.layers.paths.refusal)
 
     # --- loads -----------------------------------------------------------------------------------
 
