@@ -26,6 +26,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from saria.dataplane.dram.numa import bind_memory
+
 PAGE = 4096
 log = logging.getLogger("saria.dataplane.dram")
 
@@ -240,10 +242,16 @@ REGISTRY = HostRegistry()
 
 
 class HostPool:
-    """Fixed-size slots of (pinned) host memory with a thread-safe allocator."""
+    """Fixed-size slots of (pinned) host memory with a thread-safe allocator.
+
+    ``numa_node``: the NUMA node whose memory the segments prefer (``mbind`` before their pages are
+    first touched, :mod:`~saria.dataplane.dram.numa`; :func:`~saria.dataplane.dram.numa.pool_numa_node`
+    gives the engine's GPU's); ``None``: not bound. ``numa_node`` afterwards is the node the pool
+    is bound to, ``None`` where the system refused (one warning line)."""
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 4 << 20, *, segment_bytes: int = 1 << 30,
-                 pin: bool | None = None, evict: Callable[[int], None] | None = None, evict_attempts: int = 3):
+                 pin: bool | None = None, evict: Callable[[int], None] | None = None, evict_attempts: int = 3,
+                 numa_node: int | None = None):
         for name, value in (("capacity_bytes", capacity_bytes), ("slot_bytes", slot_bytes),
                             ("segment_bytes", segment_bytes), ("evict_attempts", evict_attempts)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -261,12 +269,15 @@ class HostPool:
             raise ValueError(f"segment_bytes ({segment_bytes}) must hold at least one slot ({slot_bytes})")
         if evict_attempts < 0:
             raise ValueError("evict_attempts must be >= 0")
+        if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < 0):
+            raise ValueError(f"numa_node must be a node number (>= 0) or None, got {numa_node!r}")
         cuda = torch.cuda.is_available()
         if pin and not cuda:
             raise ValueError("pin=True needs CUDA; this machine has none (pin=None pins when it can)")
         self.slot_bytes = slot_bytes
         self.num_slots = capacity_bytes // slot_bytes
         self.pinned = cuda if pin is None else pin
+        self.numa_node = numa_node
         self._evict = evict
         self._evict_attempts = evict_attempts
         self._lock = threading.Lock()
@@ -287,6 +298,7 @@ class HostPool:
                 mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 self._maps.append(mm)
                 seg = torch.frombuffer(mm, dtype=torch.uint8)
+                self._bind(seg.data_ptr(), nbytes)  # before registration faults the pages in
                 REGISTRY.register(seg.data_ptr(), nbytes, pin=self.pinned)
                 self._registered.append(seg.data_ptr())
                 self._segments.append(seg)
@@ -294,6 +306,15 @@ class HostPool:
             self.close()
             raise
         self._per_segment = per_segment
+
+    def _bind(self, address: int, nbytes: int) -> None:
+        if self.numa_node is None:
+            return
+        err = bind_memory(address, nbytes, self.numa_node)
+        if err:
+            log.warning("host pool: not NUMA-bound to node %d (mbind refused: %s); its memory goes where the OS "
+                        "puts it", self.numa_node, os.strerror(err))
+            self.numa_node = None
 
     # --- allocation ------------------------------------------------------------------------------
 
