@@ -100,3 +100,30 @@ def test_every_thread_a_data_plane_starts_binds_the_engines_device_before_its_wo
         assert expected <= names, f"paths not exercised: {sorted(expected - names)}"
         unbound = {t.name: devices.bound_device(t) for t in started if devices.bound_device(t) != engine.device}
         assert not unbound, f"threads that did not bind the engine's device ({engine.device}): {unbound}"
+
+
+def test_a_vllm_workers_threads_bind_its_engines_device(tmp_path):
+    """The connector's worker half, its hooks called as vLLM calls them (layer-wise saves, then the
+    stores' SSD writes): every thread its data plane started bound the engine's device."""
+    from saria.integrations.vllm.metadata import RequestOrders, SariaConnectorMetadata
+    from test_vllm_connector_hook_order import GEOMETRY, SIZE, worker_for
+    from test_vllm_connector_faults import completions
+
+    before = {t.ident for t in saria_threads()}
+    worker = worker_for(tmp_path, layerwise=True)
+    try:
+        meta = SariaConnectorMetadata(orders=[RequestOrders("r1", (StoreOrder(1, ("h0",), (), SIZE),), {"h0": (2, 3)})])
+        worker.before_forward(meta)
+        worker.start_load_kv(meta)
+        for layer in GEOMETRY.attention_layers:
+            worker.wait_for_layer_load(layer)
+            worker.save_kv_layer(layer)
+        worker.wait_for_save(meta)
+        assert [c.ok for c in completions(worker, 1)] == [True]
+        started = [t for t in saria_threads() if t.ident not in before]
+        assert "saria-layer-saves" in {t.name for t in started}
+        device = worker.data.engine.device
+        unbound = {t.name: devices.bound_device(t) for t in started if devices.bound_device(t) != device}
+        assert not unbound, f"threads that did not bind the engine's device ({device}): {unbound}"
+    finally:
+        worker.shutdown()
