@@ -34,7 +34,9 @@ def plan(chunks, tier, plan_id):
 
 
 def saria_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("saria-")]
+    """saria's live threads, but the kernels' CPU copy pool (``saria-pages``, shared by every engine
+    in the process, host memory only: it has no device to bind)."""
+    return [t for t in threading.enumerate() if t.name.startswith("saria-") and not t.name.startswith("saria-pages")]
 
 
 def test_bind_thread_records_the_device_per_thread_and_pools_bind_before_their_first_task():
