@@ -61,7 +61,8 @@ step dataplane_tests 300 "${PYTEST[@]}" -n 8 tests/test_dataplane_engine.py test
   tests/test_dataplane_batching.py tests/test_dataplane_dram_store.py tests/test_dataplane_host_pool.py \
   tests/test_dataplane_coordinator.py tests/test_dataplane_cuda_rules.py tests/test_ssd_store.py \
   tests/test_ssd_store_misuse.py tests/test_ssd_store_sealed.py tests/test_gpu_stress.py tests/test_pcie.py tests/test_ssd_backends.py \
-  tests/test_doctor.py tests/test_dataplane_layerwise.py tests/test_dataplane_layer_saves.py
+  tests/test_doctor.py tests/test_dataplane_layerwise.py tests/test_dataplane_layer_saves.py \
+  tests/test_dataplane_devices.py tests/test_dataplane_numa.py
 # The SSD under test: the VM disk there (O_DIRECT where it allows; page cache dropped before reads).
 mkdir -p "$out/ssd"
 step stress 90 "$PY" bench/gpu_stress.py --seconds "${SARIA_STRESS_SECONDS:-40}" --ssd-dir "${SARIA_SSD_DIR:-$out/ssd}" --json

@@ -66,8 +66,12 @@ def test_resolve_keeps_an_index_and_never_initializes_cuda_where_nothing_did():
         assert devices.current_device() == torch.device("cpu")
 
 
-def test_every_thread_a_data_plane_starts_binds_the_engines_device_before_its_work(tmp_path):
-    caches = vllm_layers(48, BLOCK_TOKENS, 2, 8, torch.bfloat16, layers=3, seed=3)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.sh runs it)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_every_thread_a_data_plane_starts_binds_the_engines_device_before_its_work(tmp_path, device):
+    caches = [t.to(device) for t in vllm_layers(48, BLOCK_TOKENS, 2, 8, torch.bfloat16, layers=3, seed=3)]
     config = SariaConfig.preset("full-duplicate", chunk=ChunkSpec(chunk_tokens=8, checkpoint_tokens=64),
                                 dram=Capacity(nbytes=8 * SLOT), ssd=Capacity(nbytes=4096 + 40 * (4096 + SLOT)))
     before = {t.ident for t in saria_threads()}
@@ -102,11 +106,14 @@ def test_every_thread_a_data_plane_starts_binds_the_engines_device_before_its_wo
         assert expected <= names, f"paths not exercised: {sorted(expected - names)}"
         unbound = {t.name: devices.bound_device(t) for t in started if devices.bound_device(t) != engine.device}
         assert not unbound, f"threads that did not bind the engine's device ({engine.device}): {unbound}"
+        if engine.device.type == "cuda":  # CUDA's current device on the SSD readers is the engine's
+            assert set(cache.ssd._readers.map(lambda _: torch.cuda.current_device(), range(8))) == {engine.device.index}
 
 
 def test_a_vllm_workers_threads_bind_its_engines_device(tmp_path):
     """The connector's worker half, its hooks called as vLLM calls them (layer-wise saves, then the
     stores' SSD writes): every thread its data plane started bound the engine's device."""
+    pytest.importorskip("vllm")
     from saria.integrations.vllm.metadata import RequestOrders, SariaConnectorMetadata
     from test_vllm_connector_hook_order import GEOMETRY, SIZE, worker_for
     from test_vllm_connector_faults import completions

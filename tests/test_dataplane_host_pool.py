@@ -217,3 +217,15 @@ def test_a_refusal_turns_layer_wise_copies_off_for_the_engine(monkeypatch):
             assert not engine.layerwise_ok(plan)
         finally:
             engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.sh runs it)")
+def test_on_cuda_the_gpu_reads_the_pools_segments_at_their_host_address():
+    """CUDA's real answers: on a 64-bit Linux machine with a current GPU, registered host memory is
+    read at its host address, so layer-wise copies stay on."""
+    from saria.dataplane.dram.host_pool import cuda_device_pointer, cuda_host_pointer_attribute, host_address_refusal
+    index = torch.cuda.current_device()
+    with HostPool(4 << 20, 1 << 20, segment_bytes=2 << 20) as pool:
+        assert pool.pinned and cuda_host_pointer_attribute(index) == 1
+        assert [cuda_device_pointer(a, index) for a in pool.segment_addresses()] == pool.segment_addresses()
+        assert host_address_refusal(torch.device("cuda", index), pool.segment_addresses(), pool.pinned) is None

@@ -106,3 +106,16 @@ def test_a_bad_node_is_refused(node):
 def test_bind_memory_refuses_a_negative_node():
     with pytest.raises(ValueError, match="NUMA node"):
         numa.bind_memory(0, 4096, -1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.sh runs it)")
+def test_on_cuda_the_gpus_node_is_read_from_its_pci_address(caplog):
+    import re
+    index = torch.cuda.current_device()
+    address = numa.gpu_pci_address(index)
+    assert address is not None and re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.0", address), address
+    node = numa.pool_numa_node(torch.device("cuda", index))
+    print(f"GPU {index} at PCI {address}: NUMA node {node}")
+    if node is not None:
+        with HostPool(2 * 4096, 4096, numa_node=node) as pool:
+            assert pool.numa_node is None or numa.memory_policy(pool.segment_addresses()[0]) == (numa.MPOL_PREFERRED, node)
