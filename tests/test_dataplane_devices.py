@@ -102,7 +102,7 @@ def test_every_thread_a_data_plane_starts_binds_the_engines_device_before_its_wo
         names = {t.name.rsplit("_", 1)[0] for t in started}  # pool workers are named prefix_N
         expected = {"saria-dram", "saria-dram-unpack", "saria-ssd-unpack", "saria-ssd-read", "saria-ssd-write",
                     "saria-offload", "saria-prewarm", "saria-layers-dram", "saria-layers-ssd",
-                    "saria-layer-saves", "saria-complete"}
+                    "saria-layer-saves", "saria-complete", "saria-retire"}
         assert expected <= names, f"paths not exercised: {sorted(expected - names)}"
         unbound = {t.name: devices.bound_device(t) for t in started if devices.bound_device(t) != engine.device}
         assert not unbound, f"threads that did not bind the engine's device ({engine.device}): {unbound}"

@@ -56,6 +56,7 @@ from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, R
     WriteOrder
 from saria.kernels import PageTable
 
+from saria.dataplane.devices import pool_initializer
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.dram.staging import StagingPool
 from saria.dataplane.dram.store import DramObject, DramStore
@@ -133,7 +134,7 @@ class TransferEngine:
         self._prewarms = Prewarms(self._tables, host_pool, self.dram, ssd, self._counters)
         self._layerwise: LayerwiseLoads | None = None  # started by the first load_layers()
         self._layer_saves: LayerSaves | None = None  # started by the first store_layers()
-        self._retirer = Retirer()  # what waits for the device, off the hooks' thread (retire())
+        self._retirer = Retirer(on_start=pool_initializer(self.device))  # what waits for the device, off the hooks' thread (retire())
         self._closed = False
 
     @property

@@ -46,7 +46,7 @@ import torch
 from saria.kernels import PageTable, prepare_scattered
 from saria.orders import Tier
 
-from saria.dataplane.devices import bind_thread
+from saria.dataplane.devices import bind_thread, pool_initializer
 from saria.dataplane.dram.host_pool import HostPool, host_address_refusal
 from saria.dataplane.dram.staging import StagingPool
 from saria.dataplane.dram.store import DramStore
@@ -212,7 +212,7 @@ class LayerwiseLoads:
         self.layers = layers
         self.max_programs = max_programs
         self._own_retirer = retirer is None
-        self.retirer = retirer if retirer is not None else Retirer()  # what waits for the device, off the hooks
+        self.retirer = retirer if retirer is not None else Retirer(on_start=pool_initializer(streams.device))  # what waits for the device, off the hooks
         self._staging = StagingPool(torch.device("cpu"), keep=2)  # the CPU's SSD read-ahead buffers
         self.host_seconds: list[float] | None = None  # a list: each layer issue's host time is appended
         self.prepare_seconds: list[float] | None = None  # a list: each layer's precompute (checks) is appended
