@@ -84,7 +84,11 @@ def launch_config(table: PageTable, num_ids: int, *, interpreted: bool = INTERPR
     (one tile per program measured as good as fewer, longer programs from 1 to 8 chunks), so
     :func:`launch` computes it once per table. Order: ``"page"`` (the tile-major grid is a sweep
     option)."""
-    largest = max(s.page_bytes for s in table.segments)
+    return config_for_bytes(max(s.page_bytes for s in table.segments), interpreted=interpreted)
+
+
+def config_for_bytes(largest: int, *, interpreted: bool = INTERPRETED) -> LaunchConfig:
+    """:func:`launch_config` for pages of at most ``largest`` bytes."""
     page_words = -(-largest // 4)
     if interpreted:
         words = min(INTERPRETED_MAX_WORDS, max(16, _next_pow2(page_words)))
