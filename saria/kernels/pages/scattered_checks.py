@@ -118,12 +118,7 @@ def check_placements(where, offsets, buffers: Sequence[torch.Tensor], page_bytes
         raise IndexError(f"offsets[{t}, {i}] = {off} {what}")
     if not disjoint or offs.numel() < 2:
         return where, offs
-    if len(buffers) > 1:
-        lows = [b.data_ptr() for b in buffers]
-        spans = sorted((lo, lo + b.numel(), k) for k, (lo, b) in enumerate(zip(lows, buffers)) if b.numel())
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-            if start < end:
-                raise ValueError(f"buffers {a} and {b} share memory: packing would write the same bytes twice")
+    # By address: two buffers may be views of one memory, so regions are compared where they lie.
     starts = (torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)[where] + offs).reshape(-1)
     ends = starts + sizes.expand_as(offs).reshape(-1)
     order = torch.argsort(starts, stable=True)
