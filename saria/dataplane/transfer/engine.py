@@ -233,7 +233,9 @@ class TransferEngine:
         """The layer-wise reload paths (:mod:`~saria.dataplane.transfer.layerwise`), started on the
         first call with ``layers`` (the kv table's tensor indices grouped by model layer; default one
         tensor per layer) and ``max_programs`` (a cap on the programs of each layer's copy kernel,
-        so that it leaves SMs to a concurrent forward pass). Later calls return the same paths."""
+        so that it leaves SMs to a concurrent forward pass: None the default,
+        :data:`saria.kernels.COPY_MAX_PROGRAMS` on CUDA and none on the CPU; 0 none). Later calls
+        return the same paths (the layer-wise saves share them)."""
         self._check_open()
         if self._layerwise is None:
             self._layerwise = LayerwiseLoads(self._tables, self.host_pool, self.dram, self.ssd, self.coordinator,

@@ -155,7 +155,8 @@ class SariaWorker:
         if self.settings.audit_kv:
             self.audit = KVAudit(rank.kv_views, ssd_fp8=self.settings.ssd_dtype == "fp8")
         if self.layerwise:
-            self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors)
+            self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors,
+                                     max_programs=self.settings.layerwise_max_programs)
             if not self.layers.capable:
                 log.warning("saria worker: a page straddles two host slots; reloads go whole (still inside the step)")
 
