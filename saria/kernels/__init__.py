@@ -21,6 +21,7 @@ from .fp8 import (dequantize_naive, dequantize_staging, fp8_staging_bytes, pack_
 from .page_table import PageTable, Segment, StaleTableError
 from .pages import (COPY_MAX_PROGRAMS, LayeredCopy, ScatteredCopy, default_max_programs, drop_leading_pages, pack_pages, pack_pages_naive, pack_pages_torch,
                     prepare_layered, prepare_scattered, scattered_copy_naive, unpack_pages, unpack_pages_naive, unpack_pages_torch)
+from .warm import warm_kernels
 from .state import pack_state, pack_state_naive, state_table, unpack_state, unpack_state_naive
 
 __all__ = [
@@ -30,5 +31,5 @@ __all__ = [
     "pack_pages_fp8_naive", "pack_pages_naive", "pack_pages_torch", "pack_state", "pack_state_naive",
     "default_max_programs", "prepare_layered", "prepare_scattered", "quantize_naive", "quantize_staging", "resolve_backend", "scattered_copy_naive",
     "state_table", "unpack_pages", "unpack_pages_fp8", "unpack_pages_fp8_naive", "unpack_pages_naive",
-    "unpack_pages_torch", "unpack_state", "unpack_state_naive",
+    "unpack_pages_torch", "unpack_state", "unpack_state_naive", "warm_kernels",
 ]

@@ -54,7 +54,7 @@ import torch
 
 from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
     WriteOrder
-from saria.kernels import PageTable
+from saria.kernels import PageTable, warm_kernels
 
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.dram.staging import StagingPool
@@ -225,6 +225,18 @@ class TransferEngine:
         if items:
             items[0].skip = skip_pages
         return items
+
+    def warm_kernels(self) -> list[tuple]:
+        """Compile every kernel variant this engine can launch (:func:`saria.kernels.warm_kernels`):
+        its tables' pack and unpack, FP8 with ``ssd_dtype=fp8``, and, once :meth:`layerwise` made its
+        paths, the layer-wise copies for their layers and cap. Call it on the thread that opened the
+        engine, before serving (the worker does, in ``register_kv_caches``)."""
+        self._check_open()
+        tables, paths = self._tables, self._layerwise
+        return warm_kernels(tables.kv_table, tables.pages_per_chunk, state_table=tables.state_table,
+                            state_pages=tables.state_pages, fp8=tables.quantized(KV),
+                            layers=None if paths is None or not paths.capable else paths.layers,
+                            max_programs=None if paths is None else paths.max_programs)
 
     # --- layer-wise reloads ----------------------------------------------------------------------
 

@@ -159,6 +159,9 @@ class SariaWorker:
                                      max_programs=self.settings.layerwise_max_programs)
             if not self.layers.capable:
                 log.warning("saria worker: a page straddles two host slots; reloads go whole (still inside the step)")
+        # Every kernel variant the data plane can launch, compiled here on vLLM's main thread before
+        # anything is served (not mid-serving on the path, save and SSD threads: saria.kernels.variants).
+        rank.parts.engine.warm_kernels()
 
     # --- loads -----------------------------------------------------------------------------------
 

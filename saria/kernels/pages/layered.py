@@ -36,7 +36,7 @@ from ..page_table import PageTable
 from .scattered import _as_ids, _raw_stream, _scattered_kernel, _torch_ops
 from .scattered_checks import check_placements, check_scattered_buffer
 from .triton import MAX_GRID_YZ, config_for_bytes
-from ..variants import launcher_for
+from ..variants import launcher_for, warm
 
 # A conservative cap on the programs (CTAs) of one layer's copy kernel on a GPU, until one is
 # measured (bench/bench_layerwise.py --max-programs on a lent device; docs/kernels.md). A layer-wise
@@ -256,3 +256,18 @@ def _torch_layer(tables: Sequence[PageTable], group: list[int], buffers: list[to
 
     return run
 
+
+
+def warm_layered(table: PageTable, layers: Sequence[Sequence[int]], max_programs: int | None) -> list[tuple]:
+    """Compile (record, under the interpreter) every variant :func:`prepare_layered` can launch for
+    ``table`` grouped as ``layers`` with this cap: per layer's launch rule (its largest page), the
+    one-program-per-tile grid and, with a cap, the persistent one. Returns their keys."""
+    device = table.device
+    work = torch.zeros((1, 3), dtype=torch.int64, device=device)
+    keys = []
+    for largest in sorted({max(table.segments[t].page_bytes for t in group) for group in layers if group}):
+        cfg = config_for_bytes(largest)
+        for persistent in ((False, True) if max_programs is not None else (False,)):
+            keys.append(warm(_scattered_kernel, device, (work, 0, 1, 1, 1, 1),
+                             dict(WORDS=cfg.words, BYTES=cfg.bytes, PERSISTENT=persistent), cfg.num_warps))
+    return keys
