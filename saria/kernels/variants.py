@@ -24,6 +24,7 @@ exactly as on a GPU, so the CPU tests count what a GPU would compile.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -43,6 +44,7 @@ FAST_LAUNCH = True
 COMPILE_LOCK = threading.Lock()  # around every compile (a warm-up, or a variant first met late)
 SEEN: dict[tuple, str] = {}  # variant key -> "warm" (warmed at start) or "late" (first met when launched)
 LATE: list[tuple] = []  # the variants first met by a launch (not warmed): each a compile while serving
+LAUNCHES: Counter = Counter()  # variant key -> launches through Triton's dispatch (launch(): the CPU, tests)
 _COMPILED: dict[tuple, object] = {}  # (variant key, device index) -> the compiled kernel (CUDA)
 
 
@@ -96,6 +98,7 @@ def launch(kernel, grid: tuple, args: tuple, consts: dict, num_warps: int) -> No
     """Launch ``kernel`` through Triton's dispatch: a variant not warmed is recorded (:data:`LATE`)
     and, on a GPU, compiled under :data:`COMPILE_LOCK`."""
     key = variant_key(kernel, args, consts, num_warps)
+    LAUNCHES[key] += 1
     if key in SEEN:
         with launch_guard():
             kernel[grid](*args, **consts, num_warps=num_warps)
