@@ -48,22 +48,51 @@ LAUNCHES: Counter = Counter()  # variant key -> launches through Triton's dispat
 _COMPILED: dict[tuple, object] = {}  # (variant key, device index) -> the compiled kernel (CUDA)
 
 
-def _options(kernel) -> tuple[set, set]:
-    kw = getattr(kernel, "kwargs", None)
-    if kw is None:  # a JITFunction: its params carry the flags
-        params = getattr(kernel, "params", ())
-        return ({p.name for p in params if p.do_not_specialize},
-                {p.name for p in params if p.do_not_specialize_on_alignment})
-    return set(kw.get("do_not_specialize") or ()), set(kw.get("do_not_specialize_on_alignment") or ())
+_FLAGS: dict[int, tuple] = {}  # id(kernel) -> (name, per argument: (specialize, align))
+
+
+def _flags(kernel) -> tuple:
+    """The kernel's name and, per argument in order, whether Triton specializes its value and its
+    alignment (``do_not_specialize`` / ``do_not_specialize_on_alignment``), computed once."""
+    flags = _FLAGS.get(id(kernel))
+    if flags is None:
+        kw = getattr(kernel, "kwargs", None)
+        if kw is None:  # a JITFunction: its params carry the flags
+            params = getattr(kernel, "params", ())
+            no_spec = {p.name for p in params if p.do_not_specialize}
+            no_align = {p.name for p in params if p.do_not_specialize_on_alignment}
+        else:  # an InterpretedFunction: the decorator's arguments
+            no_spec = set(kw.get("do_not_specialize") or ())
+            no_align = set(kw.get("do_not_specialize_on_alignment") or ())
+        name = getattr(kernel, "__name__", None) or getattr(kernel.fn, "__name__", "?")
+        flags = _FLAGS[id(kernel)] = (name, tuple((n not in no_spec, n not in no_align) for n in kernel.arg_names))
+    return flags
 
 
 def _arg_names(kernel) -> list[str]:
     return list(kernel.arg_names)
 
 
+_I32, _I64, _U64 = ("i32", None), ("i64", None), ("u64", None)
+_TENSOR_SPECS: dict = {}  # (dtype, specialize) -> a tensor's specialization when its alignment is not specialized
+
+
 def _spec(arg, specialize: bool, align: bool):
+    # The cases saria's launches meet most, without the C++ call (~1 us a tensor): an unspecialized
+    # int is its type alone, a tensor without alignment its dtype alone (tests check both against
+    # Triton's own function).
+    kind = type(arg)
+    if kind is int and not specialize:
+        return _I32 if -2**31 <= arg < 2**31 else _I64 if -2**63 <= arg < 2**63 else _U64
+    if not align and kind is torch.Tensor:
+        spec = _TENSOR_SPECS.get((arg.dtype, specialize))
+        if spec is None and native_specialize_impl is not None:
+            spec = _TENSOR_SPECS[(arg.dtype, specialize)] = native_specialize_impl(BaseBackend, arg, False,
+                                                                                   specialize, False)
+        if spec is not None:
+            return spec
     if native_specialize_impl is not None:
-        return tuple(native_specialize_impl(BaseBackend, arg, False, specialize, align))
+        return native_specialize_impl(BaseBackend, arg, False, specialize, align)
     if isinstance(arg, torch.Tensor):  # pragma: no cover
         return (str(arg.dtype), align and arg.data_ptr() % 16 == 0)
     if isinstance(arg, bool):  # pragma: no cover
@@ -77,11 +106,9 @@ def _spec(arg, specialize: bool, align: bool):
 def variant_key(kernel, args: tuple, consts: dict, num_warps: int) -> tuple:
     """The variant Triton compiles for a launch of ``kernel`` with positional ``args`` (every
     non-constexpr argument, in order), constexprs ``consts`` and ``num_warps``."""
-    names = _arg_names(kernel)
-    no_spec, no_align = _options(kernel)
-    specs = tuple(_spec(a, name not in no_spec, name not in no_align) for name, a in zip(names, args))
-    return (kernel.__name__ if hasattr(kernel, "__name__") else getattr(kernel.fn, "__name__", "?"),
-            specs, tuple(sorted(consts.items())), num_warps)
+    name, flags = _flags(kernel)
+    specs = tuple([_spec(a, s, al) for a, (s, al) in zip(args, flags)])
+    return (name, specs, tuple(sorted(consts.items())), num_warps)
 
 
 def note(key: tuple, how: str) -> bool:
