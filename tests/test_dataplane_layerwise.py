@@ -238,12 +238,15 @@ def test_layerwise_writes_exactly_the_planned_pages_over_random_steps(tmp_path_f
     """Random steps (1-3 plans of 1-4 chunks from DRAM or SSD, a skipped leading part, layers of
     one or two tensors, objects in one or several host slots, layers waited for in any order):
     each planned page holds its chunk's source page, every other page is untouched (the spec, page
-    by page), and a whole reload of the same plans writes the same bytes (differential)."""
+    by page), and a whole reload of the same plans writes the same bytes (differential), with
+    either backend of the step-wide copies."""
     tmp_path = tmp_path_factory.mktemp("lw")
     multi = data.draw(st.booleans(), label="objects over several host slots")
     caches = caches_of(16, 4, 32, layers=4) if multi else caches_of(4, 2, 8, layers=4)
     layers = [[0, 1], [2, 3]] if data.draw(st.booleans(), label="two tensors per layer") else None
     with rig(tmp_path, caches, 16384 if multi else 4096, slots=40, ssd_slots=40, layers=layers) as (_, eng, store):
+        # The Triton kernel (interpreted here) or the torch twin: the same step-wide preparation.
+        eng.layerwise().backend = data.draw(st.sampled_from(["auto", "torch"]), label="backend")
         loads, expect, c = [], {}, 0
         free = list(range(20, 44))
         for p in range(data.draw(st.integers(1, 3), label="plans")):

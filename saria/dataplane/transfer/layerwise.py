@@ -173,6 +173,7 @@ class LayerwiseLoads:
         elif max_programs == 0:
             max_programs = None
         self.max_programs = max_programs
+        self.backend = "auto"  # of the copies (saria.kernels.resolve_backend); tests set "torch" for the CPU twin
         self._staging = StagingPool(torch.device("cpu"), keep=2)  # the CPU's SSD read-ahead buffers
         self.host_seconds: list[float] | None = None  # a list: each layer issue's host time is appended
         self.prepare_seconds: list[float] | None = None  # a list: each step's preparation (all layers) is appended
@@ -342,7 +343,7 @@ class LayerwiseLoads:
         """One step's copies of every layer (:func:`~saria.kernels.prepare_layered`), checked and
         built in one pass; on CUDA the work array is uploaded on the current stream."""
         return prepare_layered(self.tables.kv_table, self.layers, buffers, ids, where, offsets, pack=pack,
-                               max_programs=self.max_programs, tensor_tables=self.tensor_tables)
+                               backend=self.backend, max_programs=self.max_programs, tensor_tables=self.tensor_tables)
 
 
 class LayerLaunch:
