@@ -198,3 +198,45 @@ def test_slot_layout_matches_a_walk_of_the_pool(data):
         got = [(t, int(chosen[i]), buffers[int(where[t, i])].data_ptr() + int(offsets[t, i]))
                for t in range(tensors) for i in range(chosen.numel())]
         assert got == walk
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda_only
+def test_cuda_pinned_buffers_uploaded_on_one_stream_launched_on_another(monkeypatch):
+    """On a GPU: two pinned host buffers (host pool segments), the work array uploaded on the
+    stream prepare ran on and the layers launched on another (each first launch there waits for
+    the upload), the default cap applied; every byte as the naive reference has it. The variants
+    were warmed first: no late compile."""
+    from saria.kernels import variants, warm_kernels
+    monkeypatch.setattr(variants, "LATE", [])
+    caches = [random_bytes((64, 2, 16, 8, 128), torch.bfloat16, t).cuda() for t in range(4)]
+    table = PageTable(caches)
+    layers, cap = [[0, 1], [2, 3]], default_max_programs(table.device)
+    warm_kernels(table, 4, layers=layers, max_programs=cap)
+    page = caches[0][0].numel() * 2
+    ids = torch.tensor([5, 9, 2, 40])
+    where = torch.tensor([[0, 1, 0, 1]] * 4)
+    offsets = torch.tensor([[(2 * t + i // 2) * page for i in range(4)] for t in range(4)])
+    buffers = [torch.zeros(8 * page, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        copy = prepare_layered(table, layers, buffers, ids, where, offsets, pack=True, max_programs=cap)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        for layer in range(2):
+            copy.launch(layer)
+    other.synchronize()
+    want = [torch.zeros_like(b) for b in buffers]
+    _naive(want, where, offsets, [c.cpu() for c in caches], ids.tolist(), layers, pack=True)
+    assert all(torch.equal(g, w) for g, w in zip(buffers, want))
+    assert all(p <= cap for p in copy.programs) and variants.LATE == []
+    fresh = [torch.zeros_like(c) for c in caches]
+    back = prepare_layered(PageTable(fresh), layers, buffers, ids, where, offsets, pack=False, max_programs=cap)
+    for layer in range(2):
+        back.launch(layer)
+    torch.cuda.synchronize()
+    for got, ref in zip(fresh, caches):
+        assert torch.equal(got[ids.cuda()].view(torch.int16), ref[ids.cuda()].view(torch.int16))
+    assert variants.LATE == []

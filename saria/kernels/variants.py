@@ -178,7 +178,8 @@ def launcher_for(kernel, device: torch.device, grid: tuple, args: tuple, consts:
     if not isinstance(signature, dict) or list(signature) != names or any(
             signature[c] != "constexpr" for c in consts):
         return dispatch
-    runner = compiled[grid + (1,) * (3 - len(grid))]  # the launcher reads three axes
+    with torch.cuda.device(device):  # the first one loads the module into this device's context
+        runner = compiled[grid + (1,) * (3 - len(grid))]  # the launcher reads three axes
     values = args + tuple(consts[name] for name in names[len(args):])
 
     def fast(stream=None):
