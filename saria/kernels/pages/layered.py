@@ -19,8 +19,10 @@ layer ``l``'s tensors are one run of rows), on CUDA uploaded once on the caller'
 array (the kernel works on addresses, so every tensor and every buffer of a layer is one launch).
 
 The torch path (``backend="torch"``, the CPU without the interpreter) runs the same preparation
-(the checks, the same per-(tensor, page) placement) and precomputes each layer's torch copies from
-it (slice copies over runs of pages, indexed copies otherwise, as ``prepare_scattered`` does).
+(the checks, the same per-(tensor, page) placement) and works out each layer's torch copies from
+it at the layer's first launch (slice copies over runs of pages, indexed copies otherwise, as
+``prepare_scattered`` does): on the CPU a layer's copies run on the launching thread, so working
+out every layer's before the first would only hold the first back.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def prepare_layered(table: PageTable, layers: Sequence[Sequence[int]], buffers: 
         else:
             tables = tensor_tables if tensor_tables is not None else [
                 PageTable([t], names=[name]) for t, name in zip(table.tensors, table.names)]
-            set_(copy, "_runs", [_torch_layer(tables, group, buffers, host_ids, where, offs, pack) for group in groups])
+            set_(copy, "_runs", [_lazy(tables, group, buffers, host_ids, where, offs, pack) for group in groups])
     return copy
 
 
@@ -227,6 +229,24 @@ def _prepare_triton(copy: LayeredCopy, table: PageTable, groups: list[list[int]]
 
 def _nothing(stream=None) -> None:
     return None
+
+
+def _lazy(tables: Sequence[PageTable], group: list[int], buffers: list[torch.Tensor], ids: torch.Tensor,
+          where: torch.Tensor, offs: torch.Tensor, pack: bool) -> Callable:
+    """The torch path's layer ``group``: its copies worked out (from the step's checked placement)
+    at its first launch, then kept. On the CPU a layer's copies run at once on the thread that
+    launches them, so layer ``l``'s copies are then under way while nothing waits on layer
+    ``l + 1``'s; worked out for every layer before the first, they would hold back the first
+    layer by the whole step's (a few ms for 36 layers of 16 chunks)."""
+    plan: list[Callable] = []
+
+    def run(stream=None):
+        if not plan:
+            with torch.inference_mode(False):
+                plan.append(_torch_layer(tables, group, buffers, ids, where, offs, pack))
+        plan[0]()
+
+    return run
 
 
 def _torch_layer(tables: Sequence[PageTable], group: list[int], buffers: list[torch.Tensor], ids: torch.Tensor,
