@@ -127,14 +127,15 @@ def test_an_in_step_load_while_off_or_refused_goes_back_in_error(tmp_path):
     worker.shutdown()
 
 
-def test_stores_go_layer_by_layer_and_land_by_wait_for_save(tmp_path):
+def test_stores_go_layer_by_layer_and_land_once_their_copies_ran_after_wait_for_save(tmp_path):
     worker = worker_for(tmp_path)
     size = CHUNK * KV_BYTES_PER_TOKEN
     meta = SariaConnectorMetadata(orders=[RequestOrders("r0", (StoreOrder(1, ("h0",), (), size),), {"h0": (2, 3)})])
     worker.before_forward(meta)
     assert worker.saves.step is not None and worker._reading["r0"]  # the pages are read from now on
     worker.save_kv_layer("l0")
-    worker.wait_for_save(meta)
+    worker.wait_for_save(meta)  # hands the step over: it ends on the engine's retire thread
+    assert worker.data.engine.settle(timeout=30)
     assert all(event.is_set() for event in worker._reading["r0"])  # every copy ran: vLLM may reuse the pages
     assert [c.ok for c in completions(worker, 1)] == [True]
     engine = worker.data.engine

@@ -65,6 +65,7 @@ from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.dram_loads import DramLoads
 from saria.dataplane.transfer.layer_saves import LayerSaves, StepSave
 from saria.dataplane.transfer.layerwise import LayerwiseLoads, StepLoad
+from saria.dataplane.transfer.retire import Retirer
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
 from saria.dataplane.transfer.packing import Packer
 from saria.dataplane.transfer.prewarm import Prewarms
@@ -132,6 +133,7 @@ class TransferEngine:
         self._prewarms = Prewarms(self._tables, host_pool, self.dram, ssd, self._counters)
         self._layerwise: LayerwiseLoads | None = None  # started by the first load_layers()
         self._layer_saves: LayerSaves | None = None  # started by the first store_layers()
+        self._retirer = Retirer()  # what waits for the device, off the hooks' thread (retire())
         self._closed = False
 
     @property
@@ -251,7 +253,8 @@ class TransferEngine:
         self._check_open()
         if self._layerwise is None:
             self._layerwise = LayerwiseLoads(self._tables, self.host_pool, self.dram, self.ssd, self.coordinator,
-                                             self._streams, self._counters, layers, max_programs=max_programs)
+                                             self._streams, self._counters, layers, max_programs=max_programs,
+                                             retirer=self._retirer)
         return self._layerwise
 
     def layerwise_ok(self, plan: ReloadPlan) -> bool:
@@ -282,6 +285,17 @@ class TransferEngine:
             jobs.append(LoadJob(plan, items, None, after=after))
         self._counters.add(loads=len(jobs), load_objects=sum(len(j.items) for j in jobs))
         return paths.submit(jobs)
+
+    def retire(self, events: Sequence, then) -> None:
+        """Run ``then()`` off the caller's thread once the device reached ``events`` (the hot-path
+        rule, :mod:`~saria.dataplane.transfer.retire`): what may only happen after a copy ran
+        (staging given back, an object published) without a hook ever waiting for the device."""
+        self._retirer.after(events, then)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until everything handed to :meth:`retire` (and the layer-wise steps' ends) ran: a
+        reset, a new epoch, sleep. Whether it did within ``timeout``."""
+        return self._retirer.drain(timeout)
 
     # --- layer-wise saves ------------------------------------------------------------------------
 
@@ -450,6 +464,7 @@ class TransferEngine:
             self._layer_saves.close()  # fails the steps not finished: no slot or released left behind
         if self._layerwise is not None:
             self._layerwise.close()
+        self._retirer.close()  # after the steps' ends: every staging and slot is back
         self._dram_loads.close()  # may still submit a serial plan's SSD reads
         self._packer.close()
         self._prewarms.close()

@@ -19,12 +19,15 @@ hold up the forward. It returns a :class:`StepSave`:
   address), one event recorded after them; the host never waits. On the CPU the layer is handed to
   the engine's save thread, which copies the layers in the order handed over while the forward
   goes on.
-* :meth:`StepSave.finish` (``wait_for_save``) copies every layer no hook saved (a forward that
-  skipped one: its pages are complete once the forward ran), waits until every copy ran, sets
-  each order's ``released`` event (no copy reads the pages any more) and publishes the objects in
-  the :class:`~saria.dataplane.dram.store.DramStore`, their checksums left to be computed where
-  they are needed (``None``: an SSD write or a cluster put computes a part's own). It returns one
-  :class:`~saria.dataplane.transfer.results.OrderRun` per order, its completion done.
+* :meth:`StepSave.end` (``wait_for_save``) copies every layer no hook saved (a forward that
+  skipped one: its pages are complete once the forward ran) and returns at once, one
+  :class:`~saria.dataplane.transfer.results.OrderRun` per order. Once every copy ran (observed by
+  the engine's :class:`~saria.dataplane.transfer.retire.Retirer`, off the hooks' thread: a hook
+  never waits for the device), each order's ``released`` event is set (no copy reads the pages
+  any more), the objects are published in the :class:`~saria.dataplane.dram.store.DramStore`
+  (their checksums left to be computed where they are needed: ``None``, an SSD write or a
+  cluster put computes a part's own) and the completions are done. :meth:`StepSave.finish` is
+  the blocking form (it returns once all that happened).
 
 A fault (a copy refused, the engine closing) fails every object of the step: their slots are
 freed once no copy can still write them, the completions name them, and ``released`` is set all
@@ -83,8 +86,10 @@ class StepSave:
         self._events: list[Event | None] = [None] * layers  # CUDA: recorded after the layer's copies
         self._error: BaseException | None = None  # the first fault: every object of the step fails
         self._lock = threading.Lock()
-        self._finished = False  # finish() was called
+        self._finished = False  # end() or finish() was called
+        self._handed = False  # end() handed the step to the retire thread
         self._ended = False  # released, published or freed, completed
+        self._ended_event = threading.Event()  # set once _ended
         self._t0: float | None = None
 
     # --- per layer (the forward's thread) --------------------------------------------------------
@@ -135,7 +140,8 @@ class StepSave:
             saves.submit(self, layer)
 
     def _run_layer(self, layer: int) -> None:
-        """CPU: the save thread copies one layer (never raises: a fault fails the step)."""
+        """CPU: the save thread copies one layer (never raises: a fault fails the step), then records
+        the layer's event (the :class:`~saria.dataplane.transfer.streams.HostEvent` twin of CUDA's)."""
         try:
             if self._error is None:
                 for copy in self._copies_for(layer):
@@ -143,7 +149,10 @@ class StepSave:
         except Exception as exc:
             self._fault(exc)
         finally:
-            self._done[layer].set()
+            try:
+                self._events[layer] = self._saves.streams.record("offload")
+            finally:
+                self._done[layer].set()
 
     def _copies_for(self, layer: int) -> list:
         """Layer ``layer``'s copy (one launch), the step's copies of every layer prepared first if
@@ -172,23 +181,49 @@ class StepSave:
 
     # --- the end of the step ---------------------------------------------------------------------
 
+    def end(self) -> list[OrderRun]:
+        """Copy the layers no hook saved and hand the rest to the engine's retire thread: once
+        every copy ran it releases the pages, publishes the objects and completes the runs (module
+        docstring). Returns :attr:`runs` at once, without waiting for any copy (the hot-path rule).
+        Called again (or after :meth:`finish`), returns them again."""
+        if self._ended or self._handed:
+            self._finished = True
+            return self.runs
+        self._issue_late()
+        self._finished = True
+        self._handed = True
+        self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
+        return self.runs
+
     def finish(self, timeout: float | None = None) -> list[OrderRun]:
         """Copy the layers no hook saved, wait until every copy ran, release the pages and publish
-        the objects (module docstring); returns :attr:`runs`, every completion done. Called again,
+        the objects (module docstring); returns :attr:`runs`, every completion done: the blocking
+        form of :meth:`end` (closing, tests, benchmarks; never a per-step hook). Called again,
         returns them again. ``TimeoutError`` if the copies are not done within ``timeout``
         seconds: nothing is released or published then (call it again)."""
         if self._ended:
             self._finished = True
             return self.runs
+        if self._handed:
+            if not self._ended_event.wait(timeout):
+                raise TimeoutError("layer-wise saves not retired in time")
+            return self.runs
+        self._issue_late()
+        self._wait(None if timeout is None else time.monotonic() + timeout)
+        self._finished = True
+        self._end()
+        return self.runs
+
+    def _issue_late(self) -> None:
         late = [layer for layer in range(self.layers) if not self.saved[layer]]
         for layer in late:
             self.saved[layer] = True
             self._issue(layer)
         self._saves.counters.add(layer_saves_late=len(late))
-        self._wait(None if timeout is None else time.monotonic() + timeout)
-        self._finished = True
+
+    def _retire(self) -> None:
+        """The retire thread: every copy ran (``_wait`` returned): release, publish, complete."""
         self._end()
-        return self.runs
 
     def _wait(self, deadline: float | None) -> None:
         for layer in range(self.layers):
@@ -249,6 +284,7 @@ class StepSave:
                     failed = [obj.key for obj in mine if obj.error is not None]
                     run.completion.set_result(Completion.of(run.order.order_id, len(mine), failed))
             saves.forget(self)
+            self._ended_event.set()
         seconds = time.perf_counter() - self._t0 if self._t0 is not None and published else 0.0
         saves.counters.add(gpu_to_dram_bytes=published, gpu_to_dram_seconds=seconds)
 
@@ -258,6 +294,9 @@ class StepSave:
         if self._ended:
             return
         self._fault(error)
+        if self._handed:  # the retire thread ends it once its copies ran
+            self._ended_event.wait()
+            return
         for layer in range(self.layers):
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
                 self._done[layer].set()
@@ -281,6 +320,7 @@ class LayerSaves:
         self.counters = counters
         self.kv_bytes = tables.kv_bytes
         self.host_seconds: list[float] | None = None  # a list: each save_layer's host time is appended
+        self.retirer = loads.retirer  # ends a step once its copies ran (StepSave.end)
         self._open: set[StepSave] = set()  # steps started, not finished
         self._lock = threading.Lock()
         self._closed = False

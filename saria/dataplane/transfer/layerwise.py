@@ -17,15 +17,20 @@ submitted, so that each layer costs a few launches:
   the ``ssd`` stream. An object that failed its read is never copied, at no layer: its load fails,
   and its chunk and every chunk after it in its plan are recomputed by the engine.
 
-Per layer and path the step keeps a host event ``issued`` (the layer's copies are queued) and, on
-CUDA, a device event recorded after them. :meth:`StepLoad.wait_layer` waits for the first and
-makes the caller's current stream wait for the second: the host never blocks on the device. On the
-CPU the path threads copy synchronously, so ``issued`` means done and the caller's thread waits on
-it (the twin of the device wait). A path that fails part-way still sets every layer's event (a
-layer never waits forever); its objects are failed.
+Per layer and path the step keeps a host event ``issued`` (the layer's copies are queued) and a
+device event recorded after them (on the CPU its :class:`~saria.dataplane.transfer.streams.HostEvent`
+twin). :meth:`StepLoad.wait_layer` waits for the first and makes the caller's current stream wait
+for the second: the host never blocks on the device. On the CPU the path threads copy
+synchronously, so ``issued`` means done and the caller's thread waits on it (the twin of the
+device wait). A path that fails part-way still sets every layer's event (a layer never waits
+forever); its objects are failed.
 
-Each plan is a :class:`~saria.dataplane.transfer.load_job.LoadJob` as for whole reloads: its
-result (failed objects, valid chunks) is ready once :meth:`StepLoad.finish` returns.
+Each plan is a :class:`~saria.dataplane.transfer.load_job.LoadJob` as for whole reloads. After the
+forward, :meth:`StepLoad.end` returns each job's result (failed objects, valid chunks: known on the
+host once every layer is issued) without waiting for the device: the forward's stream already
+waits for every layer's copies. What the copies still read (the SSD staging) is given back by the
+engine's :class:`~saria.dataplane.transfer.retire.Retirer` once the device reached the last
+layer's events. :meth:`StepLoad.finish` is the blocking form (closing, tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
 from saria.dataplane.transfer.results import TransferCounters
+from saria.dataplane.transfer.retire import Retirer
 from saria.dataplane.transfer.streams import Event, Streams
 from saria.dataplane.transfer.tables import Tables, log
 
@@ -90,18 +96,22 @@ class _Path:
 
 class StepLoad:
     """One step's layer-wise reloads in flight (module docstring): ``jobs`` (one per plan, in the
-    order submitted); :meth:`wait_layer` before the layer reads its pages, :meth:`finish` once the
+    order submitted); :meth:`wait_layer` before the layer reads its pages, :meth:`end` once the
     step's forward is queued."""
 
     def __init__(self, jobs: list[LoadJob], paths: list[_Path], layers: int, streams: Streams,
-                 counters: TransferCounters):
+                 counters: TransferCounters, retirer: Retirer):
         self.jobs = jobs
         self.layers = layers
         self._paths = paths
         self._streams = streams
         self._counters = counters
-        self._keep: list[object] = []  # host buffers the device reads until finish()
-        self._give: list[tuple] = []  # (pool, handle) of staging to give back at finish()
+        self._retirer = retirer
+        self._keep: list[object] = []  # host buffers the device reads until the step's copies ran
+        self._give: list[tuple] = []  # (pool, handle) of staging to give back then
+        self._lock = threading.Lock()
+        self._released = threading.Event()  # the staging is given back (every copy ran)
+        self._ended = False
         self.waited = [False] * layers
 
     def wait_layer(self, layer: int) -> None:
@@ -123,18 +133,39 @@ class StepLoad:
             if not self.waited[layer]:
                 self.wait_layer(layer)
 
-    def finish(self, timeout: float | None = None) -> list:
-        """Wait until every copy of the step ran (host and device) and return each job's
-        :class:`~saria.dataplane.transfer.load_job.LoadResult`, in submission order."""
+    def end(self, timeout: float | None = None) -> list:
+        """After the step's forward was queued: each job's
+        :class:`~saria.dataplane.transfer.load_job.LoadResult`, in submission order, once every
+        layer is issued (host work only: never waits for the device). The staging the copies read
+        goes back once the device ran them (the engine's retire thread). Called again, returns the
+        results again."""
         for path in self._paths:
             if not path.done.wait(timeout):
                 raise TimeoutError(f"layer-wise {path.name} reloads not done after {timeout} s")
+        results = [job.outcome(timeout) for job in self.jobs]
+        with self._lock:
+            ended, self._ended = self._ended, True
+        if not ended:
+            events = [event for path in self._paths for event in path.events if event is not None]
+            self._retirer.after(events, self._release)
+        return results
+
+    def finish(self, timeout: float | None = None) -> list:
+        """:meth:`end`, then wait until every copy of the step ran (host and device): the blocking
+        form, for closing and for callers without a stream to order (benchmarks, tests)."""
+        self.end(timeout)
         results = [job.wait(timeout) for job in self.jobs]
+        if not self._released.wait(timeout):
+            raise TimeoutError(f"layer-wise reloads' staging not given back after {timeout} s")
+        return results
+
+    def _release(self) -> None:
+        """Every copy of the step ran: the staging goes back (the retire thread)."""
         self._keep.clear()
         give, self._give = self._give, []
         for pool, handle in give:
             pool.give(handle)
-        return results
+        self._released.set()
 
 
 class LayerwiseLoads:
@@ -149,7 +180,8 @@ class LayerwiseLoads:
 
     def __init__(self, tables: Tables, host_pool: HostPool, dram: DramStore, ssd: SSDStore | None,
                  coordinator: Coordinator, streams: Streams, counters: TransferCounters,
-                 layers: Sequence[Sequence[int]] | None = None, *, max_programs: int | None = None):
+                 layers: Sequence[Sequence[int]] | None = None, *, max_programs: int | None = None,
+                 retirer: Retirer | None = None):
         table = tables.kv_table
         if layers is None:
             layers = [[t] for t in range(len(table))]
@@ -174,6 +206,8 @@ class LayerwiseLoads:
             max_programs = None
         self.max_programs = max_programs
         self.backend = "auto"  # of the copies (saria.kernels.resolve_backend); tests set "torch" for the CPU twin
+        self._own_retirer = retirer is None
+        self.retirer = retirer if retirer is not None else Retirer()  # what waits for the device, off the hooks
         self._staging = StagingPool(torch.device("cpu"), keep=2)  # the CPU's SSD read-ahead buffers
         self.host_seconds: list[float] | None = None  # a list: each layer issue's host time is appended
         self.prepare_seconds: list[float] | None = None  # a list: each step's preparation (all layers) is appended
@@ -202,7 +236,7 @@ class LayerwiseLoads:
             for item in job.items:
                 items["dram" if item.tier is Tier.DRAM else "ssd"].append((job, item))
         paths = [_Path(name, len(self.layers), [i for _, i in work]) for name, work in items.items() if work]
-        step = StepLoad(jobs, paths, len(self.layers), self.streams, self.counters)
+        step = StepLoad(jobs, paths, len(self.layers), self.streams, self.counters, self.retirer)
         self.counters.add(layerwise_steps=1, layerwise_objects=sum(len(w) for w in items.values()))
         for path in paths:
             self._queues[path.name].put((step, path, items[path.name]))
@@ -214,6 +248,8 @@ class LayerwiseLoads:
             self._queues[name].put(None)
         for thread in self._threads:
             thread.join()
+        if self._own_retirer:
+            self.retirer.close()
 
     # --- the path threads ------------------------------------------------------------------------
 
@@ -310,8 +346,12 @@ class LayerwiseLoads:
                 if pace and nbytes:
                     self.coordinator.acquire(nbytes)
                 t0 = time.perf_counter()
-                copy.launch(layer)
-                path.layer_done(layer, self.streams.record(path.name) if self.streams.cuda else None)
+                try:
+                    copy.launch(layer)
+                except BaseException:  # what was launched still reads the staging: the retire waits for it
+                    path.events[layer] = self.streams.record(path.name)
+                    raise
+                path.layer_done(layer, self.streams.record(path.name))  # CPU: its HostEvent twin
                 if self.host_seconds is not None:  # a benchmark reads the host cost of each layer's issue
                     self.host_seconds.append(time.perf_counter() - t0)
                 self.counters.add(layer_copies=int(nbytes > 0))

@@ -180,8 +180,8 @@ class SariaWorker:
                 self._start_layers(in_step)
             jobs = [job for spec in meta.loads if not spec.layerwise and (job := self._start_load(spec)) is not None]
             if jobs and not self.off and self.engine.device.type == "cpu":
-                for job in jobs:
-                    job.wait()
+                for job in jobs:  # host work only (a CPU copy is done once issued): never the device's events
+                    job.outcome()
         except Exception as exc:
             self._give_up("start_load_kv", exc)
             specs = getattr(meta, "loads", ())
