@@ -7,11 +7,13 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 thread) does everything a layer shares, once per step: it checks the orders (kv objects from the
 pages only: a GDN state has no layer hook and is stored whole), takes each object's host slots
 (an object that does not fit fails, as with ``store()``), and works out where every page's bytes
-go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_places`, the layout the
-layer-wise reload reads back). Each layer's copies, one :func:`~saria.kernels.prepare_scattered`
-PACK per (tensor, host pool segment), are prepared on the engine's save thread (CPU: as it copies
-each layer; CUDA: ahead of the forward's hooks, which then only launch), so their checks never
-hold up the forward. It returns a :class:`StepSave`:
+go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the
+layer-wise reload reads back, for every tensor and host pool segment at once). Every layer's PACK
+is then built in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
+uploaded once under the ``offload`` stream, each layer one launch at an offset into it), by the
+engine's save thread (CUDA: ahead of the forward's hooks, which then only launch; CPU: at the first
+layer handed to it) or by the first hook that needs it, so its checks never hold up the forward.
+It returns a :class:`StepSave`:
 
 * :meth:`StepSave.save_layer` (``save_kv_layer``: layer ``l`` just wrote its pages) costs a few
   launches. On CUDA: an event on the caller's current stream (the forward), the ``offload`` stream

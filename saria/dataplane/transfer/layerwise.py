@@ -4,13 +4,15 @@ docs/vllm.md, "Layer-wise reloads").
 
 :meth:`LayerwiseLoads.submit` takes a step's reloads (kv objects only: a hybrid model's state
 object has no layer hook and loads whole, :meth:`TransferEngine.load`) and returns a
-:class:`StepLoad` at once. Everything a layer's copy needs is worked out once, when the step is
-submitted, so that each layer costs a few launches:
+:class:`StepLoad` at once. Everything every layer's copy needs is worked out once per path and
+step, in one vectorized pass on the path's thread (:func:`~saria.kernels.prepare_layered`: the
+checks, one work array of addresses for every layer uploaded once on the path's stream), so that
+each layer costs one launch and one event:
 
-* **DRAM objects**: each layer's pages are copied straight out of the host slots, with one
-  :func:`~saria.kernels.prepare_scattered` copy per (tensor, host pool segment) holding them (on
-  CUDA a kernel that reads the pinned slots by address; on the CPU slice copies), on the ``dram``
-  stream, layer after layer, each layer's bytes released by the coordinator first (Eq. 4).
+* **DRAM objects**: each layer's pages are copied straight out of the host slots (where they lie:
+  :func:`slot_layout`; on CUDA a kernel that reads the pinned slots by address, every tensor and
+  host pool segment of the layer in one launch; on the CPU the torch twin's slice copies), on the
+  ``dram`` stream, layer after layer, each layer's bytes released by the coordinator first (Eq. 4).
 * **SSD objects**: read whole, as the SSD path reads them (verified or opened on the store's reader
   threads), into one host staging per step (pinned on CUDA): the SSD read runs ahead. Once every
   read of the step ended, each layer's pages of the objects that arrived are copied out of it on
