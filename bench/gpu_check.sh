@@ -52,7 +52,8 @@ step doctor 60 "$PY" -m saria.commands.cli doctor
 wanted doctor && "$PY" -m saria.commands.cli doctor --json >"$out/doctor.json" 2>/dev/null
 step kernel_tests 240 "${PYTEST[@]}" -n 8 tests/test_kernels_pages.py tests/test_kernels_state.py \
   tests/test_kernels_checksum.py tests/test_kernels_codegen.py tests/test_kernels_misuse.py \
-  tests/test_kernels_launch.py tests/test_kernels_oracle.py tests/test_kernels_fp8.py tests/test_kernels_scattered.py
+  tests/test_kernels_launch.py tests/test_kernels_oracle.py tests/test_kernels_fp8.py tests/test_kernels_scattered.py \
+  tests/test_kernels_layered.py tests/test_kernels_variants.py
 # SARIA_SWEEP_KERNELS=1 adds the tile/warp sweep (about a minute more) for re-tuning from the CSV.
 # The FP8 rows (pack_pages_fp8 / unpack_pages_fp8, target >= 0.80 of the D2D copy) run in this step.
 step bench_kernels 200 "$PY" bench/bench_kernels.py --csv "$out/bench_kernels.csv" \

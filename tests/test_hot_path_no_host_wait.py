@@ -149,10 +149,11 @@ def test_a_retired_step_survives_a_new_epoch_the_published_objects_are_dropped(t
 
 
 def test_a_launch_that_raises_part_way_keeps_the_ssd_staging_until_what_it_launched_ran(tmp_path, monkeypatch):
-    """A layer whose second copy is refused after its first was launched: the step's SSD staging
-    (which that first copy reads) goes back only once the device ran it, never at once."""
+    """A step whose second layer's launch is refused after its first layer's was launched: the
+    step's SSD staging (which that first launch reads) goes back only once the device ran it,
+    never at once."""
     from saria.dataplane.dram.staging import StagingPool
-    from saria.kernels import ScatteredCopy
+    from saria.kernels import LayeredCopy
     from test_dataplane_layerwise import caches_of, plan as engine_plan, put, rig
 
     caches = caches_of(4, 2, 8, layers=3)
@@ -160,19 +161,19 @@ def test_a_launch_that_raises_part_way_keeps_the_ssd_staging_until_what_it_launc
         put(engine, ["a"], [Tier.SSD])
         device = LaggingDevice(monkeypatch)
         launches, given = [], []
-        real_launch, real_give = ScatteredCopy.launch, StagingPool.give
+        real_launch, real_give = LayeredCopy.launch, StagingPool.give
 
-        def launch(copy):
-            launches.append(copy)
+        def launch(copy, layer):
+            launches.append(layer)
             if len(launches) == 2:
                 raise RuntimeError("refused by the twin")
-            real_launch(copy)
+            real_launch(copy, layer)
 
         def give(pool, handle):
             given.append(device.gate.is_set())
             real_give(pool, handle)
 
-        monkeypatch.setattr(ScatteredCopy, "launch", launch)
+        monkeypatch.setattr(LayeredCopy, "launch", launch)
         monkeypatch.setattr(StagingPool, "give", give)
         step = engine.load_layers([(engine_plan(["a"], [Tier.SSD]), [[40, 41]], 0)])
         (result,) = step.end(timeout=30)

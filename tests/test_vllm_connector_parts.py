@@ -92,10 +92,22 @@ def test_ssd_dtype_reaches_the_config_with_the_caches_element_size():
     ({"layerwise": "yes"}, 'layerwise must be true, false or "auto"'),
     ({"layerwise": 1}, 'layerwise must be true, false or "auto"'),
     ({"layerwise": None}, 'layerwise must be true, false or "auto"'),
+    ({"layerwise_max_programs": -1}, "layerwise_max_programs must be"),
+    ({"layerwise_max_programs": True}, "layerwise_max_programs must be"),
+    ({"layerwise_max_programs": "many"}, "layerwise_max_programs must be"),
 ])
 def test_bad_options_are_refused_clearly(extra, match):
     with pytest.raises(ValueError, match=match):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_layerwise_max_programs_is_auto_a_cap_or_none():
+    from saria.dataplane.transfer.layerwise import LayerwiseLoads
+    assert ConnectorSettings.from_extra_config({}).layerwise_max_programs is None
+    assert ConnectorSettings.from_extra_config({"layerwise_max_programs": "auto"}).layerwise_max_programs is None
+    assert ConnectorSettings.from_extra_config({"layerwise_max_programs": 8}).layerwise_max_programs == 8
+    assert ConnectorSettings.from_extra_config({"layerwise_max_programs": 0}).layerwise_max_programs == 0
+    assert "max_programs" in LayerwiseLoads.__init__.__code__.co_varnames
 
 
 def test_layerwise_resolves_per_device_and_never_for_hybrid_models():

@@ -54,7 +54,7 @@ import torch
 
 from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
     WriteOrder
-from saria.kernels import PageTable
+from saria.kernels import PageTable, warm_kernels
 
 from saria.dataplane.devices import pool_initializer
 from saria.dataplane.dram.host_pool import HostPool
@@ -229,6 +229,18 @@ class TransferEngine:
             items[0].skip = skip_pages
         return items
 
+    def warm_kernels(self) -> list[tuple]:
+        """Compile every kernel variant this engine can launch (:func:`saria.kernels.warm_kernels`):
+        its tables' pack and unpack, FP8 with ``ssd_dtype=fp8``, and, once :meth:`layerwise` made its
+        paths, the layer-wise copies for their layers and cap. Call it on the thread that opened the
+        engine, before serving (the worker does, in ``register_kv_caches``)."""
+        self._check_open()
+        tables, paths = self._tables, self._layerwise
+        return warm_kernels(tables.kv_table, tables.pages_per_chunk, state_table=tables.state_table,
+                            state_pages=tables.state_pages, fp8=tables.quantized(KV),
+                            layers=None if paths is None or not paths.capable else paths.layers,
+                            max_programs=None if paths is None else paths.max_programs)
+
     # --- layer-wise reloads ----------------------------------------------------------------------
 
     def layerwise(self, layers: Sequence[Sequence[int]] | None = None, *,
@@ -236,7 +248,9 @@ class TransferEngine:
         """The layer-wise reload paths (:mod:`~saria.dataplane.transfer.layerwise`), started on the
         first call with ``layers`` (the kv table's tensor indices grouped by model layer; default one
         tensor per layer) and ``max_programs`` (a cap on the programs of each layer's copy kernel,
-        so that it leaves SMs to a concurrent forward pass). Later calls return the same paths."""
+        so that it leaves SMs to a concurrent forward pass: None the default,
+        :data:`saria.kernels.COPY_MAX_PROGRAMS` on CUDA and none on the CPU; 0 none). Later calls
+        return the same paths (the layer-wise saves share them)."""
         self._check_open()
         if self._layerwise is None:
             self._layerwise = LayerwiseLoads(self._tables, self.host_pool, self.dram, self.ssd, self.coordinator,

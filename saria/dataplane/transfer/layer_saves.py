@@ -7,11 +7,13 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 thread) does everything a layer shares, once per step: it checks the orders (kv objects from the
 pages only: a GDN state has no layer hook and is stored whole), takes each object's host slots
 (an object that does not fit fails, as with ``store()``), and works out where every page's bytes
-go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_places`, the layout the
-layer-wise reload reads back). Each layer's copies, one :func:`~saria.kernels.prepare_scattered`
-PACK per (tensor, host pool segment), are prepared on the engine's save thread (CPU: as it copies
-each layer; CUDA: ahead of the forward's hooks, which then only launch), so their checks never
-hold up the forward. It returns a :class:`StepSave`:
+go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the
+layer-wise reload reads back, for every tensor and host pool segment at once). Every layer's PACK
+is then built in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
+uploaded once under the ``offload`` stream, each layer one launch at an offset into it), by the
+engine's save thread (CUDA: ahead of the forward's hooks, which then only launch; CPU: at the first
+layer handed to it) or by the first hook that needs it, so its checks never hold up the forward.
+It returns a :class:`StepSave`:
 
 * :meth:`StepSave.save_layer` (``save_kv_layer``: layer ``l`` just wrote its pages) costs a few
   launches. On CUDA: an event on the caller's current stream (the forward), the ``offload`` stream
@@ -50,7 +52,7 @@ from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
-from saria.dataplane.transfer.layerwise import LayerwiseLoads, prepare_layers, slot_places
+from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
 from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
 from saria.dataplane.transfer.streams import Event
 from saria.dataplane.transfer.tables import Blocks, Tables, log
@@ -79,8 +81,8 @@ class StepSave:
         self.saved = [False] * layers  # layers handed to a copy (by a hook or by finish)
         self._saves = saves
         self._objects = objects
-        self._prepared: list[list] = []  # per layer, in order: its prepared copies (made as the layers come)
-        self._preparing = None  # the generator that prepares the next layer's copies (None: all done, or none)
+        self._prepared = None  # the step's LayeredCopy, every layer's work (made once, by the first to need it)
+        self._preparing = None  # the function that prepares it (None: done, failed, or nothing to copy)
         self._prepare_lock = threading.Lock()
         self._nbytes = 0
         self._done = [threading.Event() for _ in range(layers)]  # the layer's copies queued (CUDA) or ran (CPU)
@@ -156,26 +158,21 @@ class StepSave:
                 self._done[layer].set()
 
     def _copies_for(self, layer: int) -> list:
-        """Layer ``layer``'s copies, prepared now if they are not yet (with every layer before it):
-        the checks of a layer run when it comes (on the CPU on the save thread), not all before
-        the forward. Raises what a preparation raises (the caller fails the step)."""
-        while True:
-            with self._prepare_lock:  # one layer at a time: a second thread preparing ahead interleaves
-                if len(self._prepared) > layer or self._preparing is None:
-                    return self._prepared[layer] if layer < len(self._prepared) else []
-                try:
-                    self._prepared.append(next(self._preparing).copies)
-                except StopIteration:
-                    self._preparing = None
+        """Layer ``layer``'s copy (one launch), the step's copies of every layer prepared first if
+        they are not yet (one pass: the save thread does it ahead of the hooks, else the first
+        caller). Raises what the preparation raises (the caller fails the step)."""
+        with self._prepare_lock:
+            if self._prepared is None and self._preparing is not None:
+                prepare, self._preparing = self._preparing, None
+                self._prepared = prepare()
+            return [] if self._prepared is None else [LayerLaunch(self._prepared, layer)]
 
     def _prepare_ahead(self) -> None:
         """CUDA: the save thread prepares every layer's copies ahead of the forward's hooks, which
         then only launch (never raises: a fault fails the step)."""
         try:
-            for layer in range(self.layers):
-                if self._error is not None or self._ended:
-                    return
-                self._copies_for(layer)
+            if self._error is None and not self._ended:
+                self._copies_for(0)
         except Exception as exc:
             self._fault(exc)
 
@@ -259,7 +256,7 @@ class StepSave:
             self._fault(error)
         self._ended = True
         with self._prepare_lock:  # the prepared copies hold the tables and slots
-            self._prepared, self._preparing = [], None
+            self._prepared, self._preparing = None, None
         published = 0
         try:
             for run in self.runs:
@@ -369,10 +366,9 @@ class LayerSaves:
             self._allocate(objects)
             placed = [obj for obj in objects if obj.slots is not None]
             if placed:
-                per_tensor = slot_places(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
-                                         torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
-                step._preparing = prepare_layers(self.loads.layers, self.loads.tensor_tables, per_tensor, pack=True,
-                                                 max_programs=self.loads.max_programs)  # layer by layer, as they come
+                layout = slot_layout(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
+                                     torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
+                step._preparing = lambda: self._prepare(layout)
                 if self.streams.cuda:
                     with self._lock:
                         if not self._closed:
@@ -380,6 +376,13 @@ class LayerSaves:
         except Exception as exc:  # nothing was copied yet: the slots go back, the objects fail
             step._end(exc)
         return step
+
+    def _prepare(self, layout) -> "LayeredCopy":
+        """The step's copies of every layer, in one pass (its work array uploaded on the ``offload``
+        stream, where the layers' launches run)."""
+        buffers, ids, where, offsets = layout
+        with self.streams.on("offload"):
+            return self.loads.prepare(buffers, ids, where, offsets, pack=True)
 
     def _allocate(self, objects: list[_Object]) -> None:
         need = self.host_pool.slots_for(self.kv_bytes)

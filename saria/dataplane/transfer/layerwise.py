@@ -4,13 +4,15 @@ docs/vllm.md, "Layer-wise reloads").
 
 :meth:`LayerwiseLoads.submit` takes a step's reloads (kv objects only: a hybrid model's state
 object has no layer hook and loads whole, :meth:`TransferEngine.load`) and returns a
-:class:`StepLoad` at once. Everything a layer's copy needs is worked out once, when the step is
-submitted, so that each layer costs a few launches:
+:class:`StepLoad` at once. Everything every layer's copy needs is worked out once per path and
+step, in one vectorized pass on the path's thread (:func:`~saria.kernels.prepare_layered`: the
+checks, one work array of addresses for every layer uploaded once on the path's stream), so that
+each layer costs one launch and one event:
 
-* **DRAM objects**: each layer's pages are copied straight out of the host slots, with one
-  :func:`~saria.kernels.prepare_scattered` copy per (tensor, host pool segment) holding them (on
-  CUDA a kernel that reads the pinned slots by address; on the CPU slice copies), on the ``dram``
-  stream, layer after layer, each layer's bytes released by the coordinator first (Eq. 4).
+* **DRAM objects**: each layer's pages are copied straight out of the host slots (where they lie:
+  :func:`slot_layout`; on CUDA a kernel that reads the pinned slots by address, every tensor and
+  host pool segment of the layer in one launch; on the CPU the torch twin's slice copies), on the
+  ``dram`` stream, layer after layer, each layer's bytes released by the coordinator first (Eq. 4).
 * **SSD objects**: read whole, as the SSD path reads them (verified or opened on the store's reader
   threads), into one host staging per step (pinned on CUDA): the SSD read runs ahead. Once every
   read of the step ended, each layer's pages of the objects that arrived are copied out of it on
@@ -38,12 +40,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from saria.kernels import PageTable, prepare_scattered
+from saria.kernels import LayeredCopy, PageTable, default_max_programs, prepare_layered
 from saria.orders import Tier
 
 from saria.dataplane.devices import bind_thread, pool_initializer
@@ -94,14 +95,6 @@ class _Path:
         event = self.events[-1] if self.events else None
         for job, item, *_ in work:
             self.finish(job, item, event=event)
-
-
-@dataclass
-class _Copies:
-    """One layer's prepared copies (one per tensor and source buffer) and the bytes they move."""
-
-    copies: list = field(default_factory=list)
-    nbytes: int = 0
 
 
 class StepLoad:
@@ -210,12 +203,19 @@ class LayerwiseLoads:
         self.streams = streams
         self.counters = counters
         self.layers = layers
+        # The cap on each layer's copy programs: None the default (COPY_MAX_PROGRAMS on CUDA, none on
+        # the CPU or the interpreter), 0 none.
+        if max_programs is None:
+            max_programs = default_max_programs(streams.device)
+        elif max_programs == 0:
+            max_programs = None
         self.max_programs = max_programs
+        self.backend = "auto"  # of the copies (saria.kernels.resolve_backend); tests set "torch" for the CPU twin
         self._own_retirer = retirer is None
         self.retirer = retirer if retirer is not None else Retirer(on_start=pool_initializer(streams.device))  # what waits for the device, off the hooks
         self._staging = StagingPool(torch.device("cpu"), keep=2)  # the CPU's SSD read-ahead buffers
         self.host_seconds: list[float] | None = None  # a list: each layer issue's host time is appended
-        self.prepare_seconds: list[float] | None = None  # a list: each layer's precompute (checks) is appended
+        self.prepare_seconds: list[float] | None = None  # a list: each step's preparation (all layers) is appended
         ppc = tables.pages_per_chunk
         self.tensor_tables = [PageTable([t], names=[name]) for t, name in zip(table.tensors, table.names)]
         # Per tensor: each page's byte offset inside a kv object (the object's staging layout).
@@ -294,7 +294,7 @@ class LayerwiseLoads:
         if not present:
             return
         t0 = time.perf_counter()
-        self._issue(step, path, self._dram_copies(present), pace=True)
+        self._issue(step, path, lambda: self._dram_copies(present), pace=True)
         path.finish_all(present)
         self.counters.add(dram_to_gpu_bytes=sum(item.nbytes for _, item, _ in present),
                           dram_to_gpu_seconds=time.perf_counter() - t0)
@@ -336,114 +336,112 @@ class LayerwiseLoads:
             return
         self.counters.add(ssd_to_gpu_bytes=sum(i.nbytes for _, i, _ in arrived),
                           ssd_to_gpu_seconds=time.perf_counter() - t0)
-        self._issue(step, path, self._ssd_copies(staging, arrived), pace=False)
+        self._issue(step, path, lambda: self._ssd_copies(staging, arrived), pace=False)
         path.finish_all(arrived)
 
-    def _issue(self, step: StepLoad, path: _Path, layers, *, pace: bool) -> None:
-        """Queue each layer's copies on the path's stream (after the caller's queued work), record
-        its event, set ``issued``."""
+    def _issue(self, step: StepLoad, path: _Path, prepare, *, pace: bool) -> None:
+        """Prepare every layer's copy at once (``prepare``: one pass, its work array uploaded on the
+        path's stream), then queue each layer's launch on that stream (after the caller's queued
+        work), record its event, set ``issued``: per layer a launch and an event."""
         after = step.jobs[0].after if step.jobs else None
         with self.streams.on(path.name):
             if after is not None:
                 self.streams.wait(path.name, after)
-            prepared = iter(layers)
+            t0 = time.perf_counter()
+            copy = prepare()
+            if self.prepare_seconds is not None:
+                self.prepare_seconds.append(time.perf_counter() - t0)
             for layer in range(len(self.layers)):
-                t0 = time.perf_counter()
-                copies = next(prepared)
-                if self.prepare_seconds is not None:
-                    self.prepare_seconds.append(time.perf_counter() - t0)
-                if pace and copies.nbytes:
-                    self.coordinator.acquire(copies.nbytes)
+                nbytes = copy.nbytes[layer]
+                if pace and nbytes:
+                    self.coordinator.acquire(nbytes)
                 t0 = time.perf_counter()
                 try:
-                    for copy in copies.copies:
-                        copy.launch()
+                    copy.launch(layer)
                 except BaseException:  # what was launched still reads the staging: the retire waits for it
                     path.events[layer] = self.streams.record(path.name)
                     raise
                 path.layer_done(layer, self.streams.record(path.name))  # CPU: its HostEvent twin
                 if self.host_seconds is not None:  # a benchmark reads the host cost of each layer's issue
                     self.host_seconds.append(time.perf_counter() - t0)
-                self.counters.add(layer_copies=len(copies.copies))
+                self.counters.add(layer_copies=int(nbytes > 0))
 
     # --- what each layer copies (worked out once per step) ---------------------------------------
 
-    def _dram_copies(self, present: list[tuple[LoadJob, LoadItem, list[int]]]):
-        """Per layer, one scattered copy per (tensor, host pool segment) holding the layer's pages
-        (:func:`slot_places`), the leading pages an item skips left out."""
+    def _dram_copies(self, present: list[tuple[LoadJob, LoadItem, list[int]]]) -> LayeredCopy:
+        """Every layer's copy out of the host slots (:func:`slot_layout`), the leading pages an
+        item skips left out."""
         ids = torch.stack([item.blocks.on(torch.device("cpu")) for _, item, _ in present])  # [object, page]
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        for o, (_, item, _) in enumerate(present):
-            keep[o, :item.skip] = False
-        return self._prepare(slot_places(self.host_pool, self.page_offsets, [slots for _, _, slots in present],
-                                         ids, keep))
+        keep = None
+        if any(item.skip for _, item, _ in present):
+            keep = torch.ones_like(ids, dtype=torch.bool)
+            for o, (_, item, _) in enumerate(present):
+                keep[o, :item.skip] = False
+        buffers, chosen, where, offsets = slot_layout(self.host_pool, self.page_offsets,
+                                                      [slots for _, _, slots in present], ids, keep)
+        return self.prepare(buffers, chosen, where, offsets, pack=False)
 
-    def _ssd_copies(self, staging: torch.Tensor, arrived: list[tuple[LoadJob, LoadItem, int]]):
-        """Per layer, one scattered copy per tensor out of the step's SSD staging."""
-        per_tensor = []
-        for offsets in self.page_offsets:
-            offs = [offsets[item.skip:] + base for _, item, base in arrived]
-            ids = [item.blocks.on(torch.device("cpu"))[item.skip:] for _, item, _ in arrived]
-            per_tensor.append([(staging, torch.cat(offs), torch.cat(ids))])
-        return self._prepare(per_tensor)
+    def _ssd_copies(self, staging: torch.Tensor, arrived: list[tuple[LoadJob, LoadItem, int]]) -> LayeredCopy:
+        """Every layer's copy out of the step's SSD staging."""
+        offsets = torch.stack(self.page_offsets)  # [tensor, page of an object]
+        offs = torch.cat([offsets[:, item.skip:] + base for _, item, base in arrived], dim=1)
+        ids = torch.cat([item.blocks.on(torch.device("cpu"))[item.skip:] for _, item, _ in arrived])
+        return self.prepare([staging], ids, None, offs, pack=False)
 
-    def _prepare(self, per_tensor: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]):
-        """Each layer's prepared unpacks in turn (:func:`prepare_layers`, lazily: the checks of
-        layer ``l + 1`` run while the copies of layer ``l`` are already on their way)."""
-        return prepare_layers(self.layers, self.tensor_tables, per_tensor, pack=False, max_programs=self.max_programs)
+    def prepare(self, buffers: list[torch.Tensor], ids: torch.Tensor, where: torch.Tensor | None,
+                offsets: torch.Tensor, *, pack: bool) -> LayeredCopy:
+        """One step's copies of every layer (:func:`~saria.kernels.prepare_layered`), checked and
+        built in one pass; on CUDA the work array is uploaded on the current stream."""
+        return prepare_layered(self.tables.kv_table, self.layers, buffers, ids, where, offsets, pack=pack,
+                               backend=self.backend, max_programs=self.max_programs, tensor_tables=self.tensor_tables)
 
 
-def slot_places(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Sequence[Sequence[int]],
+class LayerLaunch:
+    """Layer ``layer`` of a :class:`~saria.kernels.LayeredCopy`, as a copy to :meth:`launch`."""
+
+    __slots__ = ("copy", "layer")
+
+    def __init__(self, copy: LayeredCopy, layer: int):
+        self.copy, self.layer = copy, layer
+
+    def launch(self) -> None:
+        self.copy.launch(self.layer)
+
+
+def slot_layout(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Sequence[Sequence[int]],
                 ids: torch.Tensor, keep: torch.Tensor | None = None
-                ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """Where the pages of objects held in host slots lie in the pool's memory, for scattered copies
-    (layer-wise reloads read them there, layer-wise saves write them there).
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the pages of objects held in host slots lie in the pool's memory, for the step-wide
+    copies (layer-wise reloads read them there, layer-wise saves write them there).
 
     ``page_offsets[t]``: each page's byte offset of tensor ``t`` inside an object (its packed
     layout); ``slots[o]``: object ``o``'s slots (its part ``k``, bytes ``[k * slot_bytes, (k + 1) *
     slot_bytes)``, in ``slots[o][k]``); ``ids`` int64 ``[objects, pages]``: their block ids;
-    ``keep`` bool ``[objects, pages]``: the pages to copy (default all). Returns, per tensor, one
-    ``(segment, byte offsets in it, block ids)`` per host pool segment holding some of them. Worked
-    out for all objects at once; a page never straddles two slots (``LayerwiseLoads.capable``)."""
+    ``keep`` bool ``[objects, pages]``: the pages to copy (default all). Returns ``(buffers, ids,
+    where, offsets)`` as :func:`~saria.kernels.prepare_layered` takes them: the host pool segments
+    holding some of the pages, the ``n`` ids kept, and per (tensor, kept page) its segment's index
+    and byte offset in it. Worked out for all objects and tensors at once; a page never straddles
+    two slots (``LayerwiseLoads.capable``)."""
     slot_bytes = host_pool.slot_bytes
     parts = max(len(s) for s in slots)
-    segments: dict[int, torch.Tensor] = {}
-    seg_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> segment address
+    buffers: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    seg_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> segment index
     start_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> offset in it
     for o, held in enumerate(slots):
         for k, slot in enumerate(held):
             segment, start = host_pool.locate(slot)
-            segments.setdefault(segment.data_ptr(), segment)
-            seg_of[o, k], start_of[o, k] = segment.data_ptr(), start
+            b = index.get(segment.data_ptr())
+            if b is None:
+                b = index[segment.data_ptr()] = len(buffers)
+                buffers.append(segment)
+            seg_of[o, k], start_of[o, k] = b, start
+    offsets = torch.stack(page_offsets)  # [tensor, page]
+    part, inner = offsets // slot_bytes, offsets % slot_bytes
+    rows = torch.arange(len(slots)).view(1, -1, 1)
+    cols = part.unsqueeze(1)  # [tensor, 1, page]
+    where = seg_of[rows, cols]  # [tensor, object, page]
+    places = start_of[rows, cols] + inner.unsqueeze(1)
     if keep is None:
-        keep = torch.ones_like(ids, dtype=torch.bool)
-    rows = torch.arange(len(slots)).unsqueeze(1)
-    per_tensor = []
-    for offsets in page_offsets:
-        part, inner = offsets // slot_bytes, offsets % slot_bytes
-        where = (start_of[rows, part] + inner)[keep]
-        seg = seg_of[rows, part][keep]
-        chosen = ids[keep]
-        if len(segments) == 1:
-            per_tensor.append([(next(iter(segments.values())), where, chosen)])
-        else:
-            per_tensor.append([(segment, where[seg == address], chosen[seg == address])
-                               for address, segment in segments.items() if bool((seg == address).any())])
-    return per_tensor
-
-
-def prepare_layers(layers: list[list[int]], tensor_tables: list[PageTable],
-                   per_tensor: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], *, pack: bool,
-                   max_programs: int | None):
-    """Yield each layer's prepared copies (``layers``: tensor indices per layer): one
-    :func:`~saria.kernels.prepare_scattered` per ``(buffer, offsets, ids)`` of each of its tensors
-    (``per_tensor``, as :func:`slot_places` gives them); ``pack``: pages -> buffer."""
-    for group in layers:
-        out = _Copies()
-        for t in group:
-            for buffer, offsets, ids in per_tensor[t]:
-                copy = prepare_scattered(buffer, offsets.view(1, -1), tensor_tables[t], ids, pack=pack,
-                                         max_programs=max_programs)
-                out.copies.append(copy)
-                out.nbytes += copy.nbytes
-        yield out
+        return buffers, ids.reshape(-1), where.reshape(len(page_offsets), -1), places.reshape(len(page_offsets), -1)
+    return buffers, ids[keep], where[:, keep], places[:, keep]

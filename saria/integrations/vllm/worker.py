@@ -155,10 +155,14 @@ class SariaWorker:
         if self.settings.audit_kv:
             self.audit = KVAudit(rank.kv_views, ssd_fp8=self.settings.ssd_dtype == "fp8")
         if self.layerwise:
-            self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors)
+            self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors,
+                                     max_programs=self.settings.layerwise_max_programs)
             if not self.layers.capable:
                 log.warning("saria worker: layer-wise copies off (%s); reloads go whole (still inside the step)",
                             self.layers.paths.refusal)
+        # Every kernel variant the data plane can launch, compiled here on vLLM's main thread before
+        # anything is served (not mid-serving on the path, save and SSD threads: saria.kernels.variants).
+        rank.parts.engine.warm_kernels()
 
     # --- loads -----------------------------------------------------------------------------------
 
