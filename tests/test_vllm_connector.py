@@ -111,10 +111,13 @@ def dense_whole(tmp_path_factory, dense):
 
 
 def test_without_layerwise_the_same_session_reuses_the_same_tokens_whole(dense, dense_whole):
-    """``layerwise: false``: the same hits from DRAM, then SSD, the corrupt last turn recomputed,
-    outputs as plain vLLM's, every page audited; nothing went layer by layer."""
+    """``layerwise: false``: the same hits, from DRAM and SSD, the corrupt last turn recomputed,
+    outputs as plain vLLM's, every page audited; nothing went layer by layer. Which tier serves
+    turn 3 is a race in either mode (whether turn 2's evictions to SSD ended, freeing their DRAM
+    slots, before its new chunks were stored), so only the sum of the two is held equal."""
     assert [t["cached_tokens"] for t in dense_whole["turns"]] == [t["cached_tokens"] for t in dense["saria"]["turns"]]
-    assert [t["dram_tokens"] for t in dense_whole["turns"]] == [t["dram_tokens"] for t in dense["saria"]["turns"]]
+    assert [t["dram_tokens"] + t["ssd_tokens"] for t in dense_whole["turns"]] == \
+        [t["dram_tokens"] + t["ssd_tokens"] for t in dense["saria"]["turns"]]
     assert_same_outputs(dense["reference"], dense["prompts"], dense_whole)
     assert_kv_audited(dense_whole)
     assert "layerwise" not in dense_whole["worker"]
