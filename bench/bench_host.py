@@ -73,9 +73,13 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
 
 
+DEVICE = torch.device("cpu")  # --device
+
+
 def caches(num_blocks: int) -> list[torch.Tensor]:
-    """vLLM 0.32's per-layer views, never written (virtual memory only)."""
-    return [torch.empty(num_blocks, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    """vLLM 0.32's per-layer views, never written (on the CPU: virtual memory only)."""
+    return [torch.empty(num_blocks, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+            for _ in range(LAYERS)]
 
 
 class Profile:
@@ -360,7 +364,7 @@ def connector_cost(steps: int, prof) -> dict:
 def op_cost(calls: int, prof) -> dict:
     table = PageTable(caches(4 * CHUNK_PAGES))
     ids = torch.arange(CHUNK_PAGES, 2 * CHUNK_PAGES)
-    staging = torch.empty(table.staging_bytes(CHUNK_PAGES), dtype=torch.uint8)
+    staging = torch.empty(table.staging_bytes(CHUNK_PAGES), dtype=torch.uint8, device=DEVICE)
     packs, unpacks = [], []
     for _ in range(max(50, calls // 10)):  # warm up
         pack_pages(table, ids, staging)
@@ -391,14 +395,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the same shapes, fewer steps (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH")
     ap.add_argument("--profile", metavar="DIR", help="write a cProfile of each part to DIR")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the pages live (default cpu, as measured on every machine; cuda: the layer and op "
+                         "parts only, with the preparation's uploads)")
     ap.add_argument("--only", choices=("layer", "connector", "op"), action="append",
                     help="run only this part (repeatable)")
     args = ap.parse_args(argv)
     parts = set(args.only or ("layer", "connector", "op"))
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":
+        if not torch.cuda.is_available():
+            print("bench_host: --device cuda needs CUDA (no CUDA device here); nothing run", file=sys.stderr)
+            return 2
+        if "connector" in parts:
+            ap.error("--device cuda measures the layer and op parts (--only layer --only op)")
     prof = Profile(args.profile)
-    print(f"bench_host on {os.cpu_count()} CPUs, torch {torch.__version__}{' (--quick)' if args.quick else ''}; "
+    print(f"bench_host on {os.cpu_count()} CPUs, objects on {DEVICE}, torch {torch.__version__}"
+          f"{' (--quick)' if args.quick else ''}; "
           "copies excluded (null_copies)")
-    out: dict = {"quick": args.quick}
+    out: dict = {"quick": args.quick, "device": str(DEVICE)}
     with null_copies():
         if "op" in parts:
             out |= op_cost(2000 if args.quick else 20_000, prof)
