@@ -359,29 +359,42 @@ def slot_places(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Se
     out for all objects at once; a page never straddles two slots (``LayerwiseLoads.capable``)."""
     slot_bytes = host_pool.slot_bytes
     parts = max(len(s) for s in slots)
-    segments: dict[int, torch.Tensor] = {}
-    seg_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> segment address
-    start_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> offset in it
+    segments: dict[int, int] = {}  # segment address -> its index, in the order first met
+    found: list[torch.Tensor] = []
+    seg_of = [[0] * parts for _ in slots]  # [object, part] -> segment index
+    start_of = [[0] * parts for _ in slots]  # [object, part] -> offset in it
     for o, held in enumerate(slots):
         for k, slot in enumerate(held):
             segment, start = host_pool.locate(slot)
-            segments.setdefault(segment.data_ptr(), segment)
-            seg_of[o, k], start_of[o, k] = segment.data_ptr(), start
+            index = segments.setdefault(segment.data_ptr(), len(segments))
+            if index == len(found):
+                found.append(segment)
+            seg_of[o][k], start_of[o][k] = index, start
+    # Every tensor at once (a few tensor ops per step, not per tensor): [tensors, objects, pages].
+    offsets = torch.stack(list(page_offsets))
+    part, inner = offsets // slot_bytes, offsets % slot_bytes
+    rows = torch.arange(len(slots)).view(-1, 1, 1)
+    where = (torch.tensor(start_of, dtype=torch.int64)[rows, part.unsqueeze(0)] + inner.unsqueeze(0)).transpose(0, 1)
+    tensors = offsets.shape[0]
     if keep is None:
-        keep = torch.ones_like(ids, dtype=torch.bool)
-    rows = torch.arange(len(slots)).unsqueeze(1)
-    per_tensor = []
-    for offsets in page_offsets:
-        part, inner = offsets // slot_bytes, offsets % slot_bytes
-        where = (start_of[rows, part] + inner)[keep]
-        seg = seg_of[rows, part][keep]
+        chosen = ids.reshape(-1)
+        where = where.reshape(tensors, -1)
+    else:
         chosen = ids[keep]
-        if len(segments) == 1:
-            per_tensor.append([(next(iter(segments.values())), where, chosen)])
-        else:
-            per_tensor.append([(segment, where[seg == address], chosen[seg == address])
-                               for address, segment in segments.items() if bool((seg == address).any())])
-    return per_tensor
+        where = where[:, keep]
+    if len(found) == 1:
+        return [[(found[0], where[t], chosen)] for t in range(tensors)]
+    seg = torch.tensor(seg_of, dtype=torch.int64)[rows, part.unsqueeze(0)].transpose(0, 1)
+    seg = seg.reshape(tensors, -1) if keep is None else seg[:, keep]
+    # Split each tensor's pages by segment, keeping their order: a stable sort on (tensor, segment).
+    count = len(found)
+    key = (seg + count * torch.arange(tensors).unsqueeze(1)).reshape(-1)
+    order = torch.sort(key, stable=True).indices
+    sizes = torch.bincount(key, minlength=tensors * count).tolist()
+    where_parts = where.reshape(-1)[order].split(sizes)
+    chosen_parts = chosen.repeat(tensors)[order].split(sizes)
+    return [[(found[i], where_parts[t * count + i], chosen_parts[t * count + i])
+             for i in range(count) if sizes[t * count + i]] for t in range(tensors)]
 
 
 def prepare_layers(layers: list[list[int]], tensor_tables: list[PageTable],
