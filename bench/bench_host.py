@@ -28,7 +28,8 @@ of 512 tokens (32 pages, a 72 MiB object); nothing is touched, so the memory sta
 * ``op_host_us`` (target 20 us): the public ``pack_pages`` / ``unpack_pages`` at one chunk (32 ids
   on the CPU, the 36-tensor table, a reused staging), p50 of the slower of the two.
 
-Each target prints ``target <what>: <value> -> MET|MISSED``; a miss does not change the exit
+torch runs one intra-op thread (``--threads``), as in vLLM's workers. Each target prints
+``target <what>: <value> -> MET|MISSED``; a miss does not change the exit
 status. ``--profile DIR`` writes a cProfile of each part there.
 
     python bench/bench_host.py --quick --json out.json   # the same shapes, fewer steps (< 60 s)
@@ -398,12 +399,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the pages live (default cpu, as measured on every machine; cuda: the layer and op "
                          "parts only, with the preparation's uploads)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch's intra-op threads (default 1, as vLLM's workers run: its executor sets 1)")
     ap.add_argument("--only", choices=("layer", "connector", "op"), action="append",
                     help="run only this part (repeatable)")
     args = ap.parse_args(argv)
     parts = set(args.only or ("layer", "connector", "op"))
     global DEVICE
     DEVICE = torch.device(args.device)
+    if args.threads < 1:
+        ap.error("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
     if DEVICE.type == "cuda":
         if not torch.cuda.is_available():
             print("bench_host: --device cuda needs CUDA (no CUDA device here); nothing run", file=sys.stderr)
@@ -411,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         if "connector" in parts:
             ap.error("--device cuda measures the layer and op parts (--only layer --only op)")
     prof = Profile(args.profile)
-    print(f"bench_host on {os.cpu_count()} CPUs, objects on {DEVICE}, torch {torch.__version__}"
+    print(f"bench_host on {os.cpu_count()} CPUs ({args.threads} torch thread{'s' if args.threads > 1 else ''}), "
+          f"objects on {DEVICE}, torch {torch.__version__}"
           f"{' (--quick)' if args.quick else ''}; "
           "copies excluded (null_copies)")
     out: dict = {"quick": args.quick, "device": str(DEVICE)}

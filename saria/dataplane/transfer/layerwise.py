@@ -373,8 +373,10 @@ def slot_places(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Se
     # Every tensor at once (a few tensor ops per step, not per tensor): [tensors, objects, pages].
     offsets = torch.stack(list(page_offsets))
     part, inner = offsets // slot_bytes, offsets % slot_bytes
-    rows = torch.arange(len(slots)).view(-1, 1, 1)
-    where = (torch.tensor(start_of, dtype=torch.int64)[rows, part.unsqueeze(0)] + inner.unsqueeze(0)).transpose(0, 1)
+    # [object, part] looked up as flat indices (torch.take: a multi-dimensional advanced index with
+    # broadcast indices costs milliseconds here, for a few thousand elements)
+    flat = torch.arange(len(slots)).view(-1, 1, 1) * parts + part.unsqueeze(0)
+    where = (torch.take(torch.tensor(start_of, dtype=torch.int64), flat) + inner.unsqueeze(0)).transpose(0, 1)
     tensors = offsets.shape[0]
     if keep is None:
         chosen = ids.reshape(-1)
@@ -384,7 +386,7 @@ def slot_places(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Se
         where = where[:, keep]
     if len(found) == 1:
         return [[(found[0], where[t], chosen)] for t in range(tensors)]
-    seg = torch.tensor(seg_of, dtype=torch.int64)[rows, part.unsqueeze(0)].transpose(0, 1)
+    seg = torch.take(torch.tensor(seg_of, dtype=torch.int64), flat).transpose(0, 1)
     seg = seg.reshape(tensors, -1) if keep is None else seg[:, keep]
     # Split each tensor's pages by segment, keeping their order: a stable sort on (tensor, segment).
     count = len(found)
