@@ -12,7 +12,8 @@ adds is its hooks, its lookups and its stores. Reported per round and as the med
 compared too (identical tokens expected: saria reloaded nothing).
 
 ``--profile PATH``: afterwards, one more saria run of the same batches under cProfile (the engine
-in that process), its stats written to PATH (read with ``python -m pstats PATH``).
+in that process), its stats written to PATH (read with ``python -m pstats PATH``), and the
+connector's hooks' time on the engine's thread per step printed (``--rounds 0``: that alone).
 
     nice python bench/bench_overhead.py --json out.json        # 8 x 512-token prompts x 96 tokens, 3 batches, 3 rounds
 """
@@ -66,6 +67,23 @@ def profile(args: argparse.Namespace, model: str, ssd: Path, out: Path) -> None:
                         str(result)], env=env, check=True, stdout=subprocess.DEVNULL)
 
 
+def hook_time(path: Path) -> dict:
+    """From a profile of a saria run: the engine thread's time in the connector's hooks (every
+    method of ``SariaConnector`` vLLM calls), per step (``build_connector_meta`` calls) and the
+    hooks' shares."""
+    import pstats
+
+    stats = pstats.Stats(str(path)).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    hooks = {name: ct for (file, _, name), (_, _, _, ct, _) in stats.items()
+             if file.endswith("integrations/vllm/connector.py") and not name.startswith(("<", "__"))}
+    steps = max((nc for (file, _, name), (_, nc, _, _, _) in stats.items()
+                 if file.endswith("integrations/vllm/connector.py") and name == "build_connector_meta"), default=0)
+    total = sum(hooks.values())
+    top = sorted(hooks.items(), key=lambda kv: -kv[1])[:5]
+    return {"steps": steps, "hooks_ms_per_step": total / max(1, steps) * 1e3,
+            "top_hooks_ms_per_step": {k: v / max(1, steps) * 1e3 for k, v in top}}
+
+
 def main(argv: list[str] | None = None) -> int:
     doc = __doc__.split("\n\n")
     ap = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
@@ -74,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt (default 512)")
     ap.add_argument("--max-tokens", type=int, default=96, help="greedy tokens per prompt (default 96)")
     ap.add_argument("--batches", type=int, default=3, help="batches per run (default 3)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3; 0 with --profile: "
+                                                          "only the profile)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the small Qwen3 (default 4, as the tests')")
     ap.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH")
     ap.add_argument("--profile", metavar="PATH", help="then profile one saria run into PATH (cProfile)")
     args = ap.parse_args(argv)
-    for name in ("prompts", "prompt_tokens", "max_tokens", "batches", "rounds", "layers"):
+    if args.rounds == 0 and not args.profile:
+        ap.error("--rounds 0 only with --profile (profile a saria run alone)")
+    for name in ("prompts", "prompt_tokens", "max_tokens", "batches", "layers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     rounds = []
@@ -104,15 +125,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} ({order[0]} first): plain {row['plain_s']:.2f} s, saria {row['saria_s']:.2f} s, "
                   f"saria/plain {row['ratio']:.3f}; outputs {'identical' if same else 'DIFFER'}, "
                   f"{reused} tokens reused", flush=True)
+        hooks = None
         if args.profile:
             profile(args, model, Path(tmp), Path(args.profile))
-            print(f"profile of one saria run: {args.profile}")
+            hooks = hook_time(Path(args.profile))
+            print(f"profile of one saria run: {args.profile}; the connector's hooks on the engine's thread: "
+                  f"{hooks['hooks_ms_per_step']:.3f} ms a step over {hooks['steps']} steps (profiled), most in " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in hooks["top_hooks_ms_per_step"].items()))
+    if not rounds:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"profile": hooks}, indent=2))
+        return 0
     ratios = [r["ratio"] for r in rounds]
     summary = {"zero_reuse_ratio": statistics.median(ratios), "ratios": ratios, "rounds": rounds,
                "plain_s_median": statistics.median(r["plain_s"] for r in rounds),
                "saria_s_median": statistics.median(r["saria_s"] for r in rounds),
                "same_tokens": all(r["same_tokens"] for r in rounds),
-               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "profile")}}
+               "profile": hooks, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "profile")}}
     v = summary["zero_reuse_ratio"]
     print(f"saria/plain over {len(rounds)} rounds: median {v:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
           f"plain {summary['plain_s_median']:.2f} s, saria {summary['saria_s_median']:.2f} s median")
