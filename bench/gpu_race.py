@@ -15,6 +15,7 @@ It also reports the host time of ``StepLoad.finish`` and ``StepSave.finish`` whi
 stream is still asleep: a finish that waits on the device shows as about the sleep's length.
 
     python bench/gpu_race.py [--rounds N] [--sleep-ms MS] [--layers L] [--json OUT]
+    python bench/gpu_race.py --cpu-dry-run --rounds 2 --layers 4   # the script itself, without CUDA
 
 Exit 1 when a byte differs; every target prints ``target <what>: <value> -> MET|MISSED``.
 Without CUDA it refuses in one line (exit 2).
@@ -47,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--chunks", type=int, default=4, help="objects reloaded and stored per step (default 4)")
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="check this script on a machine without CUDA: the same steps and byte checks on CPU "
+                         "tensors, without a stream to delay (says nothing about races)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu_dry_run:
         print("gpu_race: needs CUDA (no CUDA device here); nothing run", file=sys.stderr)
         return 2
 
@@ -56,11 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     from saria.kernels import pack_pages
     from saria.orders import DropOrder, StoreOrder, Tier
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    forward = torch.cuda.Stream()
-    torch.cuda.set_stream(forward)  # as vLLM's model runner does
-    khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000  # SM clock; H100's boost
-    cycles = int(args.sleep_ms * khz)  # ms x kHz
+    cuda = not args.cpu_dry_run
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
+        forward = torch.cuda.Stream()
+        torch.cuda.set_stream(forward)  # as vLLM's model runner does
+        khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_980_000  # SM clock (H100 boost)
+        cycles = int(args.sleep_ms * khz)  # ms x kHz
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     chunk_pages, chunks, layers = 32, args.chunks, args.layers
     n = chunks * chunk_pages
     page = 16 * 2 * 8 * 128 * 2
@@ -77,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             for c in rig.caches:  # poison the reload's target pages: a reload that did not land shows
                 c[load_at:load_at + n].view(torch.uint8).fill_(0xA5)
             fresh = [torch.randn_like(c[store_at:store_at + n]) for c in rig.caches]  # this step's new KV
-            torch.cuda.synchronize()
+            sync()
             plan, blocks = rig.plan(names, load_at, plan_id=10 + r)
             orders = [StoreOrder(1000 + r * chunks + i, (f"r{r}.{i}",), (), 0) for i in range(chunks)]
             store_blocks = {o.kv[0]: list(range(store_at + i * chunk_pages, store_at + (i + 1) * chunk_pages))
                             for i, o in enumerate(orders)}
-            torch.cuda._sleep(cycles)  # the forward stream is late: everything after waits on it
+            if cuda:
+                torch.cuda._sleep(cycles)  # the forward stream is late: everything after waits on it
             t0 = time.perf_counter()
             step = rig.engine.load_layers([(plan, blocks, 0)])
             save = rig.engine.store_layers(orders, store_blocks)
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             t2 = time.perf_counter()
             runs = save.finish()
             t3 = time.perf_counter()
-            torch.cuda.synchronize()
+            sync()
             deadline = time.monotonic() + 60
             for run in runs:
                 try:
@@ -126,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             rig.engine.drop(DropOrder(5000 + r, tuple(o.kv[0] for o in orders), (), 0, Tier.DRAM))
     finally:
         rig.close()
-    out = {"device": torch.cuda.get_device_name(device), "rounds": args.rounds, "sleep_ms": args.sleep_ms,
+    out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "rounds": args.rounds,
+           "sleep_ms": args.sleep_ms,
            "layers": layers, "chunks": chunks, "bad_layer_reads": bad_reads, "bad_stored_objects": bad_stores,
            "step_load_finish_host_us_p50": statistics.median(load_finish) * 1e6,
            "step_save_finish_host_us_p50": statistics.median(save_finish) * 1e6,
