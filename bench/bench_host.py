@@ -23,8 +23,8 @@ of 512 tokens (32 pages, a 72 MiB object); nothing is touched, so the memory sta
 * ``scheduler_step_us_p50`` (target 300 us): per step, the scheduler half
   (``get_num_new_matched_tokens`` and ``update_state_after_alloc`` of the 8 new requests,
   ``build_connector_meta``, ``request_finished`` of the 8 that finish) with 64 running requests,
-  through ``SchedulerGuard`` as vLLM calls it, on vLLM's own ``Request`` (block hashes by vLLM's hasher), ``KVCacheBlocks`` and
-  ``SchedulerOutput``. ``update_connector_output`` (the worker's report) is timed beside it.
+  through ``SchedulerGuard`` as vLLM calls it, on vLLM's own ``Request`` (block hashes by vLLM's
+  hasher), ``KVCacheBlocks`` and ``SchedulerOutput``. ``update_connector_output`` (the worker's report) is timed beside it.
 * ``op_host_us`` (target 20 us): the public ``pack_pages`` / ``unpack_pages`` at one chunk (32 ids
   on the CPU, the 36-tensor table, a reused staging), p50 of the slower of the two.
 
@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"objects a step); per layer p50 {out['layer_us_p50']:.1f} us, p99 {out['layer_us_p99']:.1f} us")
         if "connector" in parts:
             out |= connector_cost(10 if args.quick else 60, prof)
-            print(f"worker hooks per step: bind {out['bind_us_p50']:.0f}, start_load_kv {out['start_load_kv_us_p50']:.0f}, "
+            print(f"worker hooks per step: bind {out['bind_us_p50']:.0f}, "
+                  f"start_load_kv {out['start_load_kv_us_p50']:.0f}, "
                   f"wait_for_save {out['wait_for_save_us_p50']:.0f}, get_finished {out['get_finished_us_p50']:.0f}, "
                   f"build_worker_meta {out['worker_meta_us_p50']:.0f} us p50 -> {out['worker_step_us_p50']:.0f} us "
                   f"({out['loads_per_step']:.1f} loads, {out['stores_per_step']:.1f} stores a step); per layer "

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
            "step_load_finish_host_us_p50": statistics.median(load_finish) * 1e6,
            "step_save_finish_host_us_p50": statistics.median(save_finish) * 1e6,
            "hooks_per_layer_host_us_p50": statistics.median(hooks) * 1e6}
-    print(f"gpu_race on {out['device']}: {args.rounds} steps of {chunks} reloads and {chunks} stores x {layers} layers, "
+    print(f"gpu_race on {out['device']}: {args.rounds} steps of {chunks} reloads and {chunks} stores x {layers} "
+          f"layers, "
           f"the forward stream held {args.sleep_ms:g} ms before the hooks; layer reads wrong: {bad_reads}, "
           f"stored objects wrong: {bad_stores}")
     print(f"host time: StepLoad.finish {out['step_load_finish_host_us_p50']:.0f} us, StepSave.finish "

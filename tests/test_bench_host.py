@@ -46,7 +46,8 @@ def row(p, n, seq, lw, ok=True):
 @pytest.mark.parametrize("rows, on", [
     ([row(2048, 256, 1.0, 0.8), row(8192, 1024, 1.0, 0.7), row(32768, 4096, 1.0, 1.02)], True),
     ([row(2048, 256, 1.0, 0.8), row(8192, 1024, 1.0, 0.7), row(32768, 4096, 1.0, 1.05)], False),  # 5% slower once
-    ([row(2048, 256, 1.0, 1.01), row(8192, 1024, 1.0, 1.0), row(32768, 4096, 1.0, 0.9)], False),  # no gain at the median
+    # no gain at the median
+    ([row(2048, 256, 1.0, 1.01), row(8192, 1024, 1.0, 1.0), row(32768, 4096, 1.0, 0.9)], False),
     ([row(2048, 256, 1.0, 0.8), row(8192, 1024, 1.0, 0.7, ok=False)], False),  # wrong pages
 ])
 def test_the_layerwise_default_is_decided_from_the_table(rows, on):
