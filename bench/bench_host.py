@@ -122,7 +122,7 @@ def layer_cost(steps: int, objects: int, prof) -> dict:
     engine = TransferEngine(table, host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
                             pages_per_chunk=CHUNK_PAGES)
     paths = engine.layerwise()
-    per_layer, issue, waits, saves = [], [], [], []
+    per_layer, issue, waits, saves, prepare = [], [], [], [], []
     try:
         names = [f"cached{i}" for i in range(objects)]
         stored = engine.store(StoreOrder(1, tuple(names), (), 0),
@@ -132,7 +132,7 @@ def layer_cost(steps: int, objects: int, prof) -> dict:
         target = objects * CHUNK_PAGES  # reloads land here; stores read from 2 * target on
         with prof("layer"):
             for s in range(steps + 1):
-                paths.host_seconds = []
+                paths.host_seconds, paths.prepare_seconds = [], []
                 loads = [(ReloadPlan(10 + s * objects + i, (n,), (Tier.DRAM,), None, None, CHUNK_TOKENS, 0, 0, False),
                           [list(range(target + i * CHUNK_PAGES, target + (i + 1) * CHUNK_PAGES))], 0)
                          for i, n in enumerate(names)]
@@ -163,6 +163,7 @@ def layer_cost(steps: int, objects: int, prof) -> dict:
                     for k, v in enumerate(paths.host_seconds):
                         issued[k % LAYERS] += v  # one path (DRAM): its layers in order
                     issue += issued
+                    prepare += paths.prepare_seconds
                     waits += w
                     saves += t
                     per_layer += [(a + b + c) * 1e6 for a, b, c in zip(issued, w, t)]
@@ -171,7 +172,10 @@ def layer_cost(steps: int, objects: int, prof) -> dict:
         pool.close()
     return {"layer_us_p50": pct(per_layer, 0.5), "layer_us_p99": pct(per_layer, 0.99),
             "layer_issue_us_p50": pct(issue, 0.5) * 1e6, "layer_wait_us_p50": pct(waits, 0.5) * 1e6,
-            "layer_save_us_p50": pct(saves, 0.5) * 1e6, "layer_objects": objects, "layer_steps": steps}
+            "layer_save_us_p50": pct(saves, 0.5) * 1e6, "layer_objects": objects, "layer_steps": steps,
+            # each layer's checks and precompute on the path thread (before its issue): what the
+            # forward's wait_layer waits for when the forward is faster than it
+            "layer_prepare_us_p50": pct(prepare, 0.5) * 1e6 if prepare else float("nan")}
 
 
 # --- (2) and (3): the connector's two halves on vLLM's objects --------------------------------------
@@ -431,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             out |= layer_cost(5 if args.quick else 40, 8, prof)
             print(f"layer: issue {out['layer_issue_us_p50']:.1f} + wait {out['layer_wait_us_p50']:.1f} + save "
                   f"{out['layer_save_us_p50']:.1f} us p50 ({out['layer_objects']} reloads and stores of 36-layer "
-                  f"objects a step); per layer p50 {out['layer_us_p50']:.1f} us, p99 {out['layer_us_p99']:.1f} us")
+                  f"objects a step); per layer p50 {out['layer_us_p50']:.1f} us, p99 {out['layer_us_p99']:.1f} us; "
+                  f"each layer's preparation on the path thread (not counted) {out['layer_prepare_us_p50']:.0f} us")
         if "connector" in parts:
             out |= connector_cost(10 if args.quick else 60, prof)
             print(f"worker hooks per step: bind {out['bind_us_p50']:.0f}, "
