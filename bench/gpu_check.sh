@@ -67,14 +67,15 @@ wanted doctor && timeout 20 "$PY" -m saria.commands.cli doctor --json >"$out/doc
 step warmup 45 "${RUN[@]}" bench/gpu_warmup.py
 step kernel_tests 80 "${PYTEST[@]}" -n 8 tests/test_kernels_pages.py tests/test_kernels_state.py \
   tests/test_kernels_checksum.py tests/test_kernels_codegen.py tests/test_kernels_misuse.py \
-  tests/test_kernels_launch.py tests/test_kernels_oracle.py tests/test_kernels_fp8.py tests/test_kernels_scattered.py
+  tests/test_kernels_launch.py tests/test_kernels_oracle.py tests/test_kernels_fp8.py tests/test_kernels_scattered.py \
+  tests/test_kernels_layered.py tests/test_kernels_variants.py
 # SARIA_SWEEP_KERNELS=1 adds the tile/warp sweep (about a minute more) for re-tuning from the CSV.
 # The FP8 rows (pack_pages_fp8 / unpack_pages_fp8, target >= 0.80 of the D2D copy) run in this step.
 step bench_kernels 200 "${RUN[@]}" bench/bench_kernels.py --csv "$out/bench_kernels.csv" \
   ${SARIA_SWEEP_KERNELS:+--sweep-block}
 # The hot-path run keeps the data plane's CUDA-facing tests (80 s); `all` runs the whole list (300 s).
 DATAPLANE_HOT=(tests/test_dataplane_layerwise.py tests/test_dataplane_layer_saves.py tests/test_dataplane_cuda_rules.py
-  tests/test_dataplane_engine.py tests/test_dataplane_host_pool.py)
+  tests/test_dataplane_engine.py tests/test_dataplane_host_pool.py tests/test_dataplane_devices.py tests/test_dataplane_numa.py)
 if [[ " $steps " == *" stress "* ]]; then
   step dataplane_tests 300 "${PYTEST[@]}" -n 8 "${DATAPLANE_HOT[@]}" tests/test_dataplane_fp8.py tests/test_dataplane_orders.py \
     tests/test_dataplane_batching.py tests/test_dataplane_dram_store.py \

@@ -211,3 +211,7 @@ class DataPlane(Protocol):
 
     def counters(self) -> dict:
         """The data plane's counters, one snapshot."""
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until what the data plane does once the device ran its copies (given back staging,
+        published objects) has happened: before a reset, a new epoch or sleep. Whether it did."""

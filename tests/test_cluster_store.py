@@ -382,3 +382,24 @@ def test_bench_quick_runs():
     assert run.returncode == 0, run.stderr[-3000:]
     for op in ("put", "get"):
         assert f"target {op} >= 0.80 of Mooncake's own" in run.stdout, run.stdout
+
+
+def test_every_thread_of_the_store_binds_its_device_first(cluster, pool):
+    """The store's workers, verifiers, lookups, watchdog and health threads make the engine's device
+    current before their first work (saria.dataplane.devices). A device no default could be (``meta``)
+    shows it is the one given that reaches each thread."""
+    import threading
+
+    from saria.dataplane import devices
+
+    before = {t.ident for t in threading.enumerate()}
+    with new_store(cluster, pool, device="meta") as store:
+        a = objs(4, base=500)
+        assert all(r == n for r, (n, _) in zip(put(store, pool, a), a.values()))
+        assert all(v is True for v in get(store, pool, a).values())
+        store.exists_many(list(a))
+        started = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("saria-")]
+        names = {t.name.rsplit("_", 1)[0] for t in started}
+        assert {"saria-cluster", "saria-cluster-verify", "saria-cluster-lookup", "saria-cluster-watchdog",
+                "saria-cluster-health"} <= names, names
+        assert {t.name: devices.bound_device(t) for t in started} == {t.name: torch.device("meta") for t in started}

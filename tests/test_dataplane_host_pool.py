@@ -137,3 +137,95 @@ def test_threads_never_share_a_slot():
     assert not errors
     assert pool.free_slots == 64
     pool.close()
+
+
+# --- registered host memory read at its host address (issue 42 item 6) ----------------------------
+
+def _cuda_answers(attribute_value, pointers):
+    """A twin of CUDA's answers: the attribute for any GPU, and each host address's device pointer."""
+    asked = []
+
+    def attribute(index):
+        asked.append(("attribute", index))
+        return attribute_value
+
+    def device_pointer(address, index):
+        asked.append(("pointer", address, index))
+        return pointers.get(address, address)
+
+    return attribute, device_pointer, asked
+
+
+@pytest.mark.parametrize("device,attribute_value,pinned,pointers,match", [
+    pytest.param("cpu", 0, False, {}, None, id="cpu-the-device-is-the-host"),
+    pytest.param("cuda:1", 1, True, {}, None, id="cuda-same-address"),
+    pytest.param("cuda:1", 0, True, {}, r"GPU 1 cannot read registered host memory at its host address "
+                 r"\(cudaDevAttrCanUseHostPointerForRegisteredMem is 0\)", id="cuda-attribute-0"),
+    pytest.param("cuda:0", None, True, {}, "cannot ask CUDA whether GPU 0", id="cuda-unknown"),
+    pytest.param("cuda:0", 1, False, {}, "not registered with CUDA", id="cuda-pageable-pool"),
+    pytest.param("cuda:2", 1, True, {0x20000: 0x7000}, r"segment at 0x20000 has device pointer 0x7000 on GPU 2",
+                 id="cuda-other-device-pointer"),
+    pytest.param("cuda:2", 1, True, {0x20000: None}, "device pointer none", id="cuda-no-device-pointer"),
+])
+def test_host_address_refusal_decides_from_cudas_answers(device, attribute_value, pinned, pointers, match):
+    from saria.dataplane.dram.host_pool import host_address_refusal
+    attribute, device_pointer, asked = _cuda_answers(attribute_value, pointers)
+    refusal = host_address_refusal(device, [0x10000, 0x20000], pinned, attribute=attribute,
+                                   device_pointer=device_pointer)
+    if match is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and __import__("re").search(match, refusal), refusal
+    if device == "cpu":
+        assert asked == []  # nothing to ask: the CPU reads its own memory
+    elif refusal is None:
+        index = torch.device(device).index
+        assert asked == [("attribute", index), ("pointer", 0x10000, index), ("pointer", 0x20000, index)]
+
+
+def test_a_refusal_turns_layer_wise_copies_off_for_the_engine(monkeypatch):
+    """The check is made once, when the layer-wise paths start; a refusal makes them not capable
+    (every reload and store then goes whole), saying why. Here the twin is put where the paths ask."""
+    from saria.config import SariaConfig
+    from saria.control import ReloadPlan, Tier
+    from saria.dataplane import Coordinator, TransferEngine
+    from saria.dataplane.transfer import layerwise
+    from saria.kernels import PageTable
+
+    caches = [torch.zeros(8, 4096, dtype=torch.uint8) for _ in range(2)]
+    seen = []
+
+    def refusing(device, segments, pinned):
+        seen.append((torch.device(device), list(segments), pinned))
+        return "GPU 0 cannot read registered host memory at its host address (twin)"
+
+    with HostPool(4 * 4096, 4096) as pool:
+        engine = TransferEngine(PageTable(caches), host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
+                                pages_per_chunk=1)
+        try:
+            assert engine.layerwise().capable and engine.layerwise().refusal is None  # the CPU: by address
+        finally:
+            engine.close()
+        monkeypatch.setattr(layerwise, "host_address_refusal", refusing)
+        engine = TransferEngine(PageTable(caches), host_pool=pool, coordinator=Coordinator(SariaConfig().bandwidth),
+                                pages_per_chunk=1)
+        try:
+            paths = engine.layerwise()
+            assert seen == [(torch.device("cpu"), pool.segment_addresses(), pool.pinned)]
+            assert not paths.capable and "twin" in paths.refusal
+            plan = ReloadPlan(1, ("a",), (Tier.DRAM,), None, None, 8, 0, 0, False)
+            assert not engine.layerwise_ok(plan)
+        finally:
+            engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.sh runs it)")
+def test_on_cuda_the_gpu_reads_the_pools_segments_at_their_host_address():
+    """CUDA's real answers: on a 64-bit Linux machine with a current GPU, registered host memory is
+    read at its host address, so layer-wise copies stay on."""
+    from saria.dataplane.dram.host_pool import cuda_device_pointer, cuda_host_pointer_attribute, host_address_refusal
+    index = torch.cuda.current_device()
+    with HostPool(4 << 20, 1 << 20, segment_bytes=2 << 20) as pool:
+        assert pool.pinned and cuda_host_pointer_attribute(index) == 1
+        assert [cuda_device_pointer(a, index) for a in pool.segment_addresses()] == pool.segment_addresses()
+        assert host_address_refusal(torch.device("cuda", index), pool.segment_addresses(), pool.pinned) is None

@@ -283,7 +283,7 @@ def test_refusals_come_before_anything_moved(tmp_path):
 def test_layer_saves_store_exactly_the_spec_over_random_steps(data):
     """Random steps (1-3 orders of 0-4 chunks, a chunk stored twice, layers of one or two tensors,
     objects in one or several host slots over one or several pool segments, a pool too small for
-    some, layers saved in any order, some by finish): each object that landed holds the packed
+    some, layers saved in any order, some by finish; either backend): each object that landed holds the packed
     bytes of its pages as the "forward" left them, each that did not is named failed, and the
     pool's used slots are exactly the DRAM store's."""
     multi = data.draw(st.booleans(), label="objects over several host slots")
@@ -293,6 +293,8 @@ def test_layer_saves_store_exactly_the_spec_over_random_steps(data):
     slots = data.draw(st.integers(1, 30), label="host slots")
     segment = slot * data.draw(st.sampled_from([1, 2, 5, 64]), label="slots per segment")
     with rig(None, caches, slot, slots=slots, ssd=False, layers=layers, segment=segment) as eng:
+        # The Triton kernel (interpreted here) or the torch twin: the same step-wide preparation.
+        eng.layerwise().backend = data.draw(st.sampled_from(["auto", "torch"]), label="backend")
         orders, blocks, c = [], {}, 0
         for o in range(data.draw(st.integers(1, 3), label="orders")):
             chunks = []

@@ -106,6 +106,30 @@ def test_objects_over_several_host_slots_and_skipped_pages(tmp_path):
             assert same(tensor[20], caches[t][2]) and same(tensor[21], caches[t][3])
 
 
+def test_the_cta_cap_bounds_each_layers_launch_and_the_bytes_still_land(tmp_path, monkeypatch):
+    """One step's copies are prepared once (one LayeredCopy per path and step) and each layer's
+    launch honours the cap (max_programs: None the default, none on the CPU; 0 none)."""
+    caches = caches_of(16, 4, 32)
+    with rig(tmp_path, caches, 16384) as (src, dst, store):
+        paths = dst.layerwise()
+        assert paths.max_programs is None  # the CPU: no cap by default
+        put(src, ["x", "y"], [Tier.DRAM, Tier.SSD])
+        prepared = []
+        prepare = paths.prepare
+        monkeypatch.setattr(paths, "prepare", lambda *a, **k: prepared.append(prepare(*a, **k)) or prepared[-1])
+        monkeypatch.setattr(paths, "max_programs", 2)
+        step = dst.load_layers([(plan(["x", "y"], [Tier.DRAM, Tier.SSD]), [[10, 11], [20, 21]], 0)])
+        step.wait_all()
+        (result,) = step.finish()
+        assert result.ok and len(prepared) == 2  # one per path, for every layer
+        for copy in prepared:
+            assert len(copy) == 3 and all(0 < p <= 2 for p in copy.programs) or copy.backend == "torch"
+        for t, tensor in enumerate(dst.kv_table.tensors):
+            assert same(tensor[10], caches[t][0]) and same(tensor[11], caches[t][1])
+            assert same(tensor[20], caches[t][2]) and same(tensor[21], caches[t][3])
+        assert dst.counters()["engine"]["layer_copies"] == 6  # one launch per layer and path
+
+
 def test_pages_that_straddle_host_slots_refuse_layer_by_layer(tmp_path):
     caches = caches_of(4, 3, 32)  # 1,536 B pages: the third page of a 4 KiB slot runs into the next one
     with rig(tmp_path, caches, 4096) as (src, dst, store):
@@ -214,12 +238,15 @@ def test_layerwise_writes_exactly_the_planned_pages_over_random_steps(tmp_path_f
     """Random steps (1-3 plans of 1-4 chunks from DRAM or SSD, a skipped leading part, layers of
     one or two tensors, objects in one or several host slots, layers waited for in any order):
     each planned page holds its chunk's source page, every other page is untouched (the spec, page
-    by page), and a whole reload of the same plans writes the same bytes (differential)."""
+    by page), and a whole reload of the same plans writes the same bytes (differential), with
+    either backend of the step-wide copies."""
     tmp_path = tmp_path_factory.mktemp("lw")
     multi = data.draw(st.booleans(), label="objects over several host slots")
     caches = caches_of(16, 4, 32, layers=4) if multi else caches_of(4, 2, 8, layers=4)
     layers = [[0, 1], [2, 3]] if data.draw(st.booleans(), label="two tensors per layer") else None
     with rig(tmp_path, caches, 16384 if multi else 4096, slots=40, ssd_slots=40, layers=layers) as (_, eng, store):
+        # The Triton kernel (interpreted here) or the torch twin: the same step-wide preparation.
+        eng.layerwise().backend = data.draw(st.sampled_from(["auto", "torch"]), label="backend")
         loads, expect, c = [], {}, 0
         free = list(range(20, 44))
         for p in range(data.draw(st.integers(1, 3), label="plans")):
@@ -288,11 +315,11 @@ def _slot_places_per_tensor(host_pool, page_offsets, slots, ids, keep=None):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_slot_places_finds_every_page_where_the_per_tensor_reference_does(data):
-    """The vectorized slot_places (one pass over every tensor of a step) against the first,
-    tensor-by-tensor version: the same segments, offsets and ids, in the same order, whatever the
-    objects' slots (one or several pool segments) and the pages kept."""
-    from saria.dataplane.transfer.layerwise import slot_places
+def test_slot_layout_finds_every_page_where_the_per_tensor_reference_does(data):
+    """slot_layout (one pass over every tensor of a step, for prepare_layered)
+    against the first, tensor-by-tensor version: per tensor and pool segment the same offsets and
+    ids, in the same order, whatever the objects' slots (one or several segments) and the pages kept."""
+    from saria.dataplane.transfer.layerwise import slot_layout
 
     slot = 4096
     pool = HostPool(16 * slot, slot, segment_bytes=4 * slot)  # four segments
@@ -311,10 +338,17 @@ def test_slot_places_finds_every_page_where_the_per_tensor_reference_does(data):
                        dtype=torch.int64).view(objects, pages)
     keep = None if data.draw(st.booleans()) else torch.tensor(
         data.draw(st.lists(st.booleans(), min_size=objects * pages, max_size=objects * pages))).view(objects, pages)
-    got = slot_places(pool, page_offsets, slots, ids, keep)
+    buffers, chosen, where, places = slot_layout(pool, page_offsets, slots, ids, keep)
     want = _slot_places_per_tensor(pool, page_offsets, slots, ids, keep)
-    assert len(got) == len(want) == tensors
-    for g, w in zip(got, want):
-        assert [s.data_ptr() for s, _, _ in g] == [s.data_ptr() for s, _, _ in w]
-        assert all(torch.equal(a, c) and torch.equal(b, d) for (_, a, b), (_, c, d) in zip(g, w))
+    assert len(want) == tensors and where.shape == places.shape == (tensors, chosen.numel())
+    for t, w in enumerate(want):
+        # the same pages per segment, in the same order (empty segments aside)
+        got = [(buffers[b], places[t][where[t] == b], chosen[where[t] == b]) for b in range(len(buffers))]
+        got = [g for g in got if g[1].numel()]
+        w = [x for x in w if x[1].numel()]
+        assert [g.data_ptr() for g, _, _ in got] == sorted((x.data_ptr() for x, _, _ in w),
+                                                          key=[g.data_ptr() for g in buffers].index)
+        by_segment = {x.data_ptr(): (a, c) for x, a, c in w}
+        for g, a, c in got:
+            assert torch.equal(a, by_segment[g.data_ptr()][0]) and torch.equal(c, by_segment[g.data_ptr()][1])
     pool.close()

@@ -483,6 +483,13 @@ def test_the_null_backend_checks_everything_and_copies_nothing():
         copy.launch()
         with pytest.raises(ValueError, match="appears more than once"):
             unpack_pages(torch.ones_like(staging), table, _ids(2, 2))
+        from saria.kernels import prepare_layered
+        pb = table.segments[0].page_bytes
+        where = torch.tensor([[0, pb], [2 * pb, 3 * pb]], dtype=torch.int64)
+        for backend in ("auto", "torch"):  # the Triton path here runs under the interpreter
+            layered = prepare_layered(table, [[0], [1]], [torch.ones(4 * pb, dtype=torch.uint8, device=DEVICE)],
+                                      [2, 3], None, where, pack=False, backend=backend)
+            layered.launch(0), layered.launch(1)
     assert not staging.any()
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, caches))
     pack_pages(table, _ids(4, 1), out=staging)  # outside null_copies(): copies again

@@ -390,13 +390,13 @@ def test_pinned_host_buffer_to_cuda_pages_and_back(backend, max_programs):
 
 @cuda_only
 def test_fast_launch_and_triton_dispatch_copy_the_same_bytes(monkeypatch):
-    import saria.kernels.pages.scattered as scattered
+    import saria.kernels.variants as variants
 
     caches = vllm_layers(8, 16, 8, 128, torch.bfloat16, layers=2)
     offsets = torch.tensor([[0, 70_000], [140_000, 210_003]])
     results = []
     for fast in (True, False):
-        monkeypatch.setattr(scattered, "FAST_LAUNCH", fast)
+        monkeypatch.setattr(variants, "FAST_LAUNCH", fast)
         pool = torch.zeros(300_000, dtype=torch.uint8, pin_memory=True)
         prepare_scattered(pool, offsets, caches, [6, 1], pack=True).launch()
         torch.cuda.synchronize()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 import torch
 
@@ -19,6 +20,7 @@ from saria.control import StoreOrder
 from saria.integrations.vllm.metadata import RequestOrders, SariaConnectorMetadata
 from saria.integrations.vllm.worker import SariaWorker
 
+from device_twin import LaggingDevice
 from test_vllm_connector_faults import BLOCK, CHUNK, GEOMETRY, KV_BYTES_PER_TOKEN, completions, settings
 
 SIZE = CHUNK * KV_BYTES_PER_TOKEN
@@ -79,6 +81,13 @@ def histories(draw):
 @hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(history=histories(), layerwise=st.booleans())
 def test_every_held_request_is_reported_sent_once_whatever_the_hook_order(tmp_path_factory, history, layerwise):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        device = LaggingDevice(monkeypatch, shut=False)  # and no hook ever waits for the device
+        check_history(tmp_path_factory, history, layerwise)
+        assert device.violations == []
+
+
+def check_history(tmp_path_factory, history, layerwise):
     worker = worker_for(tmp_path_factory.mktemp("ssd"), layerwise)
     held: list[str] = []  # finished in the last step: named in the next metadata
     told: set[str] = set()  # named held to the worker so far

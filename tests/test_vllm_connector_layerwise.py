@@ -5,6 +5,8 @@ layer's wait, a cancel, a fault mid-step, and stores copied layer by layer."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -125,14 +127,15 @@ def test_an_in_step_load_while_off_or_refused_goes_back_in_error(tmp_path):
     worker.shutdown()
 
 
-def test_stores_go_layer_by_layer_and_land_by_wait_for_save(tmp_path):
+def test_stores_go_layer_by_layer_and_land_once_their_copies_ran_after_wait_for_save(tmp_path):
     worker = worker_for(tmp_path)
     size = CHUNK * KV_BYTES_PER_TOKEN
     meta = SariaConnectorMetadata(orders=[RequestOrders("r0", (StoreOrder(1, ("h0",), (), size),), {"h0": (2, 3)})])
     worker.before_forward(meta)
     assert worker.saves.step is not None and worker._reading["r0"]  # the pages are read from now on
     worker.save_kv_layer("l0")
-    worker.wait_for_save(meta)
+    worker.wait_for_save(meta)  # hands the step over: it ends on the engine's retire thread
+    assert worker.data.engine.settle(timeout=30)
     assert all(event.is_set() for event in worker._reading["r0"])  # every copy ran: vLLM may reuse the pages
     assert [c.ok for c in completions(worker, 1)] == [True]
     engine = worker.data.engine
@@ -155,4 +158,49 @@ def test_a_layer_whose_save_hook_never_ran_is_copied_by_wait_for_save(tmp_path, 
     worker.wait_for_save(meta)
     assert [c.ok for c in completions(worker, 1)] == [True]
     assert worker.snapshot()["engine"]["layer_saves_late"] == (0 if hook else 1)
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("ssd_dtype", ["auto", pytest.param("fp8", marks=pytest.mark.long)])
+def test_serving_launches_only_kernel_variants_warmed_at_start(tmp_path, monkeypatch, ssd_dtype):
+    """Every Triton variant a session launches was warmed by register_kv_caches on this thread: none
+    is compiled while serving (a compile takes hundreds of ms, and from the path, save and SSD
+    threads at once Triton's compile path is not thread-safe). The keys are Triton's own
+    specialization (saria.kernels.variants): under the interpreter nothing compiles, but a launch
+    whose key was not warmed is exactly one a GPU would compile then."""
+    from saria.kernels import variants
+    monkeypatch.setattr(variants, "SEEN", {})  # this process's earlier tests launched variants of their own
+    monkeypatch.setattr(variants, "LATE", [])
+    monkeypatch.setattr(variants, "LAUNCHES", variants.Counter())
+    worker = SariaWorker(settings(tmp_path, ssd_dtype=ssd_dtype), GEOMETRY, num_blocks=16, layerwise=True)
+    pages_ = torch.randn(16 * BLOCK * KV_BYTES_PER_TOKEN // 2).to(torch.bfloat16)
+    worker.register_kv_caches({"l0": pages_.view(16, 2, BLOCK, 2, 64)})
+    warmed = dict(variants.SEEN)
+    assert warmed and set(warmed.values()) == {"warm"} and not variants.LAUNCHES
+    store_and_write(worker, "h0", (2, 3))  # a whole store, then a write to SSD
+    size = CHUNK * KV_BYTES_PER_TOKEN
+    for n, (chunk, blocks) in enumerate((("h1", (4, 5)), ("h2", (6, 7)))):  # stores layer by layer
+        step(worker, SariaConnectorMetadata(orders=[RequestOrders("r0", (StoreOrder(10 + n, (chunk,), (), size),),
+                                                                  {chunk: blocks})]))
+    assert all(c.ok for c in completions(worker, 2))
+    loads = [LoadSpec("a", plan(20, ["h0"], Tier.DRAM), ((8, 9),), layerwise=True),
+             LoadSpec("b", plan(21, ["h0"], Tier.SSD), ((10, 11),), layerwise=True),
+             LoadSpec("c", plan(22, ["h1"], Tier.DRAM), ((12, 13),)),
+             LoadSpec("d", plan(23, ["h0"], Tier.SSD), ((14, 15),)),
+             LoadSpec("e", plan(24, ["h0"], Tier.SSD), ((3, 14),), skip_pages=1),  # one page: an int == 1
+             LoadSpec("f", plan(25, ["h2"], Tier.DRAM), ((1, 15),), skip_pages=1, layerwise=True)]
+    for spec in loads:  # in-step (DRAM, SSD) and whole reloads, some skipping the engine's own page
+        sent, loaded, failed, errors = step(worker, SariaConnectorMetadata(loads=[spec]))
+        assert not failed and not errors
+    for _ in range(100):
+        if worker.get_finished(set())[1]:
+            break
+        time.sleep(0.05)
+    assert torch.equal(pages(worker, (8, 9)), pages(worker, (2, 3)))
+    assert torch.equal(pages(worker, (12, 13)), pages(worker, (4, 5)))
+    kernels = {key[0] for key in variants.LAUNCHES}
+    assert {"_copy_pages_kernel", "_scattered_kernel"} <= kernels, kernels  # the session did launch kernels
+    if ssd_dtype == "fp8":
+        assert "_fp8_pages_kernel" in kernels
+    assert variants.LATE == [] and set(variants.LAUNCHES) <= set(warmed)
     worker.shutdown()

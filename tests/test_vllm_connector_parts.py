@@ -92,10 +92,22 @@ def test_ssd_dtype_reaches_the_config_with_the_caches_element_size():
     ({"layerwise": "yes"}, 'layerwise must be true, false or "auto"'),
     ({"layerwise": 1}, 'layerwise must be true, false or "auto"'),
     ({"layerwise": None}, 'layerwise must be true, false or "auto"'),
+    ({"layerwise_max_programs": -1}, "layerwise_max_programs must be"),
+    ({"layerwise_max_programs": True}, "layerwise_max_programs must be"),
+    ({"layerwise_max_programs": "many"}, "layerwise_max_programs must be"),
 ])
 def test_bad_options_are_refused_clearly(extra, match):
     with pytest.raises(ValueError, match=match):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_layerwise_max_programs_is_auto_a_cap_or_none():
+    from saria.dataplane.transfer.layerwise import LayerwiseLoads
+    assert ConnectorSettings.from_extra_config({}).layerwise_max_programs is None
+    assert ConnectorSettings.from_extra_config({"layerwise_max_programs": "auto"}).layerwise_max_programs is None
+    assert ConnectorSettings.from_extra_config({"layerwise_max_programs": 8}).layerwise_max_programs == 8
+    assert ConnectorSettings.from_extra_config({"layerwise_max_programs": 0}).layerwise_max_programs == 0
+    assert "max_programs" in LayerwiseLoads.__init__.__code__.co_varnames
 
 
 def test_layerwise_resolves_per_device_and_never_for_hybrid_models():
@@ -255,3 +267,42 @@ def test_session_priming_is_refused_where_it_would_not_give_the_same_split(kwarg
 def test_extra_config_that_is_not_a_mapping_is_refused(extra):
     with pytest.raises(ValueError, match="must be a mapping"):
         ConnectorSettings.from_extra_config(extra)
+
+
+@pytest.mark.parametrize("dbo,ubatch_size,off", [
+    pytest.param(True, 0, True, id="dual-batch-overlap"),
+    pytest.param(False, 2, True, id="ubatch-size-2"),
+    pytest.param(False, 1, False, id="one-ubatch"),
+    pytest.param(False, 0, False, id="no-ubatching"),
+])
+def test_layerwise_is_off_under_vllms_micro_batching_with_one_line(dbo, ubatch_size, off):
+    """vLLM's dual-batch overlap runs every layer once per micro-batch: save_kv_layer would come
+    twice per layer in a step ("saved already", a fault) with half the pages each. Layer-wise goes
+    off, in one warning, read off vLLM's own ParallelConfig."""
+    import logging
+
+    from vllm.config import ParallelConfig
+
+    from saria.integrations.vllm.compat import uses_ubatching
+    from saria.integrations.vllm.connector import decide_layerwise
+
+    parallel = ParallelConfig(enable_dbo=dbo, ubatch_size=ubatch_size)
+    config = types.SimpleNamespace(parallel_config=parallel, speculative_config=None,
+                                   device_config=types.SimpleNamespace(device_type="cuda"))
+    assert uses_ubatching(config) is parallel.use_ubatching is off  # vLLM's own rule, from its two fields
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("saria.vllm")
+    logger.addHandler(handler)
+    try:
+        for extra, asked in (({"layerwise": True}, True), ({}, None), ({"layerwise": False}, False)):
+            records.clear()
+            settings = ConnectorSettings.from_extra_config(extra)
+            would = settings.layerwise_for("cuda", hybrid=False)
+            assert decide_layerwise(settings, config, hybrid=False) is (would and not off)
+            lines = [r.getMessage() for r in records if "micro-batching" in r.getMessage()]
+            assert len(lines) == (1 if off and would else 0), (asked, lines)
+        assert not decide_layerwise(ConnectorSettings.from_extra_config({"layerwise": True}), config, hybrid=True)
+    finally:
+        logger.removeHandler(handler)

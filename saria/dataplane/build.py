@@ -15,6 +15,7 @@ from saria.sizing import TierSizing, size_tiers
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.engine import TransferEngine
 from saria.dataplane.dram.host_pool import HostPool
+from saria.dataplane.dram.numa import pool_numa_node
 from saria.dataplane.ssd.store import SSDStore
 
 
@@ -82,12 +83,12 @@ def open_data_plane(config: SariaConfig, kv_table: PageTable, *, block_tokens: i
                          f"{expected.kv_element_bytes} and {expected.state_bytes}: build the config with sized_config()")
     paths = list(config.ssd_paths if ssd_paths is None else ssd_paths)
     sizing = size_tiers(config, drives=len(paths), staging_bytes=staging_bytes)
-    host_pool = HostPool(sizing.pinned_bytes, sizing.dram.unit_bytes)
+    host_pool = HostPool(sizing.pinned_bytes, sizing.dram.unit_bytes, numa_node=pool_numa_node(kv_table.device))
     ssd = None
     try:
         if sizing.ssd.units:
             ssd = SSDStore(paths, sizing.ssd.file_bytes, sizing.ssd.unit_bytes, durable=durable, direct=direct,
-                           identity=ssd_identity, sealer=ssd_sealer)
+                           identity=ssd_identity, sealer=ssd_sealer, device=kv_table.device)
             if ssd.total_parts != sizing.ssd.units:  # the store's own rule for its files' slots
                 raise RuntimeError(f"the SSD store holds {ssd.total_parts} parts, its layout says {sizing.ssd.units}")
         coordinator = Coordinator(config.bandwidth, mode=coordinator_mode)

@@ -34,6 +34,7 @@ from saria.config import SariaConfig
 from saria.control import ControlPlane, ObjectKey, Order, ReloadPlan
 from saria.dataplane.transfer.engine import Blocks, Completion, LoadJob
 from saria.dataplane.build import open_data_plane, sized_config
+from saria.dataplane.devices import pool_initializer
 from saria.kernels import PageTable
 
 class TieredCache:
@@ -66,7 +67,8 @@ class TieredCache:
             raise
         self.engine, self.host_pool, self.ssd = self.data.engine, self.data.host_pool, self.data.ssd
         self.coordinator = self.data.coordinator
-        self._completions = ThreadPoolExecutor(1, thread_name_prefix="saria-complete")
+        self._completions = ThreadPoolExecutor(1, thread_name_prefix="saria-complete",
+                                               initializer=pool_initializer(self.engine.device))
         self._outstanding: set[Future] = set()
         self._lock = threading.Lock()
         # held from a control-plane call that returns orders until they are issued: the drops a

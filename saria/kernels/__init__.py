@@ -19,16 +19,17 @@ from .checksum import checksum, checksum_naive, checksum_torch
 from .fp8 import (dequantize_naive, dequantize_staging, fp8_staging_bytes, pack_pages_fp8, pack_pages_fp8_naive,
                   quantize_naive, quantize_staging, unpack_pages_fp8, unpack_pages_fp8_naive)
 from .page_table import PageTable, Segment, StaleTableError
-from .pages import (ScatteredCopy, drop_leading_pages, pack_pages, pack_pages_naive, pack_pages_torch,
-                    prepare_scattered, scattered_copy_naive, unpack_pages, unpack_pages_naive, unpack_pages_torch)
+from .pages import (COPY_MAX_PROGRAMS, LayeredCopy, ScatteredCopy, default_max_programs, drop_leading_pages, pack_pages, pack_pages_naive, pack_pages_torch,
+                    prepare_layered, prepare_scattered, scattered_copy_naive, unpack_pages, unpack_pages_naive, unpack_pages_torch)
+from .warm import warm_kernels
 from .state import pack_state, pack_state_naive, state_table, unpack_state, unpack_state_naive
 
 __all__ = [
-    "BACKENDS", "BlockIds", "INTERPRETED", "PageTable", "ScatteredCopy", "Segment", "StaleTableError",
+    "BACKENDS", "BlockIds", "COPY_MAX_PROGRAMS", "INTERPRETED", "LayeredCopy", "PageTable", "ScatteredCopy", "Segment", "StaleTableError",
     "check_block_ids", "checksum", "checksum_naive", "checksum_torch", "default_backend", "dequantize_naive",
     "dequantize_staging", "drop_leading_pages", "extent_bytes", "fp8_staging_bytes", "pack_pages", "pack_pages_fp8",
     "pack_pages_fp8_naive", "pack_pages_naive", "pack_pages_torch", "pack_state", "pack_state_naive",
-    "prepare_scattered", "quantize_naive", "quantize_staging", "resolve_backend", "scattered_copy_naive",
+    "default_max_programs", "prepare_layered", "prepare_scattered", "quantize_naive", "quantize_staging", "resolve_backend", "scattered_copy_naive",
     "state_table", "unpack_pages", "unpack_pages_fp8", "unpack_pages_fp8_naive", "unpack_pages_naive",
-    "unpack_pages_torch", "unpack_state", "unpack_state_naive",
+    "unpack_pages_torch", "unpack_state", "unpack_state_naive", "warm_kernels",
 ]

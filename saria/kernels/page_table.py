@@ -130,6 +130,16 @@ class PageTable:
         if live != self._fingerprints:
             raise StaleTableError(self._stale_message(live))
 
+    def verify_tensors(self, indices: Sequence[int]) -> None:
+        """:meth:`verify` for the tensors ``indices`` only (a launch that reads only those)."""
+        fingerprints = self._fingerprints
+        for i in indices:
+            t = self.tensors[i]
+            live = (t.data_ptr(), t.untyped_storage().nbytes(), t.storage_offset(), t.shape, t.stride(), t.dtype,
+                    None if (b := t._base) is None else b.untyped_storage().data_ptr())
+            if live != fingerprints[i]:
+                self.verify()  # raises, naming every tensor that changed
+
     def _stale_message(self, live: list) -> str:
         changed = [i for i, (old, new) in enumerate(zip(self._fingerprints, live)) if old != new]
         i = changed[0]

@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from saria.dataplane.devices import bind_thread, resolve
+
 log = logging.getLogger("saria.dataplane.cluster")
 
 RPC_FAIL = -900  # Mooncake: the master could not be reached
@@ -131,11 +133,13 @@ class Connection:
         retry_min_s, retry_max_s: the reconnect backoff.
         protocol: Mooncake's transport (``"tcp"``; ``"rdma"`` where the hosts have it).
         connect_timeout_s: the TCP check of the master's port before a setup or probe.
+        device: made current on the health thread first (it sets clients up and registers memory
+            with them; :mod:`saria.dataplane.devices`); ``None``: the device current on the calling thread.
     """
 
     def __init__(self, master: str, local_hostname: str, ranges: Sequence[tuple[int, int]], counters: Any,
                  setup_wait_s: float = 10.0, retry_min_s: float = 0.5, retry_max_s: float = 10.0,
-                 protocol: str = "tcp", connect_timeout_s: float = 1.0):
+                 protocol: str = "tcp", connect_timeout_s: float = 1.0, device: Any = None):
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"master must be host:port, got {master!r}")
@@ -156,6 +160,7 @@ class Connection:
         self._warned = False  # the one warning of the current outage was logged
         self.reason: str | None = None  # why the tier is off (the last failed attempt); None while on
         self._first = threading.Event()
+        self._device = resolve(device)
         self._thread = threading.Thread(target=self._run, name="saria-cluster-health", daemon=True)
         self._thread.start()
         if not self._first.wait(setup_wait_s):
@@ -259,6 +264,7 @@ class Connection:
         return None
 
     def _run(self) -> None:
+        bind_thread(self._device)
         delay = self._retry[0]
         while True:
             with self._cond:

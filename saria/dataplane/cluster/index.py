@@ -23,6 +23,7 @@ from saria.dataplane.cluster.counters import ClusterCounters
 from saria.dataplane.cluster.errors import ClusterOff
 from saria.dataplane.cluster.layout import Layout
 from saria.dataplane.cluster.sealed import layout_of
+from saria.dataplane.devices import pool_initializer, resolve
 from saria.dataplane.ssd.keys import parse_object_key
 
 log = logging.getLogger("saria.dataplane.cluster")
@@ -50,9 +51,11 @@ class ClusterIndex:
         self._layouts: dict[str, Layout] = {}
         self._counters = ClusterCounters()
         self.lookups = self.lookup_timeouts = self.found = 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="saria-cluster-index")
+        device = resolve(None)  # the scheduler's: never initializes CUDA where nothing did
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="saria-cluster-index",
+                                        initializer=pool_initializer(device))
         self._conn = Connection(master, local_hostname, [], self._counters, setup_wait_s, retry_min_s,
-                                retry_max_s, protocol)
+                                retry_max_s, protocol, device=device)
 
     @property
     def on(self) -> bool:

@@ -36,6 +36,7 @@ from saria.dataplane.cluster import queries
 from saria.dataplane.cluster.errors import (ClusterMiss, ClusterOff, ClusterTimeout, ClusterWriteError,
                                             ObjectAbsent, ObjectCorrupt)
 from saria.dataplane.cluster.layout import Meta, meta_bytes
+from saria.dataplane.devices import bind_thread
 from saria.kernels.checksum import checksum
 
 OBJECT_NOT_FOUND = -704
@@ -275,7 +276,8 @@ class Batch:
 class Watchdog:
     """One thread that times out batches at their deadlines."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._device = torch.device(device)
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, Batch]] = []
         self._seq = itertools.count()
@@ -295,6 +297,7 @@ class Watchdog:
         self._thread.join()
 
     def _run(self) -> None:
+        bind_thread(self._device)
         while True:
             with self._cond:
                 while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from saria.dataplane.devices import bind_thread, current_device
+
 
 def split_address(master: str) -> tuple[str, int]:
     """``(host, port)`` of ``host:port``; ``ValueError`` when it is not one."""
@@ -36,8 +38,10 @@ def _resolve(host: str, port: int, timeout_s: float) -> list[tuple] | str:
     """``getaddrinfo``'s stream addresses, or why not; a lookup past ``timeout_s`` is given up on (it
     cannot be cancelled: it finishes on a daemon thread)."""
     result: list[Any] = []
+    device = current_device()  # the caller's (the lookup does no device work)
 
     def lookup() -> None:
+        bind_thread(device)
         try:
             result.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
         except OSError as exc:

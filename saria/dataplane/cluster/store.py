@@ -42,6 +42,7 @@ from saria.dataplane.cluster.sealed import layout_of
 from saria.dataplane.cluster.memory import Registered, memory_ranges
 from saria.dataplane.cluster.sealed import TAG_BYTES
 from saria.dataplane.cluster.sealed_jobs import SealedBatch
+from saria.dataplane.devices import pool_initializer, resolve
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.keys import parse_object_key
 from saria.seal import Sealer
@@ -77,6 +78,8 @@ class ClusterStore:
         sealer: seal every object (docs/cluster.md "Sealed objects"): a
             ``Sealer(keyring, "cluster", identity)``. Sealed objects live under a layout of their own
             (plain stores never see them, nor they plain objects); no checksum is computed or checked.
+        device: the engine's device, made current on each of the store's threads first
+            (:mod:`saria.dataplane.devices`); ``None``: the device current on the opening thread.
 
     Raises ``ImportError`` (saying what to install) when Mooncake is not importable.
     """
@@ -85,7 +88,8 @@ class ClusterStore:
                  local_hostname: str = "127.0.0.1", max_part_bytes: int | None = None, threads: int = 2,
                  timeout_s: float = 5.0, setup_wait_s: float = 10.0, retry_min_s: float = 0.5,
                  retry_max_s: float = 10.0, protocol: str = "tcp", arena_bytes: int = 1 << 20,
-                 pipeline_bytes: int = 32 << 20, sealer: Sealer | None = None):
+                 pipeline_bytes: int = 32 << 20, sealer: Sealer | None = None,
+                 device: torch.device | str | None = None):
         import_store_class()  # ImportError (what to install) before anything is started
         if sealer is not None and not isinstance(sealer, Sealer):
             raise TypeError(f"sealer must be a saria.seal.Sealer, got {type(sealer).__name__}")
@@ -116,16 +120,18 @@ class ClusterStore:
         self._inflight: set[Batch] = set()
         self._closed = False
         self._pipeline_bytes = int(pipeline_bytes)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster")
-        self._verifier = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster-verify")
-        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="saria-cluster-lookup")
-        self._watchdog = Watchdog()
+        device = resolve(device)
+        bind = pool_initializer(device)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster", initializer=bind)
+        self._verifier = ThreadPoolExecutor(threads, thread_name_prefix="saria-cluster-verify", initializer=bind)
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="saria-cluster-lookup", initializer=bind)
+        self._watchdog = Watchdog(device)
         # Mooncake's memory: the arenas, a sealed store's ciphertext buffers, a plain store's host memory
         ranges = [] if sealer else list(self._registered.ranges)
         ranges += [(t.data_ptr(), t.numel()) for w in workspaces for t in [w.arena, *w.cipher]]
         self._mooncake_ranges = sorted(ranges)
         self._conn = Connection(master, local_hostname, ranges, self._counters, setup_wait_s,
-                                retry_min_s, retry_max_s, protocol)
+                                retry_min_s, retry_max_s, protocol, device=device)
 
     # ---------------------------------------------------------------- public API
 

@@ -26,6 +26,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from saria.dataplane.dram.numa import bind_memory
+
 PAGE = 4096
 log = logging.getLogger("saria.dataplane.dram")
 
@@ -51,18 +53,87 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The libcudart torch already loaded (``RTLD_NOLOAD``: never loads one), or ``None``."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None
+
+
 def _clear_last_cuda_error() -> None:
     """Reset the CUDA runtime's last error after a failed call we reported ourselves: left set, the
     next kernel launch's check in torch raises it there, far from its cause (seen on an H200: a
     failed cudaHostRegister surfaced as a tensor ``clone`` failing "memory range already mapped").
-    Uses the libcudart torch already loaded (``RTLD_NOLOAD``); does nothing if none is found."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
-        except OSError:
-            continue
+    Uses the libcudart torch already loaded; does nothing if none is found."""
+    lib = _loaded_cudart()
+    if lib is not None:
         lib.cudaGetLastError()
-        return
+
+
+# cudaDevAttrCanUseHostPointerForRegisteredMem (driver_types.h): the device reads registered host
+# memory at the CPU's own virtual address
+CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
+
+
+def cuda_host_pointer_attribute(index: int) -> int | None:
+    """GPU ``index``'s ``cudaDevAttrCanUseHostPointerForRegisteredMem`` (1: yes), or ``None`` where
+    CUDA cannot be asked."""
+    lib = _loaded_cudart()
+    if lib is None:
+        return None
+    value = ctypes.c_int(-1)
+    if lib.cudaDeviceGetAttribute(ctypes.byref(value), CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, index) != 0:
+        _clear_last_cuda_error()
+        return None
+    return value.value
+
+
+def cuda_device_pointer(host_address: int, index: int) -> int | None:
+    """The device pointer on GPU ``index`` of registered host memory at ``host_address``
+    (``cudaHostGetDevicePointer``), or ``None`` where CUDA gives none."""
+    lib = _loaded_cudart()
+    if lib is None:
+        return None
+    pointer = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        err = lib.cudaHostGetDevicePointer(ctypes.byref(pointer), ctypes.c_void_p(host_address), 0)
+    if err != 0:
+        _clear_last_cuda_error()
+        return None
+    return pointer.value or 0
+
+
+def host_address_refusal(device: torch.device | str, segments: Sequence[int], pinned: bool, *,
+                         attribute: Callable[[int], int | None] = cuda_host_pointer_attribute,
+                         device_pointer: Callable[[int, int], int | None] = cuda_device_pointer) -> str | None:
+    """Why kernels on ``device`` cannot read a host pool's registered segments (host addresses
+    ``segments``) by their host address, or ``None`` when they can. The layer-wise copies do (the
+    scattered kernel's work array holds host addresses of slots, :func:`saria.kernels.prepare_scattered`):
+    on CUDA that needs ``cudaDevAttrCanUseHostPointerForRegisteredMem`` and, for each segment, a
+    device pointer equal to its host address (``cudaHostGetDevicePointer``); on the CPU the device
+    is the host. Asked once, at start; ``attribute`` and ``device_pointer`` are CUDA's answers
+    (tests feed their own)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else 0
+    value = attribute(index)
+    if value is None:
+        return f"cannot ask CUDA whether GPU {index} reads registered host memory at its host address"
+    if value != 1:
+        return (f"GPU {index} cannot read registered host memory at its host address "
+                f"(cudaDevAttrCanUseHostPointerForRegisteredMem is {value})")
+    if not pinned:
+        return "the host pool is not registered with CUDA (pageable memory)"
+    for address in segments:
+        mapped = device_pointer(address, index)
+        if mapped != address:
+            where = "none" if mapped is None else f"{mapped:#x}"
+            return f"a host pool segment at {address:#x} has device pointer {where} on GPU {index}, not its host address"
+    return None
 
 
 class HostRegistry:
@@ -171,10 +242,16 @@ REGISTRY = HostRegistry()
 
 
 class HostPool:
-    """Fixed-size slots of (pinned) host memory with a thread-safe allocator."""
+    """Fixed-size slots of (pinned) host memory with a thread-safe allocator.
+
+    ``numa_node``: the NUMA node whose memory the segments prefer (``mbind`` before their pages are
+    first touched, :mod:`~saria.dataplane.dram.numa`; :func:`~saria.dataplane.dram.numa.pool_numa_node`
+    gives the engine's GPU's); ``None``: not bound. ``numa_node`` afterwards is the node the pool
+    is bound to, ``None`` where the system refused (one warning line)."""
 
     def __init__(self, capacity_bytes: int, slot_bytes: int = 4 << 20, *, segment_bytes: int = 1 << 30,
-                 pin: bool | None = None, evict: Callable[[int], None] | None = None, evict_attempts: int = 3):
+                 pin: bool | None = None, evict: Callable[[int], None] | None = None, evict_attempts: int = 3,
+                 numa_node: int | None = None):
         for name, value in (("capacity_bytes", capacity_bytes), ("slot_bytes", slot_bytes),
                             ("segment_bytes", segment_bytes), ("evict_attempts", evict_attempts)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -192,12 +269,15 @@ class HostPool:
             raise ValueError(f"segment_bytes ({segment_bytes}) must hold at least one slot ({slot_bytes})")
         if evict_attempts < 0:
             raise ValueError("evict_attempts must be >= 0")
+        if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < 0):
+            raise ValueError(f"numa_node must be a node number (>= 0) or None, got {numa_node!r}")
         cuda = torch.cuda.is_available()
         if pin and not cuda:
             raise ValueError("pin=True needs CUDA; this machine has none (pin=None pins when it can)")
         self.slot_bytes = slot_bytes
         self.num_slots = capacity_bytes // slot_bytes
         self.pinned = cuda if pin is None else pin
+        self.numa_node = numa_node
         self._evict = evict
         self._evict_attempts = evict_attempts
         self._lock = threading.Lock()
@@ -218,6 +298,7 @@ class HostPool:
                 mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 self._maps.append(mm)
                 seg = torch.frombuffer(mm, dtype=torch.uint8)
+                self._bind(seg.data_ptr(), nbytes)  # before registration faults the pages in
                 REGISTRY.register(seg.data_ptr(), nbytes, pin=self.pinned)
                 self._registered.append(seg.data_ptr())
                 self._segments.append(seg)
@@ -225,6 +306,15 @@ class HostPool:
             self.close()
             raise
         self._per_segment = per_segment
+
+    def _bind(self, address: int, nbytes: int) -> None:
+        if self.numa_node is None:
+            return
+        err = bind_memory(address, nbytes, self.numa_node)
+        if err:
+            log.warning("host pool: not NUMA-bound to node %d (mbind refused: %s); its memory goes where the OS "
+                        "puts it", self.numa_node, os.strerror(err))
+            self.numa_node = None
 
     # --- allocation ------------------------------------------------------------------------------
 
@@ -289,6 +379,10 @@ class HostPool:
             raise ValueError(f"slot {s} is not in this pool (0..{self.num_slots - 1})")
         seg, i = divmod(s, self._per_segment)
         return self._segments[seg][i * self.slot_bytes:(i + 1) * self.slot_bytes]
+
+    def segment_addresses(self) -> list[int]:
+        """The host address of each registered segment."""
+        return [seg.data_ptr() for seg in self._segments]
 
     def locate(self, s: int) -> tuple[torch.Tensor, int]:
         """Where slot ``s`` lives: its segment (one uint8 tensor of contiguous, pinned-when-CUDA host

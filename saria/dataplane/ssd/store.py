@@ -50,6 +50,7 @@ from saria.dataplane.ssd.keys import describe_key
 from saria.dataplane.ssd.memory import Claim, MemoryInUse, WritableProbe
 from saria.dataplane.ssd.sealing import SealedParts
 from saria.dataplane.ssd.startup import Startup
+from saria.dataplane.devices import pool_initializer, resolve
 from saria.seal import Sealer
 
 log = logging.getLogger("saria.dataplane.ssd")
@@ -78,12 +79,16 @@ class SSDStore:
         sealer: a :class:`saria.seal.Sealer` of kind ``"ssd"`` made for this ``identity``: every part
             is then sealed, and only parts sealed under its key file are served (docs/ssd.md,
             "Sealed objects"). ``None``: unsealed, as before.
+        device: the engine's device, made current on every reader and writer thread before its
+            first task (:mod:`saria.dataplane.devices`; their bounce buffers are registered with
+            CUDA there). ``None``: the device current on the thread that opens the store.
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike], capacity_bytes_per_drive: int,
                  part_bytes: int = 4 << 20, *, backend: str = "auto", direct: bool | str = "auto",
                  durable: bool = True, read_threads: int = 8, write_threads: int = 2,
-                 io_ops: IoOps | None = None, identity: str = "", sealer: Sealer | None = None):
+                 io_ops: IoOps | None = None, identity: str = "", sealer: Sealer | None = None,
+                 device: torch.device | str | None = None):
         self._geometry, dirs = check_options(paths, capacity_bytes_per_drive, part_bytes, direct, read_threads,
                                              write_threads, identity, sealer, backend)
         self._durable = bool(durable)
@@ -103,8 +108,9 @@ class SSDStore:
         self._payload: PayloadIO | None = None
         self._sealing: SealedParts | None = None
         self._read_threads = read_threads
-        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="saria-ssd-read")
-        self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="saria-ssd-write")
+        bind = pool_initializer(resolve(device))
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="saria-ssd-read", initializer=bind)
+        self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="saria-ssd-write", initializer=bind)
         try:
             startup = Startup(self._geometry, identity, io_ops or IoOps(), self._counters, self._durable,
                               None if sealer is None else sealer.key_id)

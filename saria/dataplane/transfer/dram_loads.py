@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from saria.dataplane import nvtx
+from saria.dataplane.devices import bind_thread, pool_initializer
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.dram.store import DramObject, DramStore
 from saria.dataplane.dram.staging import StagingPool
@@ -49,7 +50,8 @@ class DramLoads:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="saria-dram", daemon=True)
         self._thread.start()
-        self._device = ThreadPoolExecutor(1, thread_name_prefix="saria-dram-unpack") \
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="saria-dram-unpack",
+                                          initializer=pool_initializer(streams.device)) \
             if streams.device.type != "cuda" else None
 
     def submit(self, job: LoadJob, items: list[LoadItem]) -> None:
@@ -64,6 +66,7 @@ class DramLoads:
             self._device.shutdown(wait=True)  # may still submit a serial plan's SSD reads
 
     def _loop(self) -> None:
+        bind_thread(self.streams.device)
         while True:
             work = self._queue.get()
             if work is None:

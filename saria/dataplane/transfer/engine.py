@@ -54,8 +54,9 @@ import torch
 
 from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
     WriteOrder
-from saria.kernels import PageTable
+from saria.kernels import PageTable, warm_kernels
 
+from saria.dataplane.devices import pool_initializer
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.dram.staging import StagingPool
 from saria.dataplane.dram.store import DramObject, DramStore
@@ -65,6 +66,7 @@ from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.dram_loads import DramLoads
 from saria.dataplane.transfer.layer_saves import LayerSaves, StepSave
 from saria.dataplane.transfer.layerwise import LayerwiseLoads, StepLoad
+from saria.dataplane.transfer.retire import Retirer
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
 from saria.dataplane.transfer.packing import Packer
 from saria.dataplane.transfer.prewarm import Prewarms
@@ -132,6 +134,7 @@ class TransferEngine:
         self._prewarms = Prewarms(self._tables, host_pool, self.dram, ssd, self._counters)
         self._layerwise: LayerwiseLoads | None = None  # started by the first load_layers()
         self._layer_saves: LayerSaves | None = None  # started by the first store_layers()
+        self._retirer = Retirer(on_start=pool_initializer(self.device))  # what waits for the device, off the hooks' thread (retire())
         self._closed = False
 
     @property
@@ -226,6 +229,18 @@ class TransferEngine:
             items[0].skip = skip_pages
         return items
 
+    def warm_kernels(self) -> list[tuple]:
+        """Compile every kernel variant this engine can launch (:func:`saria.kernels.warm_kernels`):
+        its tables' pack and unpack, FP8 with ``ssd_dtype=fp8``, and, once :meth:`layerwise` made its
+        paths, the layer-wise copies for their layers and cap. Call it on the thread that opened the
+        engine, before serving (the worker does, in ``register_kv_caches``)."""
+        self._check_open()
+        tables, paths = self._tables, self._layerwise
+        return warm_kernels(tables.kv_table, tables.pages_per_chunk, state_table=tables.state_table,
+                            state_pages=tables.state_pages, fp8=tables.quantized(KV),
+                            layers=None if paths is None or not paths.capable else paths.layers,
+                            max_programs=None if paths is None else paths.max_programs)
+
     # --- layer-wise reloads ----------------------------------------------------------------------
 
     def layerwise(self, layers: Sequence[Sequence[int]] | None = None, *,
@@ -233,11 +248,14 @@ class TransferEngine:
         """The layer-wise reload paths (:mod:`~saria.dataplane.transfer.layerwise`), started on the
         first call with ``layers`` (the kv table's tensor indices grouped by model layer; default one
         tensor per layer) and ``max_programs`` (a cap on the programs of each layer's copy kernel,
-        so that it leaves SMs to a concurrent forward pass). Later calls return the same paths."""
+        so that it leaves SMs to a concurrent forward pass: None the default,
+        :data:`saria.kernels.COPY_MAX_PROGRAMS` on CUDA and none on the CPU; 0 none). Later calls
+        return the same paths (the layer-wise saves share them)."""
         self._check_open()
         if self._layerwise is None:
             self._layerwise = LayerwiseLoads(self._tables, self.host_pool, self.dram, self.ssd, self.coordinator,
-                                             self._streams, self._counters, layers, max_programs=max_programs)
+                                             self._streams, self._counters, layers, max_programs=max_programs,
+                                             retirer=self._retirer)
         return self._layerwise
 
     def layerwise_ok(self, plan: ReloadPlan) -> bool:
@@ -268,6 +286,17 @@ class TransferEngine:
             jobs.append(LoadJob(plan, items, None, after=after))
         self._counters.add(loads=len(jobs), load_objects=sum(len(j.items) for j in jobs))
         return paths.submit(jobs)
+
+    def retire(self, events: Sequence, then) -> None:
+        """Run ``then()`` off the caller's thread once the device reached ``events`` (the hot-path
+        rule, :mod:`~saria.dataplane.transfer.retire`): what may only happen after a copy ran
+        (staging given back, an object published) without a hook ever waiting for the device."""
+        self._retirer.after(events, then)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until everything handed to :meth:`retire` (and the layer-wise steps' ends) ran: a
+        reset, a new epoch, sleep. Whether it did within ``timeout``."""
+        return self._retirer.drain(timeout)
 
     # --- layer-wise saves ------------------------------------------------------------------------
 
@@ -436,6 +465,7 @@ class TransferEngine:
             self._layer_saves.close()  # fails the steps not finished: no slot or released left behind
         if self._layerwise is not None:
             self._layerwise.close()
+        self._retirer.close()  # after the steps' ends: every staging and slot is back
         self._dram_loads.close()  # may still submit a serial plan's SSD reads
         self._packer.close()
         self._prewarms.close()

@@ -7,11 +7,13 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 thread) does everything a layer shares, once per step: it checks the orders (kv objects from the
 pages only: a GDN state has no layer hook and is stored whole), takes each object's host slots
 (an object that does not fit fails, as with ``store()``), and works out where every page's bytes
-go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_places`, the layout the
-layer-wise reload reads back). Each layer's copies, one :func:`~saria.kernels.prepare_scattered`
-PACK per (tensor, host pool segment), are prepared on the engine's save thread (CPU: as it copies
-each layer; CUDA: ahead of the forward's hooks, which then only launch), so their checks never
-hold up the forward. It returns a :class:`StepSave`:
+go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the
+layer-wise reload reads back, for every tensor and host pool segment at once). Every layer's PACK
+is then built in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
+uploaded once under the ``offload`` stream, each layer one launch at an offset into it), by the
+engine's save thread (CUDA: ahead of the forward's hooks, which then only launch; CPU: at the first
+layer handed to it) or by the first hook that needs it, so its checks never hold up the forward.
+It returns a :class:`StepSave`:
 
 * :meth:`StepSave.save_layer` (``save_kv_layer``: layer ``l`` just wrote its pages) costs a few
   launches. On CUDA: an event on the caller's current stream (the forward), the ``offload`` stream
@@ -19,12 +21,15 @@ hold up the forward. It returns a :class:`StepSave`:
   address), one event recorded after them; the host never waits. On the CPU the layer is handed to
   the engine's save thread, which copies the layers in the order handed over while the forward
   goes on.
-* :meth:`StepSave.finish` (``wait_for_save``) copies every layer no hook saved (a forward that
-  skipped one: its pages are complete once the forward ran), waits until every copy ran, sets
-  each order's ``released`` event (no copy reads the pages any more) and publishes the objects in
-  the :class:`~saria.dataplane.dram.store.DramStore`, their checksums left to be computed where
-  they are needed (``None``: an SSD write or a cluster put computes a part's own). It returns one
-  :class:`~saria.dataplane.transfer.results.OrderRun` per order, its completion done.
+* :meth:`StepSave.end` (``wait_for_save``) copies every layer no hook saved (a forward that
+  skipped one: its pages are complete once the forward ran) and returns at once, one
+  :class:`~saria.dataplane.transfer.results.OrderRun` per order. Once every copy ran (observed by
+  the engine's :class:`~saria.dataplane.transfer.retire.Retirer`, off the hooks' thread: a hook
+  never waits for the device), each order's ``released`` event is set (no copy reads the pages
+  any more), the objects are published in the :class:`~saria.dataplane.dram.store.DramStore`
+  (their checksums left to be computed where they are needed: ``None``, an SSD write or a
+  cluster put computes a part's own) and the completions are done. :meth:`StepSave.finish` is
+  the blocking form (it returns once all that happened).
 
 A fault (a copy refused, the engine closing) fails every object of the step: their slots are
 freed once no copy can still write them, the completions name them, and ``released`` is set all
@@ -44,9 +49,10 @@ import torch
 
 from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 
+from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
-from saria.dataplane.transfer.layerwise import LayerwiseLoads, prepare_layers, slot_places
+from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
 from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
 from saria.dataplane.transfer.streams import Event
 from saria.dataplane.transfer.tables import Blocks, Tables, log
@@ -75,16 +81,18 @@ class StepSave:
         self.saved = [False] * layers  # layers handed to a copy (by a hook or by finish)
         self._saves = saves
         self._objects = objects
-        self._prepared: list[list] = []  # per layer, in order: its prepared copies (made as the layers come)
-        self._preparing = None  # the generator that prepares the next layer's copies (None: all done, or none)
+        self._prepared = None  # the step's LayeredCopy, every layer's work (made once, by the first to need it)
+        self._preparing = None  # the function that prepares it (None: done, failed, or nothing to copy)
         self._prepare_lock = threading.Lock()
         self._nbytes = 0
         self._done = [threading.Event() for _ in range(layers)]  # the layer's copies queued (CUDA) or ran (CPU)
         self._events: list[Event | None] = [None] * layers  # CUDA: recorded after the layer's copies
         self._error: BaseException | None = None  # the first fault: every object of the step fails
         self._lock = threading.Lock()
-        self._finished = False  # finish() was called
+        self._finished = False  # end() or finish() was called
+        self._handed = False  # end() handed the step to the retire thread
         self._ended = False  # released, published or freed, completed
+        self._ended_event = threading.Event()  # set once _ended
         self._t0: float | None = None
 
     # --- per layer (the forward's thread) --------------------------------------------------------
@@ -135,7 +143,8 @@ class StepSave:
             saves.submit(self, layer)
 
     def _run_layer(self, layer: int) -> None:
-        """CPU: the save thread copies one layer (never raises: a fault fails the step)."""
+        """CPU: the save thread copies one layer (never raises: a fault fails the step), then records
+        the layer's event (the :class:`~saria.dataplane.transfer.streams.HostEvent` twin of CUDA's)."""
         try:
             if self._error is None:
                 for copy in self._copies_for(layer):
@@ -143,29 +152,27 @@ class StepSave:
         except Exception as exc:
             self._fault(exc)
         finally:
-            self._done[layer].set()
+            try:
+                self._events[layer] = self._saves.streams.record("offload")
+            finally:
+                self._done[layer].set()
 
     def _copies_for(self, layer: int) -> list:
-        """Layer ``layer``'s copies, prepared now if they are not yet (with every layer before it):
-        the checks of a layer run when it comes (on the CPU on the save thread), not all before
-        the forward. Raises what a preparation raises (the caller fails the step)."""
-        while True:
-            with self._prepare_lock:  # one layer at a time: a second thread preparing ahead interleaves
-                if len(self._prepared) > layer or self._preparing is None:
-                    return self._prepared[layer] if layer < len(self._prepared) else []
-                try:
-                    self._prepared.append(next(self._preparing).copies)
-                except StopIteration:
-                    self._preparing = None
+        """Layer ``layer``'s copy (one launch), the step's copies of every layer prepared first if
+        they are not yet (one pass: the save thread does it ahead of the hooks, else the first
+        caller). Raises what the preparation raises (the caller fails the step)."""
+        with self._prepare_lock:
+            if self._prepared is None and self._preparing is not None:
+                prepare, self._preparing = self._preparing, None
+                self._prepared = prepare()
+            return [] if self._prepared is None else [LayerLaunch(self._prepared, layer)]
 
     def _prepare_ahead(self) -> None:
         """CUDA: the save thread prepares every layer's copies ahead of the forward's hooks, which
         then only launch (never raises: a fault fails the step)."""
         try:
-            for layer in range(self.layers):
-                if self._error is not None or self._ended:
-                    return
-                self._copies_for(layer)
+            if self._error is None and not self._ended:
+                self._copies_for(0)
         except Exception as exc:
             self._fault(exc)
 
@@ -177,23 +184,49 @@ class StepSave:
 
     # --- the end of the step ---------------------------------------------------------------------
 
+    def end(self) -> list[OrderRun]:
+        """Copy the layers no hook saved and hand the rest to the engine's retire thread: once
+        every copy ran it releases the pages, publishes the objects and completes the runs (module
+        docstring). Returns :attr:`runs` at once, without waiting for any copy (the hot-path rule).
+        Called again (or after :meth:`finish`), returns them again."""
+        if self._ended or self._handed:
+            self._finished = True
+            return self.runs
+        self._issue_late()
+        self._finished = True
+        self._handed = True
+        self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
+        return self.runs
+
     def finish(self, timeout: float | None = None) -> list[OrderRun]:
         """Copy the layers no hook saved, wait until every copy ran, release the pages and publish
-        the objects (module docstring); returns :attr:`runs`, every completion done. Called again,
+        the objects (module docstring); returns :attr:`runs`, every completion done: the blocking
+        form of :meth:`end` (closing, tests, benchmarks; never a per-step hook). Called again,
         returns them again. ``TimeoutError`` if the copies are not done within ``timeout``
         seconds: nothing is released or published then (call it again)."""
         if self._ended:
             self._finished = True
             return self.runs
+        if self._handed:
+            if not self._ended_event.wait(timeout):
+                raise TimeoutError("layer-wise saves not retired in time")
+            return self.runs
+        self._issue_late()
+        self._wait(None if timeout is None else time.monotonic() + timeout)
+        self._finished = True
+        self._end()
+        return self.runs
+
+    def _issue_late(self) -> None:
         late = [layer for layer in range(self.layers) if not self.saved[layer]]
         for layer in late:
             self.saved[layer] = True
             self._issue(layer)
         self._saves.counters.add(layer_saves_late=len(late))
-        self._wait(None if timeout is None else time.monotonic() + timeout)
-        self._finished = True
+
+    def _retire(self) -> None:
+        """The retire thread: every copy ran (``_wait`` returned): release, publish, complete."""
         self._end()
-        return self.runs
 
     def _wait(self, deadline: float | None) -> None:
         for layer in range(self.layers):
@@ -223,7 +256,7 @@ class StepSave:
             self._fault(error)
         self._ended = True
         with self._prepare_lock:  # the prepared copies hold the tables and slots
-            self._prepared, self._preparing = [], None
+            self._prepared, self._preparing = None, None
         published = 0
         try:
             for run in self.runs:
@@ -254,6 +287,7 @@ class StepSave:
                     failed = [obj.key for obj in mine if obj.error is not None]
                     run.completion.set_result(Completion.of(run.order.order_id, len(mine), failed))
             saves.forget(self)
+            self._ended_event.set()
         seconds = time.perf_counter() - self._t0 if self._t0 is not None and published else 0.0
         saves.counters.add(gpu_to_dram_bytes=published, gpu_to_dram_seconds=seconds)
 
@@ -263,6 +297,9 @@ class StepSave:
         if self._ended:
             return
         self._fault(error)
+        if self._handed:  # the retire thread ends it once its copies ran
+            self._ended_event.wait()
+            return
         for layer in range(self.layers):
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
                 self._done[layer].set()
@@ -286,6 +323,7 @@ class LayerSaves:
         self.counters = counters
         self.kv_bytes = tables.kv_bytes
         self.host_seconds: list[float] | None = None  # a list: each save_layer's host time is appended
+        self.retirer = loads.retirer  # ends a step once its copies ran (StepSave.end)
         self._open: set[StepSave] = set()  # steps started, not finished
         self._lock = threading.Lock()
         self._closed = False
@@ -328,10 +366,9 @@ class LayerSaves:
             self._allocate(objects)
             placed = [obj for obj in objects if obj.slots is not None]
             if placed:
-                per_tensor = slot_places(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
-                                         torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
-                step._preparing = prepare_layers(self.loads.layers, self.loads.tensor_tables, per_tensor, pack=True,
-                                                 max_programs=self.loads.max_programs)  # layer by layer, as they come
+                layout = slot_layout(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
+                                     torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
+                step._preparing = lambda: self._prepare(layout)
                 if self.streams.cuda:
                     with self._lock:
                         if not self._closed:
@@ -339,6 +376,13 @@ class LayerSaves:
         except Exception as exc:  # nothing was copied yet: the slots go back, the objects fail
             step._end(exc)
         return step
+
+    def _prepare(self, layout) -> "LayeredCopy":
+        """The step's copies of every layer, in one pass (its work array uploaded on the ``offload``
+        stream, where the layers' launches run)."""
+        buffers, ids, where, offsets = layout
+        with self.streams.on("offload"):
+            return self.loads.prepare(buffers, ids, where, offsets, pack=True)
 
     def _allocate(self, objects: list[_Object]) -> None:
         need = self.host_pool.slots_for(self.kv_bytes)
@@ -362,6 +406,7 @@ class LayerSaves:
         step._done[layer].set()
 
     def _loop(self) -> None:
+        bind_thread(self.streams.device)
         while True:
             work = self._queue.get()
             if work is None:

@@ -4,28 +4,35 @@ docs/vllm.md, "Layer-wise reloads").
 
 :meth:`LayerwiseLoads.submit` takes a step's reloads (kv objects only: a hybrid model's state
 object has no layer hook and loads whole, :meth:`TransferEngine.load`) and returns a
-:class:`StepLoad` at once. Everything a layer's copy needs is worked out once, when the step is
-submitted, so that each layer costs a few launches:
+:class:`StepLoad` at once. Everything every layer's copy needs is worked out once per path and
+step, in one vectorized pass on the path's thread (:func:`~saria.kernels.prepare_layered`: the
+checks, one work array of addresses for every layer uploaded once on the path's stream), so that
+each layer costs one launch and one event:
 
-* **DRAM objects**: each layer's pages are copied straight out of the host slots, with one
-  :func:`~saria.kernels.prepare_scattered` copy per (tensor, host pool segment) holding them (on
-  CUDA a kernel that reads the pinned slots by address; on the CPU slice copies), on the ``dram``
-  stream, layer after layer, each layer's bytes released by the coordinator first (Eq. 4).
+* **DRAM objects**: each layer's pages are copied straight out of the host slots (where they lie:
+  :func:`slot_layout`; on CUDA a kernel that reads the pinned slots by address, every tensor and
+  host pool segment of the layer in one launch; on the CPU the torch twin's slice copies), on the
+  ``dram`` stream, layer after layer, each layer's bytes released by the coordinator first (Eq. 4).
 * **SSD objects**: read whole, as the SSD path reads them (verified or opened on the store's reader
   threads), into one host staging per step (pinned on CUDA): the SSD read runs ahead. Once every
   read of the step ended, each layer's pages of the objects that arrived are copied out of it on
   the ``ssd`` stream. An object that failed its read is never copied, at no layer: its load fails,
   and its chunk and every chunk after it in its plan are recomputed by the engine.
 
-Per layer and path the step keeps a host event ``issued`` (the layer's copies are queued) and, on
-CUDA, a device event recorded after them. :meth:`StepLoad.wait_layer` waits for the first and
-makes the caller's current stream wait for the second: the host never blocks on the device. On the
-CPU the path threads copy synchronously, so ``issued`` means done and the caller's thread waits on
-it (the twin of the device wait). A path that fails part-way still sets every layer's event (a
-layer never waits forever); its objects are failed.
+Per layer and path the step keeps a host event ``issued`` (the layer's copies are queued) and a
+device event recorded after them (on the CPU its :class:`~saria.dataplane.transfer.streams.HostEvent`
+twin). :meth:`StepLoad.wait_layer` waits for the first and makes the caller's current stream wait
+for the second: the host never blocks on the device. On the CPU the path threads copy
+synchronously, so ``issued`` means done and the caller's thread waits on it (the twin of the
+device wait). A path that fails part-way still sets every layer's event (a layer never waits
+forever); its objects are failed.
 
-Each plan is a :class:`~saria.dataplane.transfer.load_job.LoadJob` as for whole reloads: its
-result (failed objects, valid chunks) is ready once :meth:`StepLoad.finish` returns.
+Each plan is a :class:`~saria.dataplane.transfer.load_job.LoadJob` as for whole reloads. After the
+forward, :meth:`StepLoad.end` returns each job's result (failed objects, valid chunks: known on the
+host once every layer is issued) without waiting for the device: the forward's stream already
+waits for every layer's copies. What the copies still read (the SSD staging) is given back by the
+engine's :class:`~saria.dataplane.transfer.retire.Retirer` once the device reached the last
+layer's events. :meth:`StepLoad.finish` is the blocking form (closing, tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -33,15 +40,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from saria.kernels import PageTable, prepare_scattered
+from saria.kernels import LayeredCopy, PageTable, default_max_programs, prepare_layered
 from saria.orders import Tier
 
-from saria.dataplane.dram.host_pool import HostPool
+from saria.dataplane.devices import bind_thread, pool_initializer
+from saria.dataplane.dram.host_pool import HostPool, host_address_refusal
 from saria.dataplane.dram.staging import StagingPool
 from saria.dataplane.dram.store import DramStore
 from saria.dataplane.ssd.keys import object_key
@@ -49,6 +56,7 @@ from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
 from saria.dataplane.transfer.results import TransferCounters
+from saria.dataplane.transfer.retire import Retirer
 from saria.dataplane.transfer.streams import Event, Streams
 from saria.dataplane.transfer.tables import Tables, log
 
@@ -89,28 +97,24 @@ class _Path:
             self.finish(job, item, event=event)
 
 
-@dataclass
-class _Copies:
-    """One layer's prepared copies (one per tensor and source buffer) and the bytes they move."""
-
-    copies: list = field(default_factory=list)
-    nbytes: int = 0
-
-
 class StepLoad:
     """One step's layer-wise reloads in flight (module docstring): ``jobs`` (one per plan, in the
-    order submitted); :meth:`wait_layer` before the layer reads its pages, :meth:`finish` once the
+    order submitted); :meth:`wait_layer` before the layer reads its pages, :meth:`end` once the
     step's forward is queued."""
 
     def __init__(self, jobs: list[LoadJob], paths: list[_Path], layers: int, streams: Streams,
-                 counters: TransferCounters):
+                 counters: TransferCounters, retirer: Retirer):
         self.jobs = jobs
         self.layers = layers
         self._paths = paths
         self._streams = streams
         self._counters = counters
-        self._keep: list[object] = []  # host buffers the device reads until finish()
-        self._give: list[tuple] = []  # (pool, handle) of staging to give back at finish()
+        self._retirer = retirer
+        self._keep: list[object] = []  # host buffers the device reads until the step's copies ran
+        self._give: list[tuple] = []  # (pool, handle) of staging to give back then
+        self._lock = threading.Lock()
+        self._released = threading.Event()  # the staging is given back (every copy ran)
+        self._ended = False
         self.waited = [False] * layers
 
     def wait_layer(self, layer: int) -> None:
@@ -132,18 +136,39 @@ class StepLoad:
             if not self.waited[layer]:
                 self.wait_layer(layer)
 
-    def finish(self, timeout: float | None = None) -> list:
-        """Wait until every copy of the step ran (host and device) and return each job's
-        :class:`~saria.dataplane.transfer.load_job.LoadResult`, in submission order."""
+    def end(self, timeout: float | None = None) -> list:
+        """After the step's forward was queued: each job's
+        :class:`~saria.dataplane.transfer.load_job.LoadResult`, in submission order, once every
+        layer is issued (host work only: never waits for the device). The staging the copies read
+        goes back once the device ran them (the engine's retire thread). Called again, returns the
+        results again."""
         for path in self._paths:
             if not path.done.wait(timeout):
                 raise TimeoutError(f"layer-wise {path.name} reloads not done after {timeout} s")
+        results = [job.outcome(timeout) for job in self.jobs]
+        with self._lock:
+            ended, self._ended = self._ended, True
+        if not ended:
+            events = [event for path in self._paths for event in path.events if event is not None]
+            self._retirer.after(events, self._release)
+        return results
+
+    def finish(self, timeout: float | None = None) -> list:
+        """:meth:`end`, then wait until every copy of the step ran (host and device): the blocking
+        form, for closing and for callers without a stream to order (benchmarks, tests)."""
+        self.end(timeout)
         results = [job.wait(timeout) for job in self.jobs]
+        if not self._released.wait(timeout):
+            raise TimeoutError(f"layer-wise reloads' staging not given back after {timeout} s")
+        return results
+
+    def _release(self) -> None:
+        """Every copy of the step ran: the staging goes back (the retire thread)."""
         self._keep.clear()
         give, self._give = self._give, []
         for pool, handle in give:
             pool.give(handle)
-        return results
+        self._released.set()
 
 
 class LayerwiseLoads:
@@ -152,13 +177,16 @@ class LayerwiseLoads:
 
     ``layers``: the kv table's tensors grouped by model layer (tensor indices; default one tensor
     per layer). ``capable`` is ``False`` when a page of some tensor would straddle two host slots
-    (slot size not a multiple of the page layout): such an engine reloads and stores whole only.
+    (slot size not a multiple of the page layout), or when the device cannot read the host pool's
+    registered memory at its host address (:func:`~saria.dataplane.dram.host_pool.host_address_refusal`,
+    asked once here): such an engine reloads and stores whole only; ``refusal`` says why.
     The layer-wise saves (:mod:`~saria.dataplane.transfer.layer_saves`) share ``layers``,
     ``tensor_tables`` and ``page_offsets``."""
 
     def __init__(self, tables: Tables, host_pool: HostPool, dram: DramStore, ssd: SSDStore | None,
                  coordinator: Coordinator, streams: Streams, counters: TransferCounters,
-                 layers: Sequence[Sequence[int]] | None = None, *, max_programs: int | None = None):
+                 layers: Sequence[Sequence[int]] | None = None, *, max_programs: int | None = None,
+                 retirer: Retirer | None = None):
         table = tables.kv_table
         if layers is None:
             layers = [[t] for t in range(len(table))]
@@ -175,18 +203,31 @@ class LayerwiseLoads:
         self.streams = streams
         self.counters = counters
         self.layers = layers
+        # The cap on each layer's copy programs: None the default (COPY_MAX_PROGRAMS on CUDA, none on
+        # the CPU or the interpreter), 0 none.
+        if max_programs is None:
+            max_programs = default_max_programs(streams.device)
+        elif max_programs == 0:
+            max_programs = None
         self.max_programs = max_programs
+        self.backend = "auto"  # of the copies (saria.kernels.resolve_backend); tests set "torch" for the CPU twin
+        self._own_retirer = retirer is None
+        self.retirer = retirer if retirer is not None else Retirer(on_start=pool_initializer(streams.device))  # what waits for the device, off the hooks
         self._staging = StagingPool(torch.device("cpu"), keep=2)  # the CPU's SSD read-ahead buffers
         self.host_seconds: list[float] | None = None  # a list: each layer issue's host time is appended
-        self.prepare_seconds: list[float] | None = None  # a list: each layer's precompute (checks) is appended
+        self.prepare_seconds: list[float] | None = None  # a list: each step's preparation (all layers) is appended
         ppc = tables.pages_per_chunk
         self.tensor_tables = [PageTable([t], names=[name]) for t, name in zip(table.tensors, table.names)]
         # Per tensor: each page's byte offset inside a kv object (the object's staging layout).
         self.page_offsets = [table.tensor_offsets[t] * ppc + torch.arange(ppc, dtype=torch.int64) * seg.page_bytes
                               for t, seg in enumerate(table.segments)]
         slot = host_pool.slot_bytes
-        self.capable = all(bool(((offsets % slot) + seg.page_bytes <= slot).all())
-                           for offsets, seg in zip(self.page_offsets, table.segments))
+        fits = all(bool(((offsets % slot) + seg.page_bytes <= slot).all())
+                   for offsets, seg in zip(self.page_offsets, table.segments))
+        # why not (None: capable): the copies address host slots by their host address
+        self.refusal = "a page straddles two host slots" if not fits else \
+            host_address_refusal(streams.device, host_pool.segment_addresses(), host_pool.pinned)
+        self.capable = self.refusal is None
         self._queues = {name: queue.Queue() for name in PATHS}
         self._threads = [threading.Thread(target=self._loop, args=(name,), name=f"saria-layers-{name}", daemon=True)
                          for name in PATHS]
@@ -204,7 +245,7 @@ class LayerwiseLoads:
             for item in job.items:
                 items["dram" if item.tier is Tier.DRAM else "ssd"].append((job, item))
         paths = [_Path(name, len(self.layers), [i for _, i in work]) for name, work in items.items() if work]
-        step = StepLoad(jobs, paths, len(self.layers), self.streams, self.counters)
+        step = StepLoad(jobs, paths, len(self.layers), self.streams, self.counters, self.retirer)
         self.counters.add(layerwise_steps=1, layerwise_objects=sum(len(w) for w in items.values()))
         for path in paths:
             self._queues[path.name].put((step, path, items[path.name]))
@@ -216,10 +257,13 @@ class LayerwiseLoads:
             self._queues[name].put(None)
         for thread in self._threads:
             thread.join()
+        if self._own_retirer:
+            self.retirer.close()
 
     # --- the path threads ------------------------------------------------------------------------
 
     def _loop(self, name: str) -> None:
+        bind_thread(self.streams.device)
         run = self._run_dram if name == "dram" else self._run_ssd
         while True:
             work = self._queues[name].get()
@@ -250,7 +294,7 @@ class LayerwiseLoads:
         if not present:
             return
         t0 = time.perf_counter()
-        self._issue(step, path, self._dram_copies(present), pace=True)
+        self._issue(step, path, lambda: self._dram_copies(present), pace=True)
         path.finish_all(present)
         self.counters.add(dram_to_gpu_bytes=sum(item.nbytes for _, item, _ in present),
                           dram_to_gpu_seconds=time.perf_counter() - t0)
@@ -292,125 +336,117 @@ class LayerwiseLoads:
             return
         self.counters.add(ssd_to_gpu_bytes=sum(i.nbytes for _, i, _ in arrived),
                           ssd_to_gpu_seconds=time.perf_counter() - t0)
-        self._issue(step, path, self._ssd_copies(staging, arrived), pace=False)
+        self._issue(step, path, lambda: self._ssd_copies(staging, arrived), pace=False)
         path.finish_all(arrived)
 
-    def _issue(self, step: StepLoad, path: _Path, layers, *, pace: bool) -> None:
-        """Queue each layer's copies on the path's stream (after the caller's queued work), record
-        its event, set ``issued``."""
+    def _issue(self, step: StepLoad, path: _Path, prepare, *, pace: bool) -> None:
+        """Prepare every layer's copy at once (``prepare``: one pass, its work array uploaded on the
+        path's stream), then queue each layer's launch on that stream (after the caller's queued
+        work), record its event, set ``issued``: per layer a launch and an event."""
         after = step.jobs[0].after if step.jobs else None
         with self.streams.on(path.name):
             if after is not None:
                 self.streams.wait(path.name, after)
-            prepared = iter(layers)
+            t0 = time.perf_counter()
+            copy = prepare()
+            if self.prepare_seconds is not None:
+                self.prepare_seconds.append(time.perf_counter() - t0)
             for layer in range(len(self.layers)):
+                nbytes = copy.nbytes[layer]
+                if pace and nbytes:
+                    self.coordinator.acquire(nbytes)
                 t0 = time.perf_counter()
-                copies = next(prepared)
-                if self.prepare_seconds is not None:
-                    self.prepare_seconds.append(time.perf_counter() - t0)
-                if pace and copies.nbytes:
-                    self.coordinator.acquire(copies.nbytes)
-                t0 = time.perf_counter()
-                for copy in copies.copies:
-                    copy.launch()
-                path.layer_done(layer, self.streams.record(path.name) if self.streams.cuda else None)
+                try:
+                    copy.launch(layer)
+                except BaseException:  # what was launched still reads the staging: the retire waits for it
+                    path.events[layer] = self.streams.record(path.name)
+                    raise
+                path.layer_done(layer, self.streams.record(path.name))  # CPU: its HostEvent twin
                 if self.host_seconds is not None:  # a benchmark reads the host cost of each layer's issue
                     self.host_seconds.append(time.perf_counter() - t0)
-                self.counters.add(layer_copies=len(copies.copies))
+                self.counters.add(layer_copies=int(nbytes > 0))
 
     # --- what each layer copies (worked out once per step) ---------------------------------------
 
-    def _dram_copies(self, present: list[tuple[LoadJob, LoadItem, list[int]]]):
-        """Per layer, one scattered copy per (tensor, host pool segment) holding the layer's pages
-        (:func:`slot_places`), the leading pages an item skips left out."""
+    def _dram_copies(self, present: list[tuple[LoadJob, LoadItem, list[int]]]) -> LayeredCopy:
+        """Every layer's copy out of the host slots (:func:`slot_layout`), the leading pages an
+        item skips left out."""
         ids = torch.stack([item.blocks.on(torch.device("cpu")) for _, item, _ in present])  # [object, page]
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        for o, (_, item, _) in enumerate(present):
-            keep[o, :item.skip] = False
-        return self._prepare(slot_places(self.host_pool, self.page_offsets, [slots for _, _, slots in present],
-                                         ids, keep))
+        keep = None
+        if any(item.skip for _, item, _ in present):
+            keep = torch.ones_like(ids, dtype=torch.bool)
+            for o, (_, item, _) in enumerate(present):
+                keep[o, :item.skip] = False
+        buffers, chosen, where, offsets = slot_layout(self.host_pool, self.page_offsets,
+                                                      [slots for _, _, slots in present], ids, keep)
+        return self.prepare(buffers, chosen, where, offsets, pack=False)
 
-    def _ssd_copies(self, staging: torch.Tensor, arrived: list[tuple[LoadJob, LoadItem, int]]):
-        """Per layer, one scattered copy per tensor out of the step's SSD staging."""
-        per_tensor = []
-        for offsets in self.page_offsets:
-            offs = [offsets[item.skip:] + base for _, item, base in arrived]
-            ids = [item.blocks.on(torch.device("cpu"))[item.skip:] for _, item, _ in arrived]
-            per_tensor.append([(staging, torch.cat(offs), torch.cat(ids))])
-        return self._prepare(per_tensor)
+    def _ssd_copies(self, staging: torch.Tensor, arrived: list[tuple[LoadJob, LoadItem, int]]) -> LayeredCopy:
+        """Every layer's copy out of the step's SSD staging."""
+        offsets = torch.stack(self.page_offsets)  # [tensor, page of an object]
+        offs = torch.cat([offsets[:, item.skip:] + base for _, item, base in arrived], dim=1)
+        ids = torch.cat([item.blocks.on(torch.device("cpu"))[item.skip:] for _, item, _ in arrived])
+        return self.prepare([staging], ids, None, offs, pack=False)
 
-    def _prepare(self, per_tensor: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]):
-        """Each layer's prepared unpacks in turn (:func:`prepare_layers`, lazily: the checks of
-        layer ``l + 1`` run while the copies of layer ``l`` are already on their way)."""
-        return prepare_layers(self.layers, self.tensor_tables, per_tensor, pack=False, max_programs=self.max_programs)
+    def prepare(self, buffers: list[torch.Tensor], ids: torch.Tensor, where: torch.Tensor | None,
+                offsets: torch.Tensor, *, pack: bool) -> LayeredCopy:
+        """One step's copies of every layer (:func:`~saria.kernels.prepare_layered`), checked and
+        built in one pass; on CUDA the work array is uploaded on the current stream."""
+        return prepare_layered(self.tables.kv_table, self.layers, buffers, ids, where, offsets, pack=pack,
+                               backend=self.backend, max_programs=self.max_programs, tensor_tables=self.tensor_tables)
 
 
-def slot_places(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Sequence[Sequence[int]],
+class LayerLaunch:
+    """Layer ``layer`` of a :class:`~saria.kernels.LayeredCopy`, as a copy to :meth:`launch`."""
+
+    __slots__ = ("copy", "layer")
+
+    def __init__(self, copy: LayeredCopy, layer: int):
+        self.copy, self.layer = copy, layer
+
+    def launch(self) -> None:
+        self.copy.launch(self.layer)
+
+
+def slot_layout(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Sequence[Sequence[int]],
                 ids: torch.Tensor, keep: torch.Tensor | None = None
-                ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """Where the pages of objects held in host slots lie in the pool's memory, for scattered copies
-    (layer-wise reloads read them there, layer-wise saves write them there).
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the pages of objects held in host slots lie in the pool's memory, for the step-wide
+    copies (layer-wise reloads read them there, layer-wise saves write them there).
 
     ``page_offsets[t]``: each page's byte offset of tensor ``t`` inside an object (its packed
     layout); ``slots[o]``: object ``o``'s slots (its part ``k``, bytes ``[k * slot_bytes, (k + 1) *
     slot_bytes)``, in ``slots[o][k]``); ``ids`` int64 ``[objects, pages]``: their block ids;
-    ``keep`` bool ``[objects, pages]``: the pages to copy (default all). Returns, per tensor, one
-    ``(segment, byte offsets in it, block ids)`` per host pool segment holding some of them. Worked
-    out for all objects at once; a page never straddles two slots (``LayerwiseLoads.capable``)."""
+    ``keep`` bool ``[objects, pages]``: the pages to copy (default all). Returns ``(buffers, ids,
+    where, offsets)`` as :func:`~saria.kernels.prepare_layered` takes them: the host pool segments
+    holding some of the pages, the ``n`` ids kept, and per (tensor, kept page) its segment's index
+    and byte offset in it. Worked out for all objects and tensors at once; a page never straddles
+    two slots (``LayerwiseLoads.capable``)."""
     slot_bytes = host_pool.slot_bytes
     parts = max(len(s) for s in slots)
-    segments: dict[int, int] = {}  # segment address -> its index, in the order first met
-    found: list[torch.Tensor] = []
-    seg_of = [[0] * parts for _ in slots]  # [object, part] -> segment index
-    start_of = [[0] * parts for _ in slots]  # [object, part] -> offset in it
+    buffers: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    # [object, part] -> segment index / offset in it, as lists (an item assignment into a tensor
+    # costs microseconds, and a step places hundreds of slots)
+    seg_list = [[0] * parts for _ in slots]
+    start_list = [[0] * parts for _ in slots]
     for o, held in enumerate(slots):
         for k, slot in enumerate(held):
             segment, start = host_pool.locate(slot)
-            index = segments.setdefault(segment.data_ptr(), len(segments))
-            if index == len(found):
-                found.append(segment)
-            seg_of[o][k], start_of[o][k] = index, start
-    # Every tensor at once (a few tensor ops per step, not per tensor): [tensors, objects, pages].
-    offsets = torch.stack(list(page_offsets))
+            b = index.get(segment.data_ptr())
+            if b is None:
+                b = index[segment.data_ptr()] = len(buffers)
+                buffers.append(segment)
+            seg_list[o][k], start_list[o][k] = b, start
+    seg_of = torch.tensor(seg_list, dtype=torch.int64)
+    start_of = torch.tensor(start_list, dtype=torch.int64)
+    offsets = torch.stack(page_offsets)  # [tensor, page]
     part, inner = offsets // slot_bytes, offsets % slot_bytes
-    # [object, part] looked up as flat indices (torch.take: a multi-dimensional advanced index with
-    # broadcast indices costs milliseconds here, for a few thousand elements)
-    flat = torch.arange(len(slots)).view(-1, 1, 1) * parts + part.unsqueeze(0)
-    where = (torch.take(torch.tensor(start_of, dtype=torch.int64), flat) + inner.unsqueeze(0)).transpose(0, 1)
-    tensors = offsets.shape[0]
+    # [tensor, object, page] as flat [object, part] indices (torch.take: a broadcast multi-dimensional
+    # index cost milliseconds for these few thousand elements, with torch's threads busy)
+    flat = torch.arange(len(slots)).view(1, -1, 1) * parts + part.unsqueeze(1)
+    where = torch.take(seg_of, flat)
+    places = torch.take(start_of, flat) + inner.unsqueeze(1)
     if keep is None:
-        chosen = ids.reshape(-1)
-        where = where.reshape(tensors, -1)
-    else:
-        chosen = ids[keep]
-        where = where[:, keep]
-    if len(found) == 1:
-        return [[(found[0], where[t], chosen)] for t in range(tensors)]
-    seg = torch.take(torch.tensor(seg_of, dtype=torch.int64), flat).transpose(0, 1)
-    seg = seg.reshape(tensors, -1) if keep is None else seg[:, keep]
-    # Split each tensor's pages by segment, keeping their order: a stable sort on (tensor, segment).
-    count = len(found)
-    key = (seg + count * torch.arange(tensors).unsqueeze(1)).reshape(-1)
-    order = torch.sort(key, stable=True).indices
-    sizes = torch.bincount(key, minlength=tensors * count).tolist()
-    where_parts = where.reshape(-1)[order].split(sizes)
-    chosen_parts = chosen.repeat(tensors)[order].split(sizes)
-    return [[(found[i], where_parts[t * count + i], chosen_parts[t * count + i])
-             for i in range(count) if sizes[t * count + i]] for t in range(tensors)]
-
-
-def prepare_layers(layers: list[list[int]], tensor_tables: list[PageTable],
-                   per_tensor: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], *, pack: bool,
-                   max_programs: int | None):
-    """Yield each layer's prepared copies (``layers``: tensor indices per layer): one
-    :func:`~saria.kernels.prepare_scattered` per ``(buffer, offsets, ids)`` of each of its tensors
-    (``per_tensor``, as :func:`slot_places` gives them); ``pack``: pages -> buffer."""
-    for group in layers:
-        out = _Copies()
-        for t in group:
-            for buffer, offsets, ids in per_tensor[t]:
-                copy = prepare_scattered(buffer, offsets.view(1, -1), tensor_tables[t], ids, pack=pack,
-                                         max_programs=max_programs)
-                out.copies.append(copy)
-                out.nbytes += copy.nbytes
-        yield out
+        return buffers, ids.reshape(-1), where.reshape(len(page_offsets), -1), places.reshape(len(page_offsets), -1)
+    return buffers, ids[keep], where[:, keep], places[:, keep]

@@ -170,6 +170,20 @@ class LoadJob:
                 self.timeline.sort(key=lambda point: point[1])
         return self.result()
 
+    def outcome(self, timeout: float | None = None) -> LoadResult:
+        """The result once every object is issued or failed, without waiting for the device: for a
+        caller whose stream already waits for the copies (:meth:`wait_on`, a layer-wise step's
+        waits). Which objects failed is known on the host; the copies may still be running."""
+        if not self._issued.wait(timeout):
+            raise TimeoutError(f"reload of plan {self.plan.plan_id} not issued after {timeout} s")
+        return self.result()
+
+    @property
+    def events(self) -> tuple:
+        """The device events after which every object issued so far is in its pages."""
+        with self._lock:
+            return tuple(self._events)
+
     def wait_on(self, streams, name: str | None = None) -> None:
         """Make a stream of ``streams`` (a :class:`~saria.dataplane.transfer.streams.Streams`; ``name``
         ``None``: the caller's current stream) wait for every copy and unpack of this reload, without

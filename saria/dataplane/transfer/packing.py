@@ -21,6 +21,7 @@ from saria.orders import KV, STATE, ObjectKey, Order
 from saria.kernels import BlockIds, checksum, pack_pages, pack_pages_fp8, quantize_staging
 
 from saria.dataplane import nvtx
+from saria.dataplane.devices import pool_initializer
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.transfer.streams import Streams
 from saria.dataplane.transfer.tables import Blocks, Tables, log
@@ -38,7 +39,8 @@ class Packer:
         self.host_pool = host_pool
         self.streams = streams
         self.device = tables.device
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="saria-offload")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="saria-offload",
+                                       initializer=pool_initializer(tables.device))
 
     def close(self) -> None:
         """Finish the queued orders and stop the offload thread."""

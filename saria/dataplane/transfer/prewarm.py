@@ -16,6 +16,7 @@ from saria.orders import ObjectKey, PromoteOrder, Tier
 from saria.kernels import checksum, dequantize_staging
 
 from saria.dataplane import nvtx
+from saria.dataplane.devices import pool_initializer
 from saria.dataplane.dram.host_pool import HostPool, HostPoolFull
 from saria.dataplane.dram.store import DramObject, DramStore
 from saria.dataplane.ssd.keys import object_key
@@ -34,7 +35,8 @@ class Prewarms:
         self.dram = dram
         self.ssd = ssd
         self.counters = counters
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="saria-prewarm")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="saria-prewarm",
+                                       initializer=pool_initializer(tables.device))
 
     def close(self) -> None:
         """Finish the queued prewarms and stop the thread."""

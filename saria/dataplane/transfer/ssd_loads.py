@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from saria.dataplane.devices import bind_thread
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.dram.staging import StagingPool
@@ -143,6 +144,7 @@ class SsdLoads:
     def _unpack_loop(self) -> None:
         """The SSD unpack thread: takes every object that has arrived, and unpacks each run of
         them adjacent in one batch's staging (same page table) with one launch."""
+        bind_thread(self.streams.device)
         while True:
             work = [self._queue.get()]
             while True:

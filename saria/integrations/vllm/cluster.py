@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from typing import Any, Sequence
 
 from saria.dataplane.cluster import ClusterStore, ClusterTimeout
+from saria.dataplane.devices import bind_thread
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.transfer.engine import TransferEngine
 from saria.orders import KV, ObjectKey
@@ -57,7 +58,8 @@ class WorkerCluster:
         self.staging_slots = staging_bytes // pool.slot_bytes
         self.timeout_s = timeout_s
         self.store = store or ClusterStore(master, identity, pool, local_hostname=local_hostname, timeout_s=timeout_s,
-                                           setup_wait_s=setup_wait_s, sealer=sealer)
+                                           setup_wait_s=setup_wait_s, sealer=sealer,
+                                           device=engine.device)
         self._lock = threading.Lock()
         self._staged = 0  # staging slots taken
         self._puts: dict[ObjectKey, threading.Event] = {}  # objects whose put is in flight
@@ -184,10 +186,15 @@ class WorkerCluster:
     def _put_ended(self, key: ObjectKey, event: threading.Event, future: Future) -> None:
         exc = future.exception()
         if isinstance(exc, ClusterTimeout):  # Mooncake may still read the slots: wait for its call
-            threading.Thread(target=lambda: (exc.released.wait(), self._done(key, event, False)),
+            threading.Thread(target=self._done_when, args=(exc.released, key, event),
                              daemon=True, name="saria-cluster-released").start()
             return
         self._done(key, event, exc is None)
+
+    def _done_when(self, released: threading.Event, key: ObjectKey, event: threading.Event) -> None:
+        bind_thread(self.engine.device)
+        released.wait()
+        self._done(key, event, False)
 
     # --- counters, closing -----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 from saria.dataplane.cluster import ClusterTimeout
+from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
 from saria.dataplane.ssd.keys import object_key
@@ -101,6 +102,27 @@ class ClusterLoad:
                 self._finish()
         return self._result
 
+    def wait_on(self, streams) -> None:
+        """Wait for the gets (network reads: host work), start the reload of what arrived and make
+        ``streams``' current stream wait for it: the host never waits for the device."""
+        if self._result is None:
+            wait_futures(self._futures)
+            if self._job is not None or self._unpack():
+                self._job.wait_on(streams)
+
+    def outcome(self) -> tuple[int, int]:
+        """:meth:`wait` without waiting for the device (the caller's stream waits for the reload:
+        :meth:`wait_on`): the result is known once the reload is issued; the staged objects are
+        dropped once it ran (the engine's retire thread)."""
+        if self._result is None:
+            wait_futures(self._futures)
+            if self._job is not None or self._unpack():
+                result = self._job.outcome()
+                published, self._published = self._published, []
+                self._count_end(result.valid_chunks if result.failed else len(published))
+                self.tier.engine.retire(self._job.events, lambda: self._drop_staged(published))
+        return self._result
+
     def _unpack(self) -> bool:
         """Every get ended: reload the leading objects that arrived (from the caller's thread);
         whether a reload started (else the result is known)."""
@@ -128,11 +150,18 @@ class ClusterLoad:
         self._end(result.valid_chunks if result.failed else len(self._published))
 
     def _end(self, valid: int) -> None:
+        published, self._published = self._published, []
+        self._drop_staged(published)
+        self._count_end(valid)
+
+    def _drop_staged(self, published: list[Hashable]) -> None:
+        """The staged objects of ``published`` chunks go (nothing reads their slots any more)."""
         dram = self.tier.engine.dram
-        for chunk in self._published:
+        for chunk in published:
             dram.drop(staged_key(chunk))
-        self.tier._return_budget(len(self._published))
-        self._published = []
+        self.tier._return_budget(len(published))
+
+    def _count_end(self, valid: int) -> None:
         missed = len(self.chunks) - valid
         self.tier._count(chunks_loaded=valid, chunks_missed=missed)
         self._result = (valid, missed)
@@ -150,6 +179,7 @@ class ClusterLoad:
                 self._free(slots)
 
     def _release_later(self, released: threading.Event, slots: list[int]) -> None:
+        bind_thread(self.tier.engine.device)
         released.wait()
         self._free(slots)
 
@@ -181,11 +211,23 @@ class CombinedLoad:
         return (self.local is None or self.local.ready()) and self.cluster.ready()
 
     def wait(self) -> LoadOutcome:
-        failed, valid = (), 0
+        return self._combine(self.local.wait() if self.local is not None else None, self.cluster.wait())
+
+    def wait_on(self, streams) -> None:
+        """The caller's stream waits for both parts (:meth:`LoadJob.wait_on`, :meth:`ClusterLoad.wait_on`)."""
         if self.local is not None:
-            result = self.local.wait()
-            failed, valid = result.failed, result.valid_chunks
-        loaded, missed = self.cluster.wait()
+            self.local.wait_on(streams)
+        self.cluster.wait_on(streams)
+
+    def outcome(self) -> LoadOutcome:
+        """:meth:`wait` without waiting for the device (the caller's stream waits for the copies)."""
+        return self._combine(self.local.outcome() if self.local is not None else None, self.cluster.outcome())
+
+    def _combine(self, local, cluster: tuple[int, int]) -> LoadOutcome:
+        failed, valid = (), 0
+        if local is not None:
+            failed, valid = local.failed, local.valid_chunks
+        loaded, missed = cluster
         if valid == self.local_chunks:  # the cluster chunks follow an intact local part
             valid += loaded
         return LoadOutcome(failed, valid, missed)

@@ -94,7 +94,7 @@ READS: dict[str, tuple[str, ...]] = {
                    "speculative_config"),
     "SpeculativeConfig": ("draft_model_config",),
     "ParallelConfig": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank",
-                       "prefill_context_parallel_size", "decode_context_parallel_size"),
+                       "prefill_context_parallel_size", "decode_context_parallel_size", "enable_dbo", "ubatch_size"),
     "CacheConfig": ("cache_dtype", "prefix_caching_hash_algo", "mamba_cache_mode"),
     "KVTransferConfig": ("kv_connector_extra_config", "kv_load_failure_policy"),
     "DeviceConfig": ("device_type",),
@@ -254,3 +254,13 @@ def has_drafter_layers(vllm_config: Any) -> bool:
     target's; ngram and suffix decoding run none."""
     speculative = getattr(vllm_config, "speculative_config", None)
     return speculative is not None and speculative.draft_model_config is not None
+
+
+def uses_ubatching(vllm_config: Any) -> bool:
+    """Whether vLLM splits a step's batch into micro-batches whose forwards interleave (dual-batch
+    overlap, ``enable_dbo``, or ``ubatch_size`` > 1: ``ParallelConfig.use_ubatching`` in 0.32 to
+    0.34, read here from its two fields). Each micro-batch runs every attention layer, so a layer's
+    hooks (``wait_for_layer_load``, ``save_kv_layer``) come once per micro-batch, each with part of
+    the step's requests."""
+    parallel_config = vllm_config.parallel_config
+    return bool(parallel_config.enable_dbo) or parallel_config.ubatch_size > 1

@@ -27,7 +27,7 @@ from saria.dataplane.cluster.index import ClusterIndex
 
 from .compat import (CacheHitSource, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorPromMetrics,
                      KVConnectorRole, KVConnectorStats, KVConnectorTransferResults, KVConnectorWorkerMetadata,
-                     SupportsHMA, check_version, has_drafter_layers)
+                     SupportsHMA, check_version, has_drafter_layers, uses_ubatching)
 from .events import KVEvents, events_enabled
 from .geometry import engine_geometry
 from .guard import SchedulerGuard
@@ -49,6 +49,22 @@ route_to_vllm()  # saria's log lines through vLLM's handlers (scheduler and work
 __all__ = ["SariaConnector", "SariaStats"]  # SariaStats lives in .metrics, still importable from here
 
 
+def decide_layerwise(settings: ConnectorSettings, vllm_config: Any, hybrid: bool) -> bool:
+    """Whether this engine's reloads and saves go layer by layer (:meth:`ConnectorSettings.layerwise_for`),
+    with one warning where a speculative drafter or vLLM's micro-batching turns it off."""
+    drafter = has_drafter_layers(vllm_config)
+    ubatching = uses_ubatching(vllm_config)
+    device_type = vllm_config.device_config.device_type
+    layerwise = settings.layerwise_for(device_type, hybrid, drafter, ubatching)
+    if drafter and settings.layerwise:
+        log.warning("saria: layerwise is off beside a speculative drafter with attention layers (vLLM runs the "
+                    "drafter after collecting the step's transfer results): reloads go whole")
+    elif ubatching and settings.layerwise_for(device_type, hybrid, drafter):
+        log.warning("saria: layerwise is off under vLLM's micro-batching (enable_dbo / ubatch_size: each layer "
+                    "runs once per micro-batch, so a layer's saves and loads would be split): reloads go whole")
+    return layerwise
+
+
 class SariaConnector(KVConnectorBase_V1, SupportsHMA):
     """saria's KV connector (module docstring). Supports vLLM's hybrid allocator (``SupportsHMA``):
     a hybrid (GDN) model's states are saved and restored with its attention pages."""
@@ -65,11 +81,7 @@ class SariaConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = engine_geometry(kv_cache_config, vllm_config.cache_config)
         model = model_identity(vllm_config)  # once: a rebuilt control plane names chunks alike
         # both halves decide alike: the scheduler reports loads as synchronous, the worker runs them per layer
-        drafter = has_drafter_layers(vllm_config)
-        layerwise = self.settings.layerwise_for(vllm_config.device_config.device_type, geometry.hybrid, drafter)
-        if drafter and self.settings.layerwise:
-            log.warning("saria: layerwise is off beside a speculative drafter with attention layers (vLLM runs the "
-                        "drafter after collecting the step's transfer results): reloads go whole")
+        layerwise = decide_layerwise(self.settings, vllm_config, geometry.hybrid)
         self._scheduler: SchedulerGuard | None = None
         self._worker: SariaWorker | None = None
         self._cluster: ClusterIndex | None = None

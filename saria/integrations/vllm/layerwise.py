@@ -10,14 +10,19 @@ the request in the step that loads it, and the load runs inside that step's forw
 * ``wait_for_layer_load(layer)`` (vLLM's attention op, on entry): :meth:`LayerLoads.wait` makes the
   forward wait for that layer's pages (on CUDA a wait of the compute stream on the layer's event,
   no host block once the layer is queued; on the CPU a host wait).
-* after the forward (``get_finished``): :meth:`LayerLoads.end` collects the results. A chunk that
-  failed goes back to vLLM as error blocks (with every chunk after it), so vLLM discards the step's
-  output for the request and recomputes from there. If any layer's wait was never reached in a
-  step that loaded (a forward that skipped the hooks, e.g. a full CUDA graph), every block the
-  step loaded is reported in error: vLLM may have read a layer before its pages landed.
+* after the forward (``get_finished``): :meth:`LayerLoads.end` collects the results, known on the
+  host once every copy is issued: it never waits for the device (the forward's stream already
+  waits for every layer; the staging the copies read goes back once they ran, on the engine's
+  retire thread). A chunk that failed goes back to vLLM as error blocks (with every chunk after
+  it), so vLLM discards the step's output for the request and recomputes from there. If any
+  layer's wait was never reached in a step that loaded (a forward that skipped the hooks, e.g. a
+  full CUDA graph), every block the step loaded is reported in error (vLLM may have read a layer
+  before its pages landed), and the caller's stream is made to wait for every copy first, so
+  that the recompute's writes come after them.
 
 Loads whose plan cannot go layer by layer (:meth:`~saria.dataplane.transfer.engine.TransferEngine.layerwise_ok`)
-load whole in the same step and land before the first layer's wait.
+load whole in the same step and land before the first layer's wait: the forward's stream waits
+for them (``wait_on``), the host only for what is host work (a cluster fetch's network reads).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class LayerLoads:
             groups.append(list(range(start, start + n)))
             start += n
         self.paths = engine.layerwise(groups, max_programs=max_programs)
+        self.streams = self.paths.streams
         self.index = {name: i for i, name in enumerate(layer_names)}
         self.counters = LayerwiseCounters()
         self.failures: list[BaseException] = []  # loads that could not start (the worker counts them as faults)
@@ -152,8 +158,8 @@ class LayerLoads:
             return
         if not self._first_waited:
             self._first_waited = True
-            for job in self._before_first:
-                job.wait()
+            for job in self._before_first:  # the forward's stream waits for them; the host does not
+                job.wait_on(self.streams)
         for step in self._steps:
             step.wait_layer(layer)
         self.counters.layer_waits += 1
@@ -166,13 +172,20 @@ class LayerLoads:
             return []
         missed = any(not all(step.waited) for step in self._steps) or (bool(self._before_first)
                                                                         and not self._first_waited)
+        if missed:  # the recompute of these blocks is queued after every copy that writes them
+            for step in self._steps:
+                step.wait_all()
+            if not self._first_waited:
+                self._first_waited = True
+                for job in self._before_first:
+                    job.wait_on(self.streams)
         for step in self._steps:
-            step.finish()
+            step.end()
         if missed:
             self.counters.missed_steps += 1
             log.warning("saria: a step's forward did not wait for every layer it reloaded; its reloaded blocks are "
                         "recomputed (a full CUDA graph? layerwise needs piecewise graphs)")
-        out = [(spec, job.wait(), missed) for spec, job in self._loads]
+        out = [(spec, job.outcome(), missed) for spec, job in self._loads]
         self._reset()
         return out
 
@@ -198,4 +211,13 @@ class _Failed:
     def wait(self) -> None:
         if self.job is not None:
             self.job.wait()
+        return None
+
+    def wait_on(self, streams) -> None:
+        if self.job is not None:
+            self.job.wait_on(streams)
+
+    def outcome(self) -> None:
+        if self.job is not None:
+            self.job.outcome()
         return None

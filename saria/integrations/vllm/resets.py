@@ -163,6 +163,7 @@ def suspend(worker: "SariaWorker") -> None:
             job.wait()  # reported finished by the next get_finished, as always
         wait(worker.saves.in_flight())
         engine = worker.engine
+        engine.settle()  # the retire thread's work (staging given back, steps ended) ran too
         if engine.device.type == "cuda":
             import torch
 

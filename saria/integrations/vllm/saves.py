@@ -15,8 +15,9 @@ still read.
 * With ``layerwise``, :meth:`~WorkerSaves.start_layers` (before the forward) starts the leading
   batches of the step's orders that need not wait for it: drops at once, stores of kv objects
   layer by layer, each layer's copies started by :meth:`~WorkerSaves.save_layer` (vLLM's
-  ``save_kv_layer``) as soon as the forward wrote it; ``wait_for_save`` ends them (every copy has
-  run once it returns) and starts the rest as above.
+  ``save_kv_layer``) as soon as the forward wrote it; ``wait_for_save`` hands them over to end
+  (``StepSave.end``: published and completed once every copy ran, without the hook waiting for
+  the device) and starts the rest as above.
 * :meth:`~WorkerSaves.take_completions` (``build_connector_worker_meta``): the orders that ended.
 * :meth:`~WorkerSaves.forget` and :meth:`~WorkerSaves.drop_unvouched` (a new epoch): free every
   host pool slot a store may have filled and delete the SSD objects whose write had not ended when
@@ -112,8 +113,10 @@ class WorkerSaves:
         if self.step is not None:
             self.step.save_layer(layer)
 
-    def _finish_layers(self) -> None:
-        """After the forward: every layer's copies ran, the objects are published (``finish``)."""
+    def _finish_layers(self, *, block: bool = False) -> None:
+        """After the forward: the layers no hook saved are copied too, and the step ends once every
+        copy ran (``StepSave.end``: released, published, completed off this thread; ``block``:
+        wait for that here, ``StepSave.finish``, only when closing or changing epoch)."""
         step, stores, self.step, self.layered = self.step, self.layered, None, []
         if step is None:
             return
@@ -123,7 +126,7 @@ class WorkerSaves:
                 for chunk in order.kv:
                     if chunk in batch.kv_blocks:
                         audit.stored(chunk, batch.kv_blocks[chunk])
-        for (order, batch), run in zip(stores, step.finish()):
+        for (order, batch), run in zip(stores, step.finish() if block else step.end()):
             self.orders.append((order, run.completion))
             if batch.share and cluster is not None and isinstance(order, StoreOrder):
                 cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
@@ -243,7 +246,7 @@ class WorkerSaves:
         """The step's layer-wise stores end now (every copy runs, before anything is freed); their
         completions go with the others."""
         try:
-            self._finish_layers()
+            self._finish_layers(block=True)
         finally:
             self.ahead = 0
 
@@ -267,6 +270,7 @@ class WorkerSaves:
         takes it over from the rank's inventory, as at start."""
         worker = self.worker
         engine = worker.engine
+        engine.settle()  # what waited for the device ran: steps ended, staging back, cluster staged objects gone
         if worker.cluster is not None:
             worker.cluster.quiesce()  # no put reads a slot freed here
         keys, self.dram_keys = self.dram_keys, set()

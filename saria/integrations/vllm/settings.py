@@ -58,6 +58,10 @@ key                           meaning (default)
                               :data:`LAYERWISE_DEFAULT`). Hybrid (GDN) models always reload whole:
                               vLLM 0.32 cannot recompute a failed in-step load of a model with more
                               than one KV cache group (``auto``)
+``layerwise_max_programs``    on a GPU, the most programs (CTAs) one layer's layer-wise copy kernel
+                              launches, so the copies leave SMs to the forward; 0: no cap, one program
+                              per tile (``auto``: :data:`saria.kernels.COPY_MAX_PROGRAMS`; the CPU and
+                              Triton's interpreter ignore it)
 ``kv_events_max_chunks``      with vLLM's KV events enabled (``kv_events_config``): the most chunks whose
                               event payload (block hashes, tokens) the scheduler keeps to announce
                               saria's tiers to routers (:mod:`~saria.integrations.vllm.events`); a
@@ -84,7 +88,7 @@ _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", 
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
          "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
          "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes",
-         "cluster_insecure", "secret_file", "layerwise", "kv_events_max_chunks"} | _POLICY_FIELDS
+         "cluster_insecure", "secret_file", "layerwise", "layerwise_max_programs", "kv_events_max_chunks"} | _POLICY_FIELDS
 CLUSTER_ADMISSIONS = ("all", "evicted")
 # layerwise=auto, per device type: what the measurements support (docs/vllm.md, "Layer-wise reloads
 # and saves", has them). CPU: bench/bench_layerwise_ttft.py, turn-2 TTFT whole / layer-wise 1.01x
@@ -213,15 +217,19 @@ class ConnectorSettings:
     cluster_insecure: bool = False  # a cluster tier without a key (unsealed objects)
     secret_file: str = ""  # the key file that seals SSD and cluster objects; "" for none
     layerwise: bool | None = None  # None: auto (LAYERWISE_DEFAULT for the device)
+    layerwise_max_programs: int | None = None  # None: auto (saria.kernels.COPY_MAX_PROGRAMS on CUDA); 0: no cap
     kv_events_max_chunks: int = 65_536  # chunks whose KV event payload the scheduler keeps (events.py)
 
-    def layerwise_for(self, device_type: str, hybrid: bool, drafter: bool = False) -> bool:
+    def layerwise_for(self, device_type: str, hybrid: bool, drafter: bool = False, ubatching: bool = False) -> bool:
         """Whether reloads go layer by layer on this engine: never for a hybrid model (module
         docstring), nor beside a speculative drafter with attention layers of its own (``drafter``:
         vLLM runs the drafter's forward after it has asked for the step's transfer results, so its
         layers' waits would come after the step's loads were reported, and it runs once per
-        proposed token), else the option, or for ``auto`` :data:`LAYERWISE_DEFAULT` of the device."""
-        if hybrid or drafter:
+        proposed token), nor under vLLM's micro-batching (``ubatching``: dual-batch overlap runs each
+        layer once per micro-batch, so a layer would be saved twice in a step, and each save would
+        hold only its micro-batch's pages), else the option, or for ``auto``
+        :data:`LAYERWISE_DEFAULT` of the device."""
+        if hybrid or drafter or ubatching:
             return False
         return LAYERWISE_DEFAULT.get(device_type, False) if self.layerwise is None else self.layerwise
 
@@ -258,6 +266,11 @@ class ConnectorSettings:
         layerwise = extra.get("layerwise", "auto")
         if layerwise not in (True, False, "auto") or isinstance(layerwise, int) and not isinstance(layerwise, bool):
             raise ValueError(f"layerwise must be true, false or \"auto\", got {layerwise!r:.60}")
+        max_programs = extra.get("layerwise_max_programs", "auto")
+        if max_programs != "auto" and (isinstance(max_programs, bool) or not isinstance(max_programs, int)
+                                       or not 0 <= max_programs <= 2**31 - 1):
+            raise ValueError(f"layerwise_max_programs must be \"auto\" or an int from 0 (no cap) to 2**31 - 1, got "
+                             f"{max_programs!r:.60}")
         overrides = {k: v for k, v in extra.items() if k in _POLICY_FIELDS}
         resolved = Policy.preset(policy, **overrides)  # validates the overrides now, with the field's name in the error
         if "oracle" in admission_rules(resolved.admission):
@@ -275,6 +288,7 @@ class ConnectorSettings:
                    log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
                    on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")),
                    audit_kv=audit_kv, secret_file=secret_file, layerwise=None if layerwise == "auto" else layerwise,
+                   layerwise_max_programs=None if max_programs == "auto" else max_programs,
                    kv_events_max_chunks=_positive_int(extra, "kv_events_max_chunks") or 65_536, **cluster)
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:

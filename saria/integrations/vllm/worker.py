@@ -155,9 +155,14 @@ class SariaWorker:
         if self.settings.audit_kv:
             self.audit = KVAudit(rank.kv_views, ssd_fp8=self.settings.ssd_dtype == "fp8")
         if self.layerwise:
-            self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors)
+            self.layers = LayerLoads(rank.parts.engine, self.geometry.attention_layers, rank.layer_tensors,
+                                     max_programs=self.settings.layerwise_max_programs)
             if not self.layers.capable:
-                log.warning("saria worker: a page straddles two host slots; reloads go whole (still inside the step)")
+                log.warning("saria worker: layer-wise copies off (%s); reloads go whole (still inside the step)",
+                            self.layers.paths.refusal)
+        # Every kernel variant the data plane can launch, compiled here on vLLM's main thread before
+        # anything is served (not mid-serving on the path, save and SSD threads: saria.kernels.variants).
+        rank.parts.engine.warm_kernels()
 
     # --- loads -----------------------------------------------------------------------------------
 
@@ -176,8 +181,8 @@ class SariaWorker:
                 self._start_layers(in_step)
             jobs = [job for spec in meta.loads if not spec.layerwise and (job := self._start_load(spec)) is not None]
             if jobs and not self.off and self.engine.device.type == "cpu":
-                for job in jobs:
-                    job.wait()
+                for job in jobs:  # host work only (a CPU copy is done once issued): never the device's events
+                    job.outcome()
         except Exception as exc:
             self._give_up("start_load_kv", exc)
             specs = getattr(meta, "loads", ())

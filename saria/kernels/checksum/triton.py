@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import INTERPRETED, launch_guard
+from .. import variants
+from ..backend import INTERPRETED
 from ..checks import check_in_range, check_power_of_two
 from .formula import MASK64, finish, mix64
 
@@ -47,7 +48,9 @@ def _mix(idx, b_w):
     return z ^ (z >> 31)
 
 
-@triton.jit(do_not_specialize=["n_words", "n_bytes"])
+# The sizes are not specialized, nor the alignment of the tail bytes' and the sum's pointers; the
+# words' alignment is (16-byte loads when it allows): two variants, both warmed at start (warm).
+@triton.jit(do_not_specialize=["n_words", "n_bytes"], do_not_specialize_on_alignment=["p_bytes", "p_sum"])
 def _checksum_kernel(p_words, n_words, p_bytes, n_bytes, p_sum, BLOCK: tl.constexpr):
     """Adds sum_i mix((i << 32) ^ w_i) over all words (and the zero-padded tail word) into *p_sum."""
     i_p = tl.program_id(0).to(tl.int64)
@@ -122,9 +125,23 @@ def launch_checksum(data: torch.Tensor, out: torch.Tensor, *, block: int | None 
         num_warps = cfg.num_warps if num_warps is None else num_warps
         cfg = ChecksumConfig(block, programs, num_warps)
     words = data[:n_words * 4].view(torch.int32)
-    with launch_guard():
-        _checksum_kernel[(cfg.programs,)](words, n_words, data, n, out, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    variants.launch(_checksum_kernel, (cfg.programs,), (words, n_words, data, n, out), dict(BLOCK=cfg.block),
+                    cfg.num_warps)
     return cfg
+
+
+def warm(device: torch.device) -> list[tuple]:
+    """Compile (record, under the interpreter) the checksum's variants on ``device``: data
+    16-byte aligned, and only 4-byte aligned (a part at any word of a staging). Returns their keys."""
+    cfg = checksum_config(1 << 20, device)
+    data = torch.zeros(64, dtype=torch.uint8, device=device)
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    keys = []
+    for start in (0, 4):
+        view = data[start:start + 32]
+        keys.append(variants.warm(_checksum_kernel, device, (view.view(torch.int32), 8, view, 32, out),
+                                  dict(BLOCK=cfg.block), cfg.num_warps))
+    return keys
 
 
 def checksum_triton(data: torch.Tensor, **overrides) -> int:

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import INTERPRETED, launch_guard
+from .. import variants
+from ..backend import INTERPRETED
 from ..checks import check_in_range, check_power_of_two
 from ..page_table import PageTable
 
@@ -165,7 +166,10 @@ def _unpack_tile(p_x, p_c, p_s, mask, g_mask, DTYPE: tl.constexpr):
     tl.store(p_x, out, mask=mask)
 
 
-@triton.jit(do_not_specialize=["tiles", "skip"])
+# Every int that varies per call is not specialized and the table and ids pointers not on alignment
+# (scalar loads): one compile per (PACK, DTYPE, ESIZE, GROUPS, num_warps), warmed at start.
+@triton.jit(do_not_specialize=["staging_addr", "per_chunk", "ids_per_chunk", "skip", "page_id_bytes", "tiles"],
+            do_not_specialize_on_alignment=["p_table", "p_ids"])
 def _fp8_pages_kernel(
     p_table,  # int64 [T, 4]: base address, page stride, page bytes, tensor offset (PageTable._addresses)
     p_ids,  # int64 [C * (P - skip)]
@@ -243,10 +247,27 @@ def launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, per_chunk
         cfg = Fp8LaunchConfig(groups=groups, tiles=tiles, num_warps=num_warps)
     if ids.numel() == 0:
         return cfg
-    dtype = table.tensors[0].dtype
-    with launch_guard():
-        _fp8_pages_kernel[(ids.numel(), len(table), cfg.tiles)](
-            table._addresses(), ids, staging.data_ptr(), per_chunk, per_chunk - skip, skip, table.bytes_per_page,
-            cfg.tiles, PACK=pack, DTYPE=_CODE_DTYPES[dtype], ESIZE=table.tensors[0].element_size(),
-            GROUPS=cfg.groups, num_warps=cfg.num_warps)
+    variants.launch(_fp8_pages_kernel, (ids.numel(), len(table), cfg.tiles),
+                    _args(table, ids, staging.data_ptr(), per_chunk, skip, cfg), _consts(table, cfg, pack), cfg.num_warps)
     return cfg
+
+
+def _args(table: PageTable, ids: torch.Tensor, staging_addr: int, per_chunk: int, skip: int,
+          cfg: Fp8LaunchConfig) -> tuple:
+    return (table._addresses(), ids, staging_addr, per_chunk, per_chunk - skip, skip, table.bytes_per_page, cfg.tiles)
+
+
+def _consts(table: PageTable, cfg: Fp8LaunchConfig, pack: bool) -> dict:
+    return dict(PACK=pack, DTYPE=_CODE_DTYPES[table.tensors[0].dtype], ESIZE=table.tensors[0].element_size(),
+                GROUPS=cfg.groups)
+
+
+def warm(table: PageTable, per_chunk: int, staging_addr: int) -> list[tuple]:
+    """Compile (record, under the interpreter) the variants :func:`launch` uses for ``table``,
+    packing and unpacking (the table must be one the FP8 ops take). Returns their keys."""
+    cfg = _CONFIGS.get(table)
+    if cfg is None:
+        cfg = _CONFIGS[table] = launch_config(table)
+    ids = torch.zeros(per_chunk, dtype=torch.int64, device=table.device)
+    return [variants.warm(_fp8_pages_kernel, table.device, _args(table, ids, staging_addr, per_chunk, 0, cfg),
+                          _consts(table, cfg, pack), cfg.num_warps) for pack in (True, False)]

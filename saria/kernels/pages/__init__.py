@@ -14,13 +14,16 @@ So one chunk's kv object is one contiguous run of bytes, whatever the engine's l
 * :mod:`.cpu`: the torch path, fast on the CPU (``backend="torch"``);
 * :mod:`.naive`: the naive reference, plain loops over the layout above: the tests' oracle;
 * :mod:`.scattered`: ``prepare_scattered``, pages to and from bytes at given offsets of one buffer
-  (no staging layout: the caller places each page), checked once and launched many times.
+  (no staging layout: the caller places each page), checked once and launched many times;
+* :mod:`.layered`: ``prepare_layered``, a layer-wise step's scattered copies of every layer built
+  in one pass (one work array), launched layer by layer.
 """
 
 from .api import drop_leading_pages, pack_pages, unpack_pages
 from .cpu import pack_pages_torch, unpack_pages_torch
 from .naive import pack_pages_naive, scattered_copy_naive, unpack_pages_naive
+from .layered import COPY_MAX_PROGRAMS, LayeredCopy, default_max_programs, prepare_layered
 from .scattered import ScatteredCopy, prepare_scattered
 
-__all__ = ["ScatteredCopy", "drop_leading_pages", "pack_pages", "pack_pages_naive", "pack_pages_torch",
+__all__ = ["COPY_MAX_PROGRAMS", "LayeredCopy", "ScatteredCopy", "default_max_programs", "prepare_layered", "drop_leading_pages", "pack_pages", "pack_pages_naive", "pack_pages_torch",
            "prepare_scattered", "scattered_copy_naive", "unpack_pages", "unpack_pages_naive", "unpack_pages_torch"]

@@ -34,18 +34,17 @@ from ..checks import MAX_PAGE_IDS, check_block_ids, check_count, check_in_range,
 from ..page_table import PageTable
 from .scattered_checks import check_offsets, check_regions, check_scattered_buffer
 from .triton import MAX_GRID_YZ, copy_page_tiles, launch_config
+from ..variants import launcher_for
 
 # Torch path: pages alone in their run of the buffer and smaller than this are copied by one indexed
 # copy per tensor (its flat index as large as the pages) instead of one slice copy each.
 INDEXED_MAX_PAGE_BYTES = 4096
-# Launch through the compiled kernel's own launcher (skipping Triton's argument dispatch, ~10-20 us
-# of host time) where this Triton passes every argument, constexprs included, to its launcher.
-FAST_LAUNCH = True
 
 
-@triton.jit(do_not_specialize=["n", "tensors", "tiles", "total"])
+@triton.jit(do_not_specialize=["row0", "n", "tensors", "tiles", "total"], do_not_specialize_on_alignment=["p_work"])
 def _scattered_kernel(
-    p_work,  # int64 [tensors, n, 3]: source address, destination address, bytes of page i of tensor t
+    p_work,  # int64 [.., 3]: source address, destination address, bytes of each (tensor, page)
+    row0,  # this launch's first row: item (t, i) is row row0 + t * n + i of p_work
     n,  # pages per tensor
     tensors,
     tiles,  # programs per (page, tensor): the tile stride
@@ -67,7 +66,7 @@ def _scattered_kernel(
         rest = w // n
         i_t = rest % tensors
         i_s = rest // tensors  # this program's first tile of the page
-        item = p_work + (i_t * n + i_n) * 3
+        item = p_work + (row0 + i_t * n + i_n) * 3
         src_addr = tl.load(item)
         dst_addr = tl.load(item + 1)
         page_bytes = tl.load(item + 2)
@@ -246,38 +245,11 @@ def _prepare_triton(copy: ScatteredCopy, table: PageTable, buffer: torch.Tensor,
     total = n * tensors * tiles
     persistent = max_programs is not None and max_programs < total
     grid = (max_programs,) if persistent else (n, tensors, tiles)
-    args = (work, n, tensors, tiles, total)
+    args = (work, 0, n, tensors, tiles, total)
     consts = dict(WORDS=cfg.words, BYTES=cfg.bytes, PERSISTENT=persistent)
     set_(copy, "_keep", (work,))
     set_(copy, "programs", max_programs if persistent else total)
-    set_(copy, "_run", _launcher(device, grid, args, consts, cfg.num_warps))
-
-
-def _launcher(device: torch.device, grid: tuple, args: tuple, consts: dict, num_warps: int) -> Callable:
-    """``run(stream=None)``: one launch of the kernel. On CUDA, where this Triton allows it, through
-    the compiled kernel's launcher (compiled here, once per configuration); else Triton's dispatch."""
-
-    def dispatch(stream=None):
-        with launch_guard():
-            _scattered_kernel[grid](*args, **consts, num_warps=num_warps)
-
-    if device.type != "cuda" or not FAST_LAUNCH:
-        return dispatch
-    with torch.cuda.device(device):
-        compiled = _scattered_kernel.warmup(*args, **consts, num_warps=num_warps, grid=grid)
-        signature = getattr(getattr(compiled, "src", None), "signature", None)
-        names = list(_scattered_kernel.arg_names)
-        # This Triton's launcher takes every argument, constexprs included, in order (3.3 onwards).
-        if not isinstance(signature, dict) or list(signature) != names or any(
-                signature[c] != "constexpr" for c in consts):
-            return dispatch
-        runner = compiled[grid + (1,) * (3 - len(grid))]  # the launcher reads three axes
-    values = args + tuple(consts[name] for name in names[len(args):])
-
-    def fast(stream=None):
-        runner(*values, stream=stream)
-
-    return fast
+    set_(copy, "_run", launcher_for(_scattered_kernel, device, grid, args, consts, cfg.num_warps))
 
 
 # --- torch path ------------------------------------------------------------------------------------
@@ -291,28 +263,10 @@ def _torch_plan(table: PageTable, buffer: torch.Tensor, offs: torch.Tensor, ids:
     ``INDEXED_MAX_PAGE_BYTES`` take one indexed copy per tensor over a flat word index (same
     device); the rest one slice copy each."""
     ops, singles = [], []
-    same = buffer.device == table.device
-    id_list = ids.tolist()
-    for t, seg in enumerate(table.segments):
-        pages, size, row = table.byte_pages(t), seg.page_bytes, offs[t]
-        starts = [0] + ((row[1:] != row[:-1] + size).nonzero().view(-1) + 1).tolist()
-        ends = starts[1:] + [ids.numel()]
-        alone = []
-        for a, b in zip(starts, ends):
-            at, k = int(row[a]), b - a
-            first = id_list[a]
-            theirs = buffer[at:at + k * size]
-            if k == 1 and same and size < INDEXED_MAX_PAGE_BYTES:
-                alone.append(a)
-            elif id_list[a:b] == list(range(first, first + k)):
-                ops.append(_slice_op(pages[first:first + k], theirs.view(k, size), pack))
-            elif same:
-                ops.append(_run_op(pages, theirs, ids[a:b], size, pack))
-            else:  # a pinned CPU buffer and GPU pages: no indexed copy across devices
-                ops.extend(_slice_op(pages[p:p + 1], theirs[j * size:(j + 1) * size].view(1, size), pack)
-                           for j, p in enumerate(id_list[a:b]))
-        if alone:
-            singles.append(_flat_op(pages, buffer, size, ids[alone], row[alone], pack))
+    for t in range(len(table)):
+        o, s = _torch_ops(table, t, buffer, offs[t], ids, pack)
+        ops.extend(o)
+        singles.extend(s)
     ops.extend(singles)
 
     @torch.no_grad()
@@ -321,6 +275,39 @@ def _torch_plan(table: PageTable, buffer: torch.Tensor, offs: torch.Tensor, ids:
             op()
 
     return run
+
+
+def _torch_ops(table: PageTable, t: int, buffer: torch.Tensor, row: torch.Tensor, ids: torch.Tensor,
+               pack: bool) -> tuple[list[Callable], list[Callable]]:
+    """Tensor ``t``'s copies of pages ``ids`` to or from ``buffer`` at byte offsets ``row``
+    (:func:`_torch_plan`): the run and slice copies, and the indexed copy of the pages alone in
+    their run (to be run after the others)."""
+    ops, singles = [], []
+    if not ids.numel():
+        return ops, singles
+    same = buffer.device == table.device
+    id_list = ids.tolist()
+    seg = table.segments[t]
+    pages, size = table.byte_pages(t), seg.page_bytes
+    starts = [0] + ((row[1:] != row[:-1] + size).nonzero().view(-1) + 1).tolist()
+    ends = starts[1:] + [ids.numel()]
+    alone = []
+    for a, b in zip(starts, ends):
+        at, k = int(row[a]), b - a
+        first = id_list[a]
+        theirs = buffer[at:at + k * size]
+        if k == 1 and same and size < INDEXED_MAX_PAGE_BYTES:
+            alone.append(a)
+        elif id_list[a:b] == list(range(first, first + k)):
+            ops.append(_slice_op(pages[first:first + k], theirs.view(k, size), pack))
+        elif same:
+            ops.append(_run_op(pages, theirs, ids[a:b], size, pack))
+        else:  # a pinned CPU buffer and GPU pages: no indexed copy across devices
+            ops.extend(_slice_op(pages[p:p + 1], theirs[j * size:(j + 1) * size].view(1, size), pack)
+                       for j, p in enumerate(id_list[a:b]))
+    if alone:
+        singles.append(_flat_op(pages, buffer, size, ids[alone], row[alone], pack))
+    return ops, singles
 
 
 def _slice_op(mine: torch.Tensor, theirs: torch.Tensor, pack: bool) -> Callable:

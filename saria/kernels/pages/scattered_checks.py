@@ -86,3 +86,49 @@ def check_regions(offsets: torch.Tensor, page_bytes: Sequence[int], size: int, n
         raise ValueError(f"buffer regions overlap: offsets[{ta}, {ia}] = {int(s[k])} (+{page_bytes[ta]} bytes) and "
                          f"offsets[{tb}, {ib}] = {int(s[k + 1])} (+{page_bytes[tb]} bytes); packing would write the "
                          "same bytes twice")
+
+
+def check_placements(where, offsets, buffers: Sequence[torch.Tensor], page_bytes: Sequence[int],
+                     names: Sequence[str], pages: int, *, disjoint: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``where`` / ``offsets`` of :func:`~saria.kernels.prepare_layered`: int64 CPU ``[tensors,
+    pages]`` each (``where`` may be ``None``: every page in ``buffers[0]``), every buffer index in
+    range, every region ``[offsets[t, i], + page_bytes[t])`` inside its buffer (``IndexError``) and,
+    with ``disjoint`` (the buffers are written), no two regions sharing a byte, whichever buffers
+    they are in (``ValueError``). Returns private contiguous copies of both."""
+    tensors = len(page_bytes)
+    offs = check_offsets(offsets, tensors, pages)
+    if where is None:
+        where = torch.zeros((tensors, pages), dtype=torch.int64)
+    else:
+        if not isinstance(where, torch.Tensor):
+            raise ValueError(f"where must be a torch.Tensor (int64, [tensors, pages]), got {type(where).__name__}")
+        where = check_offsets(where, tensors, pages)
+        if where.numel() and (bool((where < 0).any()) or bool((where >= len(buffers)).any())):
+            t, i = (int(x) for x in ((where < 0) | (where >= len(buffers))).nonzero()[0])
+            raise IndexError(f"where[{t}, {i}] = {int(where[t, i])} names no buffer (there are {len(buffers)})")
+    if not offs.numel():
+        return where, offs
+    sizes = torch.tensor(list(page_bytes), dtype=torch.int64).unsqueeze(1)
+    limits = torch.tensor([b.numel() for b in buffers], dtype=torch.int64)[where]
+    bad = (offs < 0) | (offs > limits - sizes)
+    if bool(bad.any()):
+        t, i = (int(x) for x in bad.nonzero()[0])
+        off, n, size = int(offs[t, i]), int(page_bytes[t]), int(limits[t, i])
+        what = "is negative" if off < 0 else f"+ {n} bytes (a page of {names[t]}) ends past its buffer's {size} bytes"
+        raise IndexError(f"offsets[{t}, {i}] = {off} {what}")
+    if not disjoint or offs.numel() < 2:
+        return where, offs
+    # By address: two buffers may be views of one memory, so regions are compared where they lie.
+    starts = (torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)[where] + offs).reshape(-1)
+    ends = starts + sizes.expand_as(offs).reshape(-1)
+    order = torch.argsort(starts, stable=True)
+    s, e = starts[order], ends[order]
+    clash = (s[1:] < e[:-1]).nonzero()
+    if clash.numel():
+        k = int(clash[0])
+        (ta, ia), (tb, ib) = (divmod(int(order[j]), pages) for j in (k, k + 1))
+        raise ValueError(f"buffer regions overlap: offsets[{ta}, {ia}] = {int(offs[ta, ia])} in buffer "
+                         f"{int(where[ta, ia])} (+{page_bytes[ta]} bytes) and offsets[{tb}, {ib}] = {int(offs[tb, ib])} "
+                         f"in buffer {int(where[tb, ib])} (+{page_bytes[tb]} bytes); packing would write the same "
+                         "bytes twice")
+    return where, offs

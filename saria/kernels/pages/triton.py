@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import INTERPRETED, launch_guard
+from .. import variants
+from ..backend import INTERPRETED
 from ..checks import MAX_PAGE_IDS, check_choice, check_in_range, check_power_of_two
 from ..page_table import PageTable
 
@@ -84,7 +85,11 @@ def launch_config(table: PageTable, num_ids: int, *, interpreted: bool = INTERPR
     (one tile per program measured as good as fewer, longer programs from 1 to 8 chunks), so
     :func:`launch` computes it once per table. Order: ``"page"`` (the tile-major grid is a sweep
     option)."""
-    largest = max(s.page_bytes for s in table.segments)
+    return config_for_bytes(max(s.page_bytes for s in table.segments), interpreted=interpreted)
+
+
+def config_for_bytes(largest: int, *, interpreted: bool = INTERPRETED) -> LaunchConfig:
+    """:func:`launch_config` for pages of at most ``largest`` bytes."""
     page_words = -(-largest // 4)
     if interpreted:
         words = min(INTERPRETED_MAX_WORDS, max(16, _next_pow2(page_words)))
@@ -97,7 +102,11 @@ def launch_config(table: PageTable, num_ids: int, *, interpreted: bool = INTERPR
 _CONFIGS: "weakref.WeakKeyDictionary[PageTable, LaunchConfig]" = weakref.WeakKeyDictionary()
 
 
-@triton.jit(do_not_specialize=["tiles"])
+# Every int that varies per call is not specialized (Triton would compile a variant per value class:
+# == 1, multiple of 16, other) and the table and ids pointers not on alignment (scalar loads): one
+# compile per (PACK, WORDS, BYTES, TILE_MAJOR, num_warps), warmed at start (saria.kernels.warm).
+@triton.jit(do_not_specialize=["staging_addr", "pages_per_chunk", "chunk_bytes", "tiles"],
+            do_not_specialize_on_alignment=["p_table", "p_ids"])
 def _copy_pages_kernel(
     p_table,  # int64 [T, 4]: base address, page stride, page bytes, tensor offset in one page id's bytes
     p_ids,  # int64 [C * P]
@@ -202,8 +211,26 @@ def launch(table: PageTable, ids: torch.Tensor, staging: torch.Tensor, per_chunk
         grid = (ids.numel() * tiles, len(table), 1)
     else:
         grid = (ids.numel(), len(table), tiles)
-    with launch_guard():
-        _copy_pages_kernel[grid](
-            table._addresses(), ids, staging.data_ptr(), per_chunk, table.staging_bytes(per_chunk), tiles,
-            PACK=pack, WORDS=cfg.words, BYTES=cfg.bytes, TILE_MAJOR=tile_major, num_warps=cfg.num_warps)
+    variants.launch(_copy_pages_kernel, grid, _args(table, ids, staging.data_ptr(), per_chunk, tiles),
+                    _consts(cfg, pack, tile_major), cfg.num_warps)
     return cfg
+
+
+def _args(table: PageTable, ids: torch.Tensor, staging_addr: int, per_chunk: int, tiles: int) -> tuple:
+    return (table._addresses(), ids, staging_addr, per_chunk, table.staging_bytes(per_chunk), tiles)
+
+
+def _consts(cfg: LaunchConfig, pack: bool, tile_major: bool) -> dict:
+    return dict(PACK=pack, WORDS=cfg.words, BYTES=cfg.bytes, TILE_MAJOR=tile_major)
+
+
+def warm(table: PageTable, per_chunk: int, staging_addr: int) -> list[tuple]:
+    """Compile (record, under the interpreter) the variants :func:`launch` uses for ``table`` with
+    its own launch rule, packing and unpacking; ``staging_addr``: an address like those of the
+    staging it will see (its int type is part of the variant). Returns their keys."""
+    cfg = _CONFIGS.get(table)
+    if cfg is None:
+        cfg = _CONFIGS[table] = launch_config(table, per_chunk)
+    ids = torch.zeros(per_chunk, dtype=torch.int64, device=table.device)
+    return [variants.warm(_copy_pages_kernel, table.device, _args(table, ids, staging_addr, per_chunk, cfg.tiles),
+                          _consts(cfg, pack, False), cfg.num_warps) for pack in (True, False)]
