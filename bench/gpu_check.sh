@@ -86,8 +86,8 @@ else
   step dataplane_tests 80 "${PYTEST[@]}" -n 8 "${DATAPLANE_HOT[@]}"
 fi
 # The race (issue 42): the forward stream held by torch.cuda._sleep before the hooks, every byte the
-# forward read of a reload and every byte stored checked; the host time of StepLoad.finish and
-# StepSave.finish while the stream sleeps (a wait on the device shows as the sleep's length).
+# forward read of a reload and every byte stored checked; the host time of StepLoad.end and
+# StepSave.end (what the per-step hooks call) while the stream sleeps (a wait on the device shows as the sleep's length).
 step race 40 "${RUN[@]}" bench/gpu_race.py --json "$out/gpu_race.json"
 # The SSD under test: the VM disk there (O_DIRECT where it allows; page cache dropped before reads).
 mkdir -p "$out/ssd"

@@ -6,13 +6,14 @@ first, as vLLM does), and calls saria's hooks from the host while the forward's 
 queued. This delays that stream with ``torch.cuda._sleep`` before the hooks run, then drives
 steps as vLLM would: per layer ``StepLoad.wait_layer`` then the forward's read of the reloaded
 pages (a copy on the forward stream), the forward's write of the step's new KV into other pages,
-then ``StepSave.save_layer``; then ``StepLoad.finish`` / ``StepSave.finish``. Afterwards it
+then ``StepSave.save_layer``; then ``StepLoad.end`` / ``StepSave.end``, then their blocking ``finish``. Afterwards it
 checks every byte: what the forward read of each layer is the reloaded object's bytes (a reload
 not ordered before the read shows as the poison left in the pages), and every stored object holds
 what the forward wrote (a save not ordered after the write shows as the pages' old bytes).
 
-It also reports the host time of ``StepLoad.finish`` and ``StepSave.finish`` while the forward
-stream is still asleep: a finish that waits on the device shows as about the sleep's length.
+It also reports the host time of ``StepLoad.end`` and ``StepSave.end`` (what the per-step hooks
+call; ``finish`` is their blocking form, for closing and benchmarks) while the forward stream is
+still asleep: one that waits on the device shows as about the sleep's length.
 
     python bench/gpu_race.py [--rounds N] [--sleep-ms MS] [--layers L] [--json OUT]
     python bench/gpu_race.py --cpu-dry-run --rounds 2 --layers 4   # the script itself, without CUDA
@@ -38,7 +39,7 @@ for p in (ROOT, ROOT / "bench"):
 import torch  # noqa: E402
 
 MiB = 1 << 20
-FINISH_TARGET_US = 1000.0  # no host wait: well under the forward stream's delay
+END_TARGET_US = 1000.0  # no host wait: well under the forward stream's delay
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
               pool_bytes=(2 * chunks + 2) * (-(-layers * chunk_pages * page // (4 * MiB)) * 4 * MiB),
               slot_bytes=4 * MiB)
     bad_reads = bad_stores = 0
-    load_finish, save_finish, hooks = [], [], []
+    load_end, save_end, hooks = [], [], []
     try:
         names = rig.store(chunks)  # blocks [0, n): the sources of every reload
         sources = [c[:n].view(torch.uint8).clone() for c in rig.caches]
@@ -101,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
                 rig.caches[layer][store_at:store_at + n].copy_(fresh[layer])  # the forward writes
                 save.save_layer(layer)
             t1 = time.perf_counter()
-            step.finish()
+            step.end()  # what the per-step hooks call (get_finished, wait_for_save): never a wait on the device
             t2 = time.perf_counter()
-            runs = save.finish()
+            save.end()
             t3 = time.perf_counter()
+            step.finish(timeout=60)  # now wait (this script checks the bytes): the blocking forms
+            runs = save.finish(timeout=60)
             sync()
             deadline = time.monotonic() + 60
             for run in runs:
@@ -119,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                     bad_stores += 1
             if r:
                 hooks.append((t1 - t0) / layers)
-                load_finish.append(t2 - t1)
-                save_finish.append(t3 - t2)
+                load_end.append(t2 - t1)
+                save_end.append(t3 - t2)
             for layer, got in enumerate(reads):
                 if not torch.equal(got, sources[layer]):
                     bad_reads += 1
@@ -137,19 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     out = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "rounds": args.rounds,
            "sleep_ms": args.sleep_ms,
            "layers": layers, "chunks": chunks, "bad_layer_reads": bad_reads, "bad_stored_objects": bad_stores,
-           "step_load_finish_host_us_p50": statistics.median(load_finish) * 1e6,
-           "step_save_finish_host_us_p50": statistics.median(save_finish) * 1e6,
+           "step_load_end_host_us_p50": statistics.median(load_end) * 1e6,
+           "step_save_end_host_us_p50": statistics.median(save_end) * 1e6,
            "hooks_per_layer_host_us_p50": statistics.median(hooks) * 1e6}
     print(f"gpu_race on {out['device']}: {args.rounds} steps of {chunks} reloads and {chunks} stores x {layers} "
           f"layers, "
           f"the forward stream held {args.sleep_ms:g} ms before the hooks; layer reads wrong: {bad_reads}, "
           f"stored objects wrong: {bad_stores}")
-    print(f"host time: StepLoad.finish {out['step_load_finish_host_us_p50']:.0f} us, StepSave.finish "
-          f"{out['step_save_finish_host_us_p50']:.0f} us p50 (a wait on the device would be ~{args.sleep_ms:g} ms); "
+    print(f"host time: StepLoad.end {out['step_load_end_host_us_p50']:.0f} us, StepSave.end "
+          f"{out['step_save_end_host_us_p50']:.0f} us p50 (a wait on the device would be ~{args.sleep_ms:g} ms); "
           f"the hooks per layer (wait_layer + save_layer) {out['hooks_per_layer_host_us_p50']:.1f} us")
-    for key in ("step_load_finish_host_us_p50", "step_save_finish_host_us_p50"):
+    for key in ("step_load_end_host_us_p50", "step_save_end_host_us_p50"):
         v = out[key]
-        print(f"target {key} <= {FINISH_TARGET_US:g}: {v:.0f} -> {'MET' if v <= FINISH_TARGET_US else 'MISSED'}")
+        print(f"target {key} <= {END_TARGET_US:g}: {v:.0f} -> {'MET' if v <= END_TARGET_US else 'MISSED'}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if bad_reads or bad_stores:
