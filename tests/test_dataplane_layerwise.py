@@ -282,3 +282,73 @@ def test_layerwise_writes_exactly_the_planned_pages_over_random_steps(tmp_path_f
         for t, got in zip(eng.kv_table.tensors, layerwise):
             for page in expect:
                 assert same(t[page + shift], got[page])
+
+
+def _slot_places_per_tensor(host_pool, page_offsets, slots, ids, keep=None):
+    """slot_places as it was written first (tensor after tensor): the reference for the vectorized one."""
+    slot_bytes = host_pool.slot_bytes
+    parts = max(len(s) for s in slots)
+    segments = {}
+    seg_of = torch.zeros(len(slots), parts, dtype=torch.int64)
+    start_of = torch.zeros(len(slots), parts, dtype=torch.int64)
+    for o, held in enumerate(slots):
+        for k, slot in enumerate(held):
+            segment, start = host_pool.locate(slot)
+            segments.setdefault(segment.data_ptr(), segment)
+            seg_of[o, k], start_of[o, k] = segment.data_ptr(), start
+    if keep is None:
+        keep = torch.ones_like(ids, dtype=torch.bool)
+    rows = torch.arange(len(slots)).unsqueeze(1)
+    out = []
+    for offsets in page_offsets:
+        part, inner = offsets // slot_bytes, offsets % slot_bytes
+        where = (start_of[rows, part] + inner)[keep]
+        seg = seg_of[rows, part][keep]
+        chosen = ids[keep]
+        if len(segments) == 1:
+            out.append([(next(iter(segments.values())), where, chosen)])
+        else:
+            out.append([(segment, where[seg == address], chosen[seg == address])
+                        for address, segment in segments.items() if bool((seg == address).any())])
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_slot_layout_finds_every_page_where_the_per_tensor_reference_does(data):
+    """slot_layout (one pass over every tensor of a step, for prepare_layered)
+    against the first, tensor-by-tensor version: per tensor and pool segment the same offsets and
+    ids, in the same order, whatever the objects' slots (one or several segments) and the pages kept."""
+    from saria.dataplane.transfer.layerwise import slot_layout
+
+    slot = 4096
+    pool = HostPool(16 * slot, slot, segment_bytes=4 * slot)  # four segments
+    tensors, pages = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 6))
+    sizes = [data.draw(st.sampled_from([64, 512, 1024, 2048])) for _ in range(tensors)]
+    per_object = pages * sum(sizes)
+    parts = -(-per_object // slot)
+    objects = data.draw(st.integers(1, max(1, 16 // parts)))
+    free = data.draw(st.permutations(range(16)))
+    slots = [free[o * parts:(o + 1) * parts] for o in range(objects)]
+    start, page_offsets = 0, []
+    for size in sizes:  # the packed layout: tensor after tensor, each its pages back to back
+        page_offsets.append(start + torch.arange(pages, dtype=torch.int64) * size)
+        start += pages * size
+    ids = torch.tensor(data.draw(st.lists(st.integers(0, 99), min_size=objects * pages, max_size=objects * pages)),
+                       dtype=torch.int64).view(objects, pages)
+    keep = None if data.draw(st.booleans()) else torch.tensor(
+        data.draw(st.lists(st.booleans(), min_size=objects * pages, max_size=objects * pages))).view(objects, pages)
+    buffers, chosen, where, places = slot_layout(pool, page_offsets, slots, ids, keep)
+    want = _slot_places_per_tensor(pool, page_offsets, slots, ids, keep)
+    assert len(want) == tensors and where.shape == places.shape == (tensors, chosen.numel())
+    for t, w in enumerate(want):
+        # the same pages per segment, in the same order (empty segments aside)
+        got = [(buffers[b], places[t][where[t] == b], chosen[where[t] == b]) for b in range(len(buffers))]
+        got = [g for g in got if g[1].numel()]
+        w = [x for x in w if x[1].numel()]
+        assert [g.data_ptr() for g, _, _ in got] == sorted((x.data_ptr() for x, _, _ in w),
+                                                          key=[g.data_ptr() for g in buffers].index)
+        by_segment = {x.data_ptr(): (a, c) for x, a, c in w}
+        for g, a, c in got:
+            assert torch.equal(a, by_segment[g.data_ptr()][0]) and torch.equal(c, by_segment[g.data_ptr()][1])
+    pool.close()

@@ -426,3 +426,76 @@ def test_block_ids_misuse(misuse, error, match):
     blocks = check_block_ids(PageTable(_caches()), _ids(1, 2))
     with pytest.raises(error, match=match):
         misuse(blocks)
+
+
+def test_a_cached_staging_check_still_refuses_a_changed_table_or_staging(monkeypatch):
+    """Check once, launch many: a staging that passed its checks for a table is not checked again
+    while nothing about it changed, but the table is verified on every call, and a staging that
+    changed since (re-pointed, resized, freed) is checked again and refused."""
+    from saria.kernels import StaleTableError
+    from saria.kernels.pages import api
+
+    caches = vllm_layers(6, 2, 1, 8, torch.bfloat16)
+    table = PageTable(caches)
+    staging = pack_pages(table, _ids(4, 1))
+    pack_pages(table, _ids(4, 1), out=staging)  # checked, then cached
+    calls = []
+    real = api.check_staging
+    monkeypatch.setattr(api, "check_staging", lambda *a: (calls.append(a[-1]), real(*a)))
+    for _ in range(3):
+        pack_pages(table, _ids(4, 1), out=staging)
+        unpack_pages(staging, table, _ids(2, 3))
+    assert calls == []  # cached
+    caches[1].set_(torch.zeros_like(caches[1]))  # the table goes stale after its staging was cached
+    with pytest.raises(StaleTableError):
+        pack_pages(table, _ids(4, 1), out=staging)
+    with pytest.raises(StaleTableError):
+        unpack_pages(staging, table, _ids(2, 3))
+    table = PageTable(vllm_layers(6, 2, 1, 8, torch.bfloat16))
+    staging = pack_pages(table, _ids(4, 1))
+    unpack_pages(staging, table, _ids(2, 3))
+    calls.clear()
+    staging.untyped_storage().resize_(staging.numel() - 1)  # freed or shrunk after its check was cached
+    with pytest.raises(ValueError, match="freed or shrunk"):
+        unpack_pages(staging, table, _ids(2, 3))
+    assert calls == ["staging"]
+    inside = table.byte_pages(0).view(-1)[:staging.numel()]  # a staging inside the pages: refused every time
+    for _ in range(2):
+        with pytest.raises(ValueError, match="shares memory"):
+            pack_pages(table, _ids(4, 1), out=inside)
+
+
+def test_the_null_backend_checks_everything_and_copies_nothing():
+    from saria.kernels import StaleTableError, prepare_scattered
+    from saria.kernels.backend import null_copies
+
+    caches = vllm_layers(6, 2, 1, 8, torch.bfloat16)
+    table = PageTable(caches)
+    before = [c.clone() for c in caches]
+    staging = torch.zeros(table.staging_bytes(2), dtype=torch.uint8, device=DEVICE)
+    assert not pack_pages(table, _ids(4, 1), out=staging, backend="null").any()
+    unpack_pages(torch.ones_like(staging), table, _ids(2, 3), backend="null")
+    with null_copies():
+        pack_pages(table, _ids(4, 1), out=staging)
+        buffer = torch.ones(2 * table.bytes_per_page, dtype=torch.uint8, device=DEVICE)
+        offsets = torch.tensor([[0, table.bytes_per_page]], dtype=torch.int64)
+        copy = prepare_scattered(buffer, offsets, [caches[0]], [2, 3], pack=False)
+        copy.launch()
+        with pytest.raises(ValueError, match="appears more than once"):
+            unpack_pages(torch.ones_like(staging), table, _ids(2, 2))
+        from saria.kernels import prepare_layered
+        pb = table.segments[0].page_bytes
+        where = torch.tensor([[0, pb], [2 * pb, 3 * pb]], dtype=torch.int64)
+        for backend in ("auto", "torch"):  # the Triton path here runs under the interpreter
+            layered = prepare_layered(table, [[0], [1]], [torch.ones(4 * pb, dtype=torch.uint8, device=DEVICE)],
+                                      [2, 3], None, where, pack=False, backend=backend)
+            layered.launch(0), layered.launch(1)
+    assert not staging.any()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, caches))
+    pack_pages(table, _ids(4, 1), out=staging)  # outside null_copies(): copies again
+    assert staging.any()
+    caches[0].set_(torch.zeros_like(caches[0]))
+    with pytest.raises(StaleTableError):
+        pack_pages(table, _ids(4, 1), backend="null")
+    with pytest.raises(StaleTableError):
+        copy.launch()

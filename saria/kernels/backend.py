@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import nullcontext
-from typing import ContextManager, Literal
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator, Literal
 
 import torch
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+# The page copies (pack_pages, unpack_pages, prepare_scattered) also take "null": a benchmark's
+# backend that checks and prepares exactly as "auto" would, then moves no byte (bench/bench_host.py).
+COPY_BACKENDS: tuple[str, ...] = BACKENDS + ("null",)
 
 # Read at import, like Triton itself: the kernels in this package are defined right after.
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -29,6 +32,36 @@ _INTERPRETER_LOCK = threading.Lock()
 def launch_guard() -> ContextManager:
     """Hold around a kernel launch: serializes launches under the interpreter, free otherwise."""
     return _INTERPRETER_LOCK if INTERPRETED else nullcontext()
+
+
+_NULL_COPIES = False  # null_copies() is active: every page copy of this process is "null"
+
+
+@contextmanager
+def null_copies() -> Iterator[None]:
+    """For benchmarks only: while active, every page copy in this process (``pack_pages``,
+    ``unpack_pages``, ``ScatteredCopy.launch``, whatever thread runs it) runs all its checks and
+    preparation as its backend would, then copies nothing, as if ``backend="null"`` had been passed
+    (the pages and buffers keep whatever they held). Lets ``bench/bench_host.py`` measure saria's own
+    host cost on the hot path without the copies. Process-wide, not nestable across threads:
+    never use it while serving."""
+    global _NULL_COPIES
+    before, _NULL_COPIES = _NULL_COPIES, True
+    try:
+        yield
+    finally:
+        _NULL_COPIES = before
+
+
+def resolve_copy_backend(backend: str, device: torch.device) -> tuple[Literal["triton", "torch"], bool]:
+    """For the page copies: the implementation to check and prepare for (as :func:`resolve_backend`
+    picks it; ``null`` as ``auto``), and whether to move the bytes (False for ``null`` or under
+    :func:`null_copies`)."""
+    if backend == "null":
+        return resolve_backend("auto", device), False
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {COPY_BACKENDS}, got {backend!r}")
+    return resolve_backend(backend, device), not _NULL_COPIES
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "torch"]:

@@ -21,7 +21,7 @@ import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -45,7 +45,7 @@ class HostPoolCounters:
     full_refusals: int = 0
 
     def snapshot(self) -> dict[str, int]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}  # numbers: no deep copy (asdict)
 
 
 def physical_memory_bytes() -> int:

@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 from saria.config import COORDINATION_SATURATION, Bandwidths
@@ -60,7 +60,7 @@ class CoordinatorCounters:
     pace_wait_seconds: float = 0.0
 
     def snapshot(self) -> dict:
-        return asdict(self)
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}  # numbers: no deep copy (asdict)
 
 
 class Coordinator:

@@ -426,8 +426,10 @@ def slot_layout(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Se
     parts = max(len(s) for s in slots)
     buffers: list[torch.Tensor] = []
     index: dict[int, int] = {}
-    seg_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> segment index
-    start_of = torch.zeros(len(slots), parts, dtype=torch.int64)  # [object, part] -> offset in it
+    # [object, part] -> segment index / offset in it, as lists (an item assignment into a tensor
+    # costs microseconds, and a step places hundreds of slots)
+    seg_list = [[0] * parts for _ in slots]
+    start_list = [[0] * parts for _ in slots]
     for o, held in enumerate(slots):
         for k, slot in enumerate(held):
             segment, start = host_pool.locate(slot)
@@ -435,13 +437,16 @@ def slot_layout(host_pool: HostPool, page_offsets: list[torch.Tensor], slots: Se
             if b is None:
                 b = index[segment.data_ptr()] = len(buffers)
                 buffers.append(segment)
-            seg_of[o, k], start_of[o, k] = b, start
+            seg_list[o][k], start_list[o][k] = b, start
+    seg_of = torch.tensor(seg_list, dtype=torch.int64)
+    start_of = torch.tensor(start_list, dtype=torch.int64)
     offsets = torch.stack(page_offsets)  # [tensor, page]
     part, inner = offsets // slot_bytes, offsets % slot_bytes
-    rows = torch.arange(len(slots)).view(1, -1, 1)
-    cols = part.unsqueeze(1)  # [tensor, 1, page]
-    where = seg_of[rows, cols]  # [tensor, object, page]
-    places = start_of[rows, cols] + inner.unsqueeze(1)
+    # [tensor, object, page] as flat [object, part] indices (torch.take: a broadcast multi-dimensional
+    # index cost milliseconds for these few thousand elements, with torch's threads busy)
+    flat = torch.arange(len(slots)).view(1, -1, 1) * parts + part.unsqueeze(1)
+    where = torch.take(seg_of, flat)
+    places = torch.take(start_of, flat) + inner.unsqueeze(1)
     if keep is None:
         return buffers, ids.reshape(-1), where.reshape(len(page_offsets), -1), places.reshape(len(page_offsets), -1)
     return buffers, ids[keep], where[:, keep], places[:, keep]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from saria.orders import ObjectKey, Order
@@ -72,7 +72,7 @@ class EngineCounters:
     layer_saves_late: int = 0       # of them, layers no hook saved: copied by StepSave.finish
 
     def snapshot(self) -> dict:
-        return asdict(self)
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}  # numbers: no deep copy (asdict)
 
 
 class TransferCounters:

@@ -8,7 +8,6 @@ the worker turns off they are kept as they were when its data plane closed (:met
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -54,7 +53,8 @@ class WorkerCounters:
         if worker.audit is not None:
             out["audit"] = dict(worker.audit.counters(), served=worker.audit.served)
         if worker.layers is not None:
-            out["layerwise"] = dataclasses.asdict(worker.layers.counters)
+            counters = worker.layers.counters  # numbers: a shallow copy (asdict deep-copies, every step)
+            out["layerwise"] = {name: getattr(counters, name) for name in counters.__dataclass_fields__}
         return out
 
     def stats_delta(self) -> dict[str, int | float]:

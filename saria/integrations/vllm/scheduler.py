@@ -321,7 +321,7 @@ class SariaScheduler:
         """Counters since this scheduler (and its control plane) started: what loads delivered
         (:class:`LoadCounters`) and the control plane's requests, SSD writes and admissions."""
         c = self.control.counters()
-        out = dataclasses.asdict(self.loaded)
+        out = {name: getattr(self.loaded, name) for name in self.loaded.__dataclass_fields__}  # numbers: shallow
         for name in TOTALS_FROM_CONTROL:
             out[name] = getattr(c, name)
         return out

@@ -4,16 +4,48 @@ arguments (:mod:`saria.kernels.checks`), picks the backend, and calls the Triton
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
 
-from ..backend import resolve_backend
+from ..backend import resolve_copy_backend
 from ..block_ids import BlockIds
 from ..checks import check_block_ids, check_drop_leading_pages, check_staging, check_unpack_target
 from ..page_table import PageTable
 from .cpu import pack_pages_torch, unpack_pages_torch
 from .triton import launch
+
+# Check once, launch many: the stagings each table accepted, by everything check_staging read of
+# them (a hit skips it; anything changed is a miss and is checked again). Bounded per table.
+_STAGINGS: "weakref.WeakKeyDictionary[PageTable, dict]" = weakref.WeakKeyDictionary()
+_STAGINGS_PER_TABLE = 32
+
+
+def _check_staging(staging, table: PageTable, chunks: int, per_chunk: int, what: str) -> None:
+    """:func:`~saria.kernels.checks.check_staging`, skipped for a plain tensor that passed it for
+    this table and geometry with the same address, storage size, offset, shape, strides, dtype,
+    device and flags (what the check reads; the table itself is immutable and verified by the
+    caller). A tensor subclass, or anything whose key cannot be read, is checked every time."""
+    if type(staging) is not torch.Tensor:
+        check_staging(staging, table, chunks, per_chunk, what)
+        return
+    try:
+        key = (staging.data_ptr(), staging.untyped_storage().nbytes(), staging.storage_offset(), staging.shape,
+               staging.stride(), staging.dtype, staging.device, staging.layout, staging.is_nested, staging.is_neg(),
+               staging.is_conj(), chunks, per_chunk)
+    except (RuntimeError, NotImplementedError):  # nested, fake, freed: the full check says what is wrong
+        check_staging(staging, table, chunks, per_chunk, what)
+        return
+    seen = _STAGINGS.get(table)
+    if seen is not None and key in seen:
+        return
+    check_staging(staging, table, chunks, per_chunk, what)
+    if seen is None:
+        seen = _STAGINGS[table] = {}
+    elif len(seen) >= _STAGINGS_PER_TABLE:
+        seen.clear()
+    seen[key] = None
 
 
 def pack_pages(caches: PageTable | Sequence[torch.Tensor], block_ids: torch.Tensor | BlockIds,
@@ -30,7 +62,10 @@ def pack_pages(caches: PageTable | Sequence[torch.Tensor], block_ids: torch.Tens
     laid out tensor after tensor, pages in ``block_ids`` order (:mod:`saria.kernels.pages`). Never
     synchronizes when ``block_ids`` are on the CPU. Everything is checked before anything is
     copied: a stale table raises ``StaleTableError``, bad ids ``IndexError`` or ``ValueError``, bad
-    staging ``ValueError``.
+    staging ``ValueError``. The table is verified on every call; a staging that passed its checks
+    for this table is not checked again until anything about it changes (check once, launch many).
+    ``backend``: ``auto``, ``triton``, ``torch``, or ``null`` (benchmarks: everything is checked
+    and nothing copied, :func:`~saria.kernels.backend.null_copies`).
     """
     table = PageTable.of(caches)
     blocks = check_block_ids(table, block_ids)
@@ -40,8 +75,11 @@ def pack_pages(caches: PageTable | Sequence[torch.Tensor], block_ids: torch.Tens
     if out is None:
         out = torch.empty(shape, dtype=torch.uint8, device=table.device)
     else:
-        check_staging(out, table, chunks, per_chunk, "out")
-    if resolve_backend(backend, table.device) == "triton":
+        _check_staging(out, table, chunks, per_chunk, "out")
+    which, move = resolve_copy_backend(backend, table.device)
+    if not move:
+        return out
+    if which == "triton":
         launch(table, blocks.on(table.device), out, per_chunk, pack=True)
     elif size:
         pack_pages_torch(table, blocks.on(table.device), out, chunks, per_chunk)
@@ -61,8 +99,11 @@ def unpack_pages(staging: torch.Tensor, caches: PageTable | Sequence[torch.Tenso
     table = PageTable.of(caches)
     check_unpack_target(table)
     blocks = check_block_ids(table, block_ids, unique=True)
-    check_staging(staging, table, blocks.chunks, blocks.per_chunk, "staging")
-    if resolve_backend(backend, table.device) == "triton":
+    _check_staging(staging, table, blocks.chunks, blocks.per_chunk, "staging")
+    which, move = resolve_copy_backend(backend, table.device)
+    if not move:
+        return
+    if which == "triton":
         launch(table, blocks.on(table.device), staging, blocks.per_chunk, pack=False)
     elif staging.numel():
         unpack_pages_torch(table, blocks.on(table.device), staging, blocks.chunks, blocks.per_chunk)

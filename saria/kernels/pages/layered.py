@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..backend import INTERPRETED, resolve_backend
+from ..backend import INTERPRETED, resolve_copy_backend
 from ..block_ids import BlockIds
 from ..checks import MAX_PAGE_IDS, MAX_TENSORS, check_block_ids, check_count, check_in_range, check_unpack_target
 from ..page_table import PageTable
@@ -138,7 +138,7 @@ def prepare_layered(table: PageTable, layers: Sequence[Sequence[int]], buffers: 
     if max_programs is not None:
         max_programs = check_count(max_programs, "max_programs")
         check_in_range(max_programs, "max_programs", 1, MAX_PAGE_IDS)
-    which = resolve_backend(backend, table.device)
+    which, move = resolve_copy_backend(backend, table.device)
     buffers = list(buffers)
     if not buffers:
         raise ValueError("buffers must hold at least one buffer")
@@ -169,7 +169,9 @@ def prepare_layered(table: PageTable, layers: Sequence[Sequence[int]], buffers: 
         else:
             tables = tensor_tables if tensor_tables is not None else [
                 PageTable([t], names=[name]) for t, name in zip(table.tensors, table.names)]
-            set_(copy, "_runs", [_lazy(tables, group, buffers, host_ids, where, offs, pack) for group in groups])
+            set_(copy, "_runs", [_lazy(tables, group, buffers, host_ids, where, offs, pack, move) for group in groups])
+    if not move and which == "triton":  # backend="null" (or null_copies()): prepared as for real, no copy
+        set_(copy, "_runs", [_nothing] * len(groups))
     return copy
 
 
@@ -232,9 +234,9 @@ def _nothing(stream=None) -> None:
 
 
 def _lazy(tables: Sequence[PageTable], group: list[int], buffers: list[torch.Tensor], ids: torch.Tensor,
-          where: torch.Tensor, offs: torch.Tensor, pack: bool) -> Callable:
+          where: torch.Tensor, offs: torch.Tensor, pack: bool, move: bool = True) -> Callable:
     """The torch path's layer ``group``: its copies worked out (from the step's checked placement)
-    at its first launch, then kept. On the CPU a layer's copies run at once on the thread that
+    at its first launch, then kept (``move`` False: the null backend, worked out and not run). On the CPU a layer's copies run at once on the thread that
     launches them, so layer ``l``'s copies are then under way while nothing waits on layer
     ``l + 1``'s; worked out for every layer before the first, they would hold back the first
     layer by the whole step's (a few ms for 36 layers of 16 chunks)."""
@@ -244,7 +246,8 @@ def _lazy(tables: Sequence[PageTable], group: list[int], buffers: list[torch.Ten
         if not plan:
             with torch.inference_mode(False):
                 plan.append(_torch_layer(tables, group, buffers, ids, where, offs, pack))
-        plan[0]()
+        if move:
+            plan[0]()
 
     return run
 

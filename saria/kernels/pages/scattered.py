@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import launch_guard, resolve_backend
+from ..backend import launch_guard, resolve_copy_backend
 from ..block_ids import BlockIds
 from ..checks import MAX_PAGE_IDS, check_block_ids, check_count, check_in_range, check_unpack_target
 from ..page_table import PageTable
@@ -158,7 +158,7 @@ def prepare_scattered(buffer: torch.Tensor, offsets: torch.Tensor, caches: PageT
     if max_programs is not None:
         max_programs = check_count(max_programs, "max_programs")
         check_in_range(max_programs, "max_programs", 1, MAX_PAGE_IDS)
-    which = resolve_backend(backend, table.device)
+    which, move = resolve_copy_backend(backend, table.device)
     check_scattered_buffer(buffer, table)
     if not pack:
         check_unpack_target(table)
@@ -188,6 +188,8 @@ def prepare_scattered(buffer: torch.Tensor, offsets: torch.Tensor, caches: PageT
             _prepare_triton(copy, table, buffer, offs, ids, pack, max_programs)
         else:
             set_(copy, "_run", _torch_plan(table, buffer, offs, ids, pack))
+    if not move:  # backend="null" (or null_copies()): prepared as for real, launches copy nothing
+        set_(copy, "_run", lambda stream=None: None)
     return copy
 
 
