@@ -53,15 +53,21 @@ def null_copies() -> Iterator[None]:
         _NULL_COPIES = before
 
 
+# What resolve_backend answered, by (backend, device): a pure function of them (INTERPRETED is fixed
+# at import), asked on every page copy. Errors are not cached.
+_RESOLVED: dict[tuple[str, torch.device], Literal["triton", "torch"]] = {}
+
+
 def resolve_copy_backend(backend: str, device: torch.device) -> tuple[Literal["triton", "torch"], bool]:
     """For the page copies: the implementation to check and prepare for (as :func:`resolve_backend`
     picks it; ``null`` as ``auto``), and whether to move the bytes (False for ``null`` or under
     :func:`null_copies`)."""
-    if backend == "null":
-        return resolve_backend("auto", device), False
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {COPY_BACKENDS}, got {backend!r}")
-    return resolve_backend(backend, device), not _NULL_COPIES
+    which = _RESOLVED.get((backend, device))
+    if which is None:
+        if backend != "null" and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {COPY_BACKENDS}, got {backend!r}")
+        which = _RESOLVED[(backend, device)] = resolve_backend("auto" if backend == "null" else backend, device)
+    return which, backend != "null" and not _NULL_COPIES
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "torch"]:

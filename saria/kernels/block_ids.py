@@ -23,7 +23,7 @@ class BlockIds:
     (``ids[skip:]``, ``ids[c]``) and :meth:`stack` keep what was checked. Made only by
     ``check_block_ids``, so it always holds checked values."""
 
-    __slots__ = ("_host", "end", "unique")
+    __slots__ = ("_host", "end", "unique", "chunks", "per_chunk")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("BlockIds are made by check_block_ids(table, block_ids)")
@@ -31,8 +31,13 @@ class BlockIds:
     @classmethod
     def _new(cls, host: torch.Tensor, end: int, unique: bool) -> "BlockIds":
         self = object.__new__(cls)
-        for name, value in (("_host", host), ("end", end), ("unique", unique)):
-            object.__setattr__(self, name, value)
+        shape = host.shape
+        _set_host(self, host)
+        _set_end(self, end)
+        _set_unique(self, unique)
+        # How many chunks (1 for 1-D ids) and page ids per chunk: read on every op, so kept.
+        _set_chunks(self, 1 if len(shape) == 1 else shape[0])
+        _set_per_chunk(self, shape[-1])
         return self
 
     def __setattr__(self, name, value):
@@ -41,14 +46,6 @@ class BlockIds:
     @property
     def shape(self) -> torch.Size:
         return self._host.shape
-
-    @property
-    def chunks(self) -> int:
-        return 1 if self._host.dim() == 1 else self._host.shape[0]
-
-    @property
-    def per_chunk(self) -> int:
-        return self._host.shape[-1]
 
     def dim(self) -> int:
         return self._host.dim()
@@ -97,3 +94,8 @@ class BlockIds:
         if device.type == "cpu":
             return flat
         return flat.pin_memory().to(device, non_blocking=True)
+
+
+# The slots' own setters: BlockIds.__setattr__ refuses every assignment (immutable).
+_set_host, _set_end, _set_unique, _set_chunks, _set_per_chunk = (
+    getattr(BlockIds, name).__set__ for name in BlockIds.__slots__)
