@@ -79,6 +79,32 @@ def _data_swap_dtype(cache, bufs):
     cache.data = cache.data.view(torch.int16)  # same memory, twice the elements per page
 
 
+def _data_swap_dtype_same_size(cache, bufs):
+    """Only the dtype changes: same storage, offset, shape, strides and address. Why verify() must
+    compare dtypes (ssd_dtype=fp8 reads the values as the table's dtype)."""
+    cache.data = cache.data.view(torch.float32)
+
+
+def _storage_reallocated_same_size(cache, bufs):
+    """Storage.resize_ always allocates anew, even to the same size: only the address moves (why the
+    data pointer stands for the storage's address and size)."""
+    storage = cache.untyped_storage()
+    storage.resize_(storage.nbytes())
+
+
+def _storage_grown(cache, bufs):
+    storage = cache.untyped_storage()
+    storage.resize_(storage.nbytes() + PAGE)
+
+
+def _set_other_storage_same_address(cache, bufs):
+    """Another storage object over the very same memory (from DLPack): address, size, offset, shape,
+    strides and dtype all unchanged; only the storage differs (Tensor.is_set_to sees it)."""
+    alias = torch.from_dlpack(bufs[0]).untyped_storage()
+    assert alias is not cache.untyped_storage() and alias.data_ptr() == cache.untyped_storage().data_ptr()
+    cache.set_(alias, cache.storage_offset(), cache.shape, cache.stride())
+
+
 def _as_strided_in_place(cache, bufs):
     cache.as_strided_((NB, PAGE // 8), (PAGE // 4, 1))  # half pages
 
@@ -98,6 +124,12 @@ REPOINTS = [
     pytest.param(_resize_shrink, r"shape changed from \(8, 16\) to \(1, 16\)", id="resize_-shrink"),
     pytest.param(_data_swap, "re-pointed: data_ptr changed", id="data-swap"),
     pytest.param(_data_swap_dtype, "dtype changed from torch.int32 to torch.int16", id="data-swap-dtype"),
+    pytest.param(_data_swap_dtype_same_size, "dtype changed from torch.int32 to torch.float32",
+                 id="data-swap-dtype-same-size"),
+    pytest.param(_storage_reallocated_same_size, "re-pointed: data_ptr changed", id="storage-realloc-same-size"),
+    pytest.param(_storage_grown, "re-pointed: data_ptr changed", id="storage-grown"),
+    pytest.param(_set_other_storage_same_address, "re-pointed to another storage at the same address",
+                 id="set_-alias-storage"),
     pytest.param(_as_strided_in_place, "shape changed", id="as_strided_"),
     pytest.param(_unsqueeze_in_place, "shape changed", id="unsqueeze_"),
     pytest.param(_storage_freed, "storage was freed", id="storage-freed"),
@@ -117,10 +149,12 @@ def _call(api: str, table: PageTable, backend: str):
         return drop_leading_pages(staging, table, 2, 1)
     if api == "PageTable.of":
         return PageTable.of(table)
+    if api == "verify_tensors":
+        return table.verify_tensors([1])
     return table.verify()
 
 
-APIS = ["pack", "pack-out", "unpack", "drop_leading_pages", "PageTable.of", "verify"]
+APIS = ["pack", "pack-out", "unpack", "drop_leading_pages", "PageTable.of", "verify", "verify_tensors"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -184,6 +218,56 @@ def test_view_whose_base_was_repointed_is_refused():
     assert torch.equal(pack_pages(fresh, _ids(3)), torch.cat([base[0, 3], base[1, 3]]))
 
 
+@pytest.mark.parametrize("mutate", ["set_", "data", "storage-resize"])
+def test_view_whose_base_moved_is_refused(mutate):
+    """A view (vLLM's per-layer caches are views of raw buffers) is refused when its root base is
+    re-pointed (set_, .data = ...) or the shared storage is reallocated."""
+    raw = random_bytes((2 * NB, PAGE), torch.uint8, 11).clone()
+    views = [raw[:NB], raw[NB:]]  # (view(dtype) records no base: slice the root itself)
+    table = PageTable(views)
+    if mutate == "set_":
+        raw.set_(random_bytes((2 * NB, PAGE), torch.uint8, 12))
+    elif mutate == "data":
+        raw.data = random_bytes((2 * NB, PAGE), torch.uint8, 13)
+    else:
+        raw.untyped_storage().resize_(raw.untyped_storage().nbytes())
+    assert views[0]._base is raw
+    with pytest.raises(StaleTableError, match="caches.0. changed"):
+        pack_pages(table, _ids(0))
+    with pytest.raises(StaleTableError):
+        table.verify_tensors([1])
+
+
+def test_view_whose_base_was_repointed_before_the_table_is_refused_when_that_storage_moves():
+    """A view whose base was already re-pointed when the table was built: the table records the
+    base's storage as it was, and refuses once that storage is reallocated (as it did before)."""
+    raw = random_bytes((NB, PAGE), torch.uint8, 14).clone()
+    view = raw[:]
+    raw.set_(random_bytes((NB, PAGE), torch.uint8, 15))
+    table = PageTable([view])
+    table.verify()
+    raw.untyped_storage().resize_(raw.untyped_storage().nbytes())
+    with pytest.raises(StaleTableError, match="base tensor was re-pointed"):
+        table.verify()
+
+
+def test_base_is_fixed_when_a_tensor_is_made():
+    """verify() compares the root bases recorded when the table was built and checks no base for a
+    tensor made without one: torch never changes a tensor's _base after it is made (re-pointing,
+    resizing, re-striding or swapping .data of a view or of a plain tensor keeps it)."""
+    for make_view in (False, True):
+        raw = random_bytes((NB, PAGE), torch.uint8, 16).clone()
+        t = raw[:] if make_view else raw.clone()
+        base = t._base
+        other = random_bytes((NB, PAGE), torch.uint8, 17)
+        for mutate in (lambda: t.as_strided_((NB, PAGE // 2), (PAGE, 1)), lambda: t.unsqueeze_(0),
+                       lambda: t.resize_(2, PAGE), lambda: t.set_(other.untyped_storage(), 0, (NB, PAGE), (PAGE, 1)),
+                       lambda: setattr(t, "data", other[1:]), lambda: t.set_(raw[2:])):
+            mutate()
+            assert t._base is base
+        assert (base is raw) == make_view
+
+
 def test_storage_resized_in_place_is_refused():
     cache = random_bytes((NB, PAGE), torch.uint8, 6)
     table = PageTable([cache])
@@ -211,6 +295,13 @@ def test_unchanged_table_and_harmless_changes_pass():
     caches[0].requires_grad_(False)  # no change to memory or geometry
     caches[1].set_(caches[1].untyped_storage(), caches[1].storage_offset(), caches[1].shape, caches[1].stride())
     table.verify()
+    # A view's base re-strided on the same storage: the view still shows the base's memory.
+    raw = random_bytes((2 * NB, PAGE), torch.uint8, 18).clone()
+    views = [raw[:NB], raw[NB:]]
+    view_table = PageTable(views)
+    raw.as_strided_((PAGE, 2 * NB), (1, PAGE))
+    view_table.verify()
+    view_table.verify_tensors([0])
     assert torch.equal(pack_pages(table, _ids(3, 1)), pack_pages_naive(caches, _ids(3, 1)))
 
 
