@@ -57,7 +57,7 @@ def _fingerprint(t: torch.Tensor) -> tuple:
 
 
 # C-level getters, mapped over a table's tensors (no Python frame per tensor).
-_data_ptr = torch.Tensor.data_ptr
+_storage_ptr = torch.UntypedStorage.data_ptr
 _is_set_to = torch.Tensor.is_set_to
 _untyped_storage = torch.Tensor.untyped_storage
 _dtype_of = operator.attrgetter("dtype")
@@ -103,10 +103,10 @@ class PageTable:
         set_(self, "overlap", _find_overlap(self.segments))
         set_(self, "_fingerprints", [_fingerprint(t) for t in caches])  # what error messages compare
         set_(self, "_storages", tuple(t.untyped_storage() for t in caches))  # keeps the memory allocated
-        # What verify() compares (see there): data pointers, a private alias of each tensor as it is
+        # What verify() compares (see there): the storages' addresses, a private alias of each tensor as it is
         # now (same storage, offset, sizes, strides) for Tensor.is_set_to, dtypes, and for the views
         # their root bases and the storage each base had.
-        set_(self, "_ptrs", [t.data_ptr() for t in caches])
+        set_(self, "_ptrs", [s.data_ptr() for s in self._storages])
         set_(self, "_refs", tuple(t.detach() for t in caches))
         set_(self, "_dtypes", [t.dtype for t in caches])
         views = [(i, t._base) for i, t in enumerate(caches) if t._base is not None]
@@ -149,19 +149,20 @@ class PageTable:
 
         Checked per tensor, each by one C call mapped over the table:
 
-        * ``data_ptr()``: moves when the tensor is re-pointed, and when its storage is resized or
-          freed (``untyped_storage().resize_`` always allocates anew, even to the same size, and
-          frees to address 0), so it also stands for the storage's size and address;
         * ``is_set_to(ref)``, ``ref`` a private alias taken when the table was built: the same
           storage object (not merely one at the same address), storage offset, sizes and strides
           (``set_``, ``resize_``, ``as_strided_``, ``unsqueeze_``, ``.data = ...``);
+        * the address of that storage (the table holds it): it moves when the storage is resized
+          or freed (``untyped_storage().resize_`` always allocates anew, even to the same size, and
+          frees to address 0), so it also stands for the storage's size. With the same storage,
+          offset and dtype, the tensor's own data pointer is then unchanged too;
         * ``dtype``: ``.data = t.view(other_dtype)`` changes it alone, in place;
         * a view's root base (fixed when the view is made: ``t._base`` never changes, and a tensor
           made without a base never gains one) must still be on the storage it had: ``base.set_``
           leaves the view on the old memory. A tensor that is not a view has nothing more to check.
         """
         ts = self.tensors
-        if (list(map(_data_ptr, ts)) != self._ptrs or not all(map(_is_set_to, ts, self._refs))
+        if (list(map(_storage_ptr, self._storages)) != self._ptrs or not all(map(_is_set_to, ts, self._refs))
                 or list(map(_dtype_of, ts)) != self._dtypes
                 or (self._bases and not self._bases_in_place())):
             raise StaleTableError(self._stale_message([_fingerprint(t) for t in ts]))
@@ -172,10 +173,10 @@ class PageTable:
 
     def verify_tensors(self, indices: Sequence[int]) -> None:
         """:meth:`verify` for the tensors ``indices`` only (a launch that reads only those)."""
-        ts, refs, ptrs, dtypes = self.tensors, self._refs, self._ptrs, self._dtypes
+        ts, storages, refs, ptrs, dtypes = self.tensors, self._storages, self._refs, self._ptrs, self._dtypes
         for i in indices:
             t = ts[i]
-            if t.data_ptr() != ptrs[i] or not t.is_set_to(refs[i]) or t.dtype != dtypes[i]:
+            if storages[i].data_ptr() != ptrs[i] or not t.is_set_to(refs[i]) or t.dtype != dtypes[i]:
                 self.verify()  # raises, naming every tensor that changed
         if self._bases and not self._bases_in_place():
             self.verify()
@@ -183,7 +184,8 @@ class PageTable:
     def _changed(self, i: int) -> bool:
         """Whether tensor ``i`` fails any check of :meth:`verify`."""
         t = self.tensors[i]
-        if t.data_ptr() != self._ptrs[i] or not t.is_set_to(self._refs[i]) or t.dtype != self._dtypes[i]:
+        if (self._storages[i].data_ptr() != self._ptrs[i] or not t.is_set_to(self._refs[i])
+                or t.dtype != self._dtypes[i]):
             return True
         if i in self._views:
             k = self._views.index(i)
