@@ -29,15 +29,20 @@ class BlockIds:
         raise TypeError("BlockIds are made by check_block_ids(table, block_ids)")
 
     @classmethod
-    def _new(cls, host: torch.Tensor, end: int, unique: bool) -> "BlockIds":
+    def _new(cls, host: torch.Tensor, end: int, unique: bool, pages: int | None = None) -> "BlockIds":
+        """``pages``: for 1-D ``host`` whose length the caller knows, that length."""
         self = object.__new__(cls)
-        shape = host.shape
         _set_host(self, host)
         _set_end(self, end)
         _set_unique(self, unique)
         # How many chunks (1 for 1-D ids) and page ids per chunk: read on every op, so kept.
-        _set_chunks(self, 1 if len(shape) == 1 else shape[0])
-        _set_per_chunk(self, shape[-1])
+        if pages is None:
+            shape = host.shape
+            _set_chunks(self, 1 if len(shape) == 1 else shape[0])
+            _set_per_chunk(self, shape[-1])
+        else:
+            _set_chunks(self, 1)
+            _set_per_chunk(self, pages)
         return self
 
     def __setattr__(self, name, value):

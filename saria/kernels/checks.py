@@ -206,6 +206,16 @@ def check_block_ids(table: PageTable, block_ids: torch.Tensor | BlockIds, *, uni
     ``block_ids`` already a :class:`BlockIds` (from an earlier call): only ``end`` is compared with
     this table, and duplicates are looked for if ``unique`` and they were not yet.
     """
+    if (type(block_ids) is torch.Tensor and block_ids.dtype is _INT64 and block_ids.is_cpu
+            and block_ids.layout == torch.strided and not block_ids.is_nested and block_ids.dim() == 1
+            and 0 < (count := block_ids.numel()) <= SMALL_ID_COUNT and block_ids.is_contiguous()):
+        # The hot path's ids (one chunk, int64 on the CPU): the same checks on a private copy, in
+        # fewer steps. Ids that fail them go on to the general path below, which names the error.
+        host = block_ids.clone()
+        values = host.tolist()
+        hi = max(values)
+        if min(values) >= 0 and hi < table.num_pages and (not unique or len(set(values)) == count):
+            return BlockIds._new(host, hi + 1, unique, count)
     if isinstance(block_ids, BlockIds):
         if block_ids.numel() > MAX_PAGE_IDS:
             raise ValueError(f"{block_ids.numel()} page ids in one call; one launch covers at most {MAX_PAGE_IDS}")
