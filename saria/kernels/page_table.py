@@ -168,8 +168,10 @@ class PageTable:
             raise StaleTableError(self._stale_message([_fingerprint(t) for t in ts]))
 
     def _bases_in_place(self) -> bool:
-        return (list(map(_untyped_storage, self._bases)) == self._base_storages  # identity, no __eq__
-                and all(s.data_ptr() == p for s, p in self._loose_bases))
+        # Storages compare by identity (no __eq__): torch keeps one Python object per storage while
+        # it lives (torch >= 2.1), and the table holds these.
+        return (list(map(_untyped_storage, self._bases)) == self._base_storages
+                and (not self._loose_bases or all(s.data_ptr() == p for s, p in self._loose_bases)))
 
     def verify_tensors(self, indices: Sequence[int]) -> None:
         """:meth:`verify` for the tensors ``indices`` only (a launch that reads only those)."""
