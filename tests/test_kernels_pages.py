@@ -267,8 +267,10 @@ def test_ids_on_another_device_refused():
 
 
 def test_backend_choice():
-    with pytest.raises(ValueError, match="backend must be one of"):
-        pack_pages(_caches(), _ids(0), backend="cuda")
+    for bad in ("cuda", ["torch"], None):  # the op caches what it resolved: still refused, every time
+        for _ in range(2):
+            with pytest.raises(ValueError, match="backend must be one of"):
+                pack_pages(_caches(), _ids(0), backend=bad)
     assert resolve_backend("torch", DEVICE) == "torch"
     if DEVICE.type == "cpu":  # the suite runs the kernels under the interpreter here
         with pytest.raises(ValueError, match="interpreter"):

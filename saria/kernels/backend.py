@@ -62,9 +62,9 @@ def resolve_copy_backend(backend: str, device: torch.device) -> tuple[Literal["t
     """For the page copies: the implementation to check and prepare for (as :func:`resolve_backend`
     picks it; ``null`` as ``auto``), and whether to move the bytes (False for ``null`` or under
     :func:`null_copies`)."""
-    which = _RESOLVED.get((backend, device))
+    which = _RESOLVED.get((backend, device)) if type(backend) is str else None
     if which is None:
-        if backend != "null" and backend not in BACKENDS:
+        if not isinstance(backend, str) or backend != "null" and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {COPY_BACKENDS}, got {backend!r}")
         which = _RESOLVED[(backend, device)] = resolve_backend("auto" if backend == "null" else backend, device)
     return which, backend != "null" and not _NULL_COPIES
