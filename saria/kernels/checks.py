@@ -213,8 +213,9 @@ def check_block_ids(table: PageTable, block_ids: torch.Tensor | BlockIds, *, uni
         # fewer steps. Ids that fail them go on to the general path below, which names the error.
         host = block_ids.clone()
         values = host.tolist()
-        hi = max(values)
-        if min(values) >= 0 and hi < table.num_pages and (not unique or len(set(values)) == count):
+        ordered = sorted(values)  # faster than min() and max() of a list of ints (a typed compare)
+        hi = ordered[-1]
+        if ordered[0] >= 0 and hi < table.num_pages and (not unique or len(set(values)) == count):
             return BlockIds._new(host, hi + 1, unique, count)
     if isinstance(block_ids, BlockIds):
         if block_ids.numel() > MAX_PAGE_IDS:
@@ -257,7 +258,11 @@ def check_block_ids(table: PageTable, block_ids: torch.Tensor | BlockIds, *, uni
         # A few ids (a chunk or a batch of them) are checked as a Python list: three torch ops on a
         # tiny tensor cost more host time than the copy they guard (measured on the H200 host).
         values = flat.tolist() if count <= SMALL_ID_COUNT else None
-        lo, hi = (min(values), max(values)) if values is not None else (int(flat.min()), int(flat.max()))
+        if values is not None:
+            ordered = sorted(values)  # faster than min() and max() of a list of ints (a typed compare)
+            lo, hi = ordered[0], ordered[-1]
+        else:
+            lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 and dtype == torch.uint64:
             hi = int(flat[flat < 0].max()) + (1 << 64)
         elif lo < 0:
