@@ -52,6 +52,7 @@ from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
+from saria.dataplane.transfer.flags import LayerFlags
 from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
 from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
 from saria.dataplane.transfer.streams import Event
@@ -85,7 +86,7 @@ class StepSave:
         self._preparing = None  # the function that prepares it (None: done, failed, or nothing to copy)
         self._prepare_lock = threading.Lock()
         self._nbytes = 0
-        self._done = [threading.Event() for _ in range(layers)]  # the layer's copies queued (CUDA) or ran (CPU)
+        self._done = LayerFlags(layers)  # the layer's copies queued (CUDA) or ran (CPU)
         self._events: list[Event | None] = [None] * layers  # CUDA: recorded after the layer's copies
         self._error: BaseException | None = None  # the first fault: every object of the step fails
         self._lock = threading.Lock()
@@ -122,7 +123,7 @@ class StepSave:
         saves = self._saves
         saves.counters.add(layer_saves=1)
         if self._error is not None:
-            self._done[layer].set()
+            self._done.set(layer)
         elif saves.streams.cuda:
             streams = saves.streams
             try:
@@ -138,7 +139,7 @@ class StepSave:
                     self._events[layer] = streams.record("offload")
                 except Exception as exc:
                     self._fault(exc)
-                self._done[layer].set()
+                self._done.set(layer)
         else:
             saves.submit(self, layer)
 
@@ -155,7 +156,7 @@ class StepSave:
             try:
                 self._events[layer] = self._saves.streams.record("offload")
             finally:
-                self._done[layer].set()
+                self._done.set(layer)
 
     def _copies_for(self, layer: int) -> list:
         """Layer ``layer``'s copy (one launch), the step's copies of every layer prepared first if
@@ -229,10 +230,8 @@ class StepSave:
         self._end()
 
     def _wait(self, deadline: float | None) -> None:
-        for layer in range(self.layers):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._done[layer].wait(left):
-                raise TimeoutError(f"layer-wise saves of layer {layer} not done in time")
+        if not self._done.wait_all(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"layer-wise saves of layer {self._done.first_clear()} not done in time")
         try:
             for event in self._events:
                 if event is None:
@@ -302,7 +301,7 @@ class StepSave:
             return
         for layer in range(self.layers):
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
-                self._done[layer].set()
+                self._done.set(layer)
         self._wait(None)
         self._end()
 
@@ -403,7 +402,7 @@ class LayerSaves:
                 self._queue.put((step, layer))
                 return
         step._fault(RuntimeError("the transfer engine is closed"))
-        step._done[layer].set()
+        step._done.set(layer)
 
     def _loop(self) -> None:
         bind_thread(self.streams.device)
