@@ -74,7 +74,7 @@ from saria.dataplane.transfer.results import Completion, EngineCounters, OrderRu
 from saria.dataplane.transfer.ssd_loads import SsdLoads
 from saria.dataplane.transfer.stores import Stores
 from saria.dataplane.transfer.streams import Streams
-from saria.dataplane.transfer.tables import Blocks, Tables
+from saria.dataplane.transfer.tables import Blocks, CheckedIds, Tables
 from saria.dataplane.transfer.writes import Writes
 
 __all__ = ["Blocks", "Completion", "DramObject", "DramStore", "EngineCounters", "LoadItem", "LoadJob", "LoadResult",
@@ -212,15 +212,19 @@ class TransferEngine:
             self._dram_loads.submit(job, dram_items)
         return job
 
-    def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int) -> list[LoadItem]:
-        """The plan's kv objects as load items, their block ids checked (``ValueError``)."""
+    def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int,
+                  checked: CheckedIds | None = None) -> list[LoadItem]:
+        """The plan's kv objects as load items, their block ids checked (``ValueError``).
+        ``checked``: the step's ids checked in one batch already (:meth:`Tables.checked_ids`)."""
         if len(kv_blocks) != plan.num_chunks:
             raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
         items = []
         fp8 = self._tables.quantized(KV)
         for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
             quantized = fp8 and tier is Tier.SSD  # arrives in its FP8 form, dequantized by the unpack
-            ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
+            ids = checked.get(blocks) if checked is not None else None
+            if ids is None:
+                ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
             items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, ids,
                                    self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
         if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
@@ -276,11 +280,12 @@ class TransferEngine:
         paths = self.layerwise()
         jobs = []
         after = self._streams.caller_event()  # the copies follow the caller's queued work
+        checked = self._tables.checked_ids(KV, lambda: [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks])
         for plan, kv_blocks, skip_pages in loads:
             if not self.layerwise_ok(plan):
                 raise ValueError(f"plan {plan.plan_id} cannot be reloaded layer by layer (a GDN state, an FP8 SSD "
                                  "object, or pages that straddle host slots): reload it whole with load()")
-            items = self._kv_items(plan, kv_blocks, skip_pages)
+            items = self._kv_items(plan, kv_blocks, skip_pages, checked)
             if any(i.tier is Tier.SSD for i in items) and self.ssd is None:
                 raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
             jobs.append(LoadJob(plan, items, None, after=after))

@@ -342,6 +342,8 @@ class LayerSaves:
         """Check the orders (``ValueError`` before anything started), take the objects' slots and
         prepare every layer's copies: the returned :class:`StepSave` waits for its hooks."""
         objects: list[_Object] = []
+        checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
+                                               if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
         for o, order in enumerate(orders):
             if not isinstance(order, (StoreOrder, PromoteOrder)):
                 raise ValueError(f"store_layers() takes StoreOrders or PromoteOrders, got {type(order).__name__}")
@@ -353,7 +355,10 @@ class LayerSaves:
                                  "that straddle host slots): store it whole with store()")
             for n, chunk in enumerate(order.kv):
                 what = f"kv object {n} of order {order.order_id}"  # by place: never its chunk hash
-                objects.append(_Object(ObjectKey(chunk, KV), o, self.tables.ids(KV, what, kv_blocks.get(chunk))))
+                blocks = kv_blocks.get(chunk)
+                ids = checked.get(blocks)
+                objects.append(_Object(ObjectKey(chunk, KV), o, ids if ids is not None else
+                                       self.tables.ids(KV, what, blocks)))
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
         runs = [OrderRun(order, _running(), threading.Event()) for order in orders]

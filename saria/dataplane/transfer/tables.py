@@ -82,6 +82,58 @@ class Tables:
         except IndexError:
             raise ValueError(f"{what} names block ids {ids.tolist()} outside [0, {table.num_pages})") from None
 
+    def ids_batch(self, kind: str, blocks: Sequence[Blocks | None]) -> list[BlockIds | None]:
+        """The block ids of several objects of ``kind`` checked together, for a step's objects:
+        one tensor built and one range check for all of them instead of one each. Entry ``i`` is
+        what :meth:`ids` returns for ``blocks[i]`` (the same values, the same ``end``), or ``None``
+        where the batch does not vouch for it: an entry not a list or tuple of ``pages_per_chunk``
+        items, or any entry of the batch refused (then every entry is ``None``). Never raises: the
+        caller checks each ``None`` entry with :meth:`ids`, at the place it always did, so a bad
+        object is refused with the same error, in the same order, as without the batch."""
+        out: list[BlockIds | None] = [None] * len(blocks)
+        try:
+            table, pages, _ = self.table(kind)
+            rows = [i for i, b in enumerate(blocks) if isinstance(b, (list, tuple)) and len(b) == pages]
+            if not rows or not pages:
+                return out
+            host = torch.tensor([blocks[i] for i in rows], dtype=torch.int64)
+            if host.shape != (len(rows), pages):  # nested entries: left to ids()
+                return out
+            ends = host.amax(1).tolist()
+            if int(host.min()) < 0 or max(ends) >= table.num_pages:  # refused: ids() names the first bad one
+                return out
+        except Exception:  # not integers, too large, ...: ids() says which and why
+            return out
+        for row, i in enumerate(rows):
+            out[i] = BlockIds._new(host[row], ends[row] + 1, False)
+        return out
+
+    def checked_ids(self, kind: str, gather) -> "CheckedIds":
+        """A step's block id lists (``gather()``, e.g. every kv object's of the step) checked in one
+        batch (:meth:`ids_batch`), to look up by the list itself (:class:`CheckedIds`). Never
+        raises (arguments too malformed to gather: nothing is vouched for)."""
+        try:
+            blocks = list(gather())
+        except Exception:
+            blocks = []
+        return CheckedIds(blocks, self.ids_batch(kind, blocks))
+
+
+class CheckedIds:
+    """Block id lists checked in one batch (:meth:`Tables.checked_ids`): :meth:`get` gives the
+    checked ids of one of those very lists (matched by identity: each list is kept alive here, so
+    no other object can take its ``id``), or ``None`` where the caller checks it itself
+    (:meth:`Tables.ids`)."""
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self, blocks: list, ids: list[BlockIds | None]):
+        self._by_id = {id(b): (b, i) for b, i in zip(blocks, ids) if i is not None}
+
+    def get(self, blocks) -> BlockIds | None:
+        entry = self._by_id.get(id(blocks))
+        return entry[1] if entry is not None and entry[0] is blocks else None
+
 
 def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
     """Unpack one object from its own staging (``item.nbytes`` bytes; its FP8 form if
