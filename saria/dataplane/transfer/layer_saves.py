@@ -4,12 +4,13 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 (docs/dataplane.md, "GPU -> DRAM, layer by layer").
 
 :meth:`LayerSaves.start` (``TransferEngine.store_layers``, before the forward, on the caller's
-thread) does everything a layer shares, once per step: it checks the orders (kv objects from the
-pages only: a GDN state has no layer hook and is stored whole), takes each object's host slots
-(an object that does not fit fails, as with ``store()``), and works out where every page's bytes
-go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the
-layer-wise reload reads back, for every tensor and host pool segment at once). Every layer's PACK
-is then built in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
+thread) checks the orders (kv objects from the pages only: a GDN state has no layer hook and is
+stored whole; every object's block ids, in one batch: ``Tables.checked_ids``) and takes each
+object's host slots (an object that does not fit fails, as with ``store()``); nothing else runs on
+that thread. Where every page's bytes go in the slots
+(:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the layer-wise reload reads
+back, for every tensor and host pool segment at once) and every layer's PACK are then worked out
+in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
 uploaded once under the ``offload`` stream, each layer one launch at an offset into it), by the
 engine's save thread (CUDA: ahead of the forward's hooks, which then only launch; CPU: at the first
 layer handed to it) or by the first hook that needs it, so its checks never hold up the forward.
@@ -369,10 +370,9 @@ class LayerSaves:
         try:
             self._allocate(objects)
             placed = [obj for obj in objects if obj.slots is not None]
-            if placed:
-                layout = slot_layout(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
-                                     torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
-                step._preparing = lambda: self._prepare(layout)
+            if placed:  # where the pages go is worked out with the rest, off this thread (the save thread)
+                slots, ids = [obj.slots for obj in placed], [obj.ids for obj in placed]
+                step._preparing = lambda: self._prepare(slots, ids)
                 if self.streams.cuda:
                     with self._lock:
                         if not self._closed:
@@ -381,10 +381,13 @@ class LayerSaves:
             step._end(exc)
         return step
 
-    def _prepare(self, layout) -> "LayeredCopy":
-        """The step's copies of every layer, in one pass (its work array uploaded on the ``offload``
-        stream, where the layers' launches run)."""
-        buffers, ids, where, offsets = layout
+    def _prepare(self, slots: list[list[int]], ids: list) -> "LayeredCopy":
+        """The step's copies of every layer, in one pass: where each page goes in the objects' slots
+        (:func:`slot_layout`), then the copies (its work array uploaded on the ``offload`` stream,
+        where the layers' launches run). ``slots`` stay the step's until it ends, and it ends only
+        after this returned (``StepSave._prepare_lock``)."""
+        buffers, ids, where, offsets = slot_layout(self.host_pool, self.loads.page_offsets, slots,
+                                                   torch.stack([i.on(torch.device("cpu")) for i in ids]))
         with self.streams.on("offload"):
             return self.loads.prepare(buffers, ids, where, offsets, pack=True)
 
