@@ -55,7 +55,7 @@ def test_batch_vouches_for_exactly_what_ids_accepts(entries):
         assert torch.equal(got.on(cpu), single.on(cpu))
         assert got.on(cpu).dtype == torch.int64 and got.shape == single.shape
     # where every entry is a good list or tuple, the batch vouches for all of them (the fast path)
-    if entries and all(isinstance(b, (list, tuple)) for b in entries) and \
+    if entries and all(isinstance(b, (list, tuple)) and all(type(x) is int for x in b) for b in entries) and \
             not any(isinstance(s, Exception) for s in singles):
         assert all(b is not None for b in batch)
     checked = TABLES.checked_ids(KV, lambda: entries)
@@ -69,6 +69,7 @@ def test_batch_vouches_for_exactly_what_ids_accepts(entries):
 def test_a_bad_list_anywhere_leaves_every_entry_to_ids():
     good = (0, 1, 2, 3)
     assert all(b is not None for b in TABLES.ids_batch(KV, [good, list(good)]))
+    assert TABLES.ids_batch(KV, [good, (0, 1, 2, True)]) == [None, None]  # not all ints: ids() converts them
     for bad in ((0, 1, 2, NUM_PAGES), (0, -1, 2, 3), (0, 1, 2, "x"), (0, 1, 2, [3]), (0, 1, 2, 2 ** 64)):
         assert TABLES.ids_batch(KV, [good, bad, good]) == [None, None, None]
     short = TABLES.ids_batch(KV, [good, (0, 1, 2), torch.tensor(good)])  # only the lists of the right length

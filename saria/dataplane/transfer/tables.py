@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import array
 import logging
 from typing import Sequence
 
@@ -84,25 +85,34 @@ class Tables:
 
     def ids_batch(self, kind: str, blocks: Sequence[Blocks | None]) -> list[BlockIds | None]:
         """The block ids of several objects of ``kind`` checked together, for a step's objects:
-        one tensor built and one range check for all of them instead of one each. Entry ``i`` is
-        what :meth:`ids` returns for ``blocks[i]`` (the same values, the same ``end``), or ``None``
+        one tensor and one range check for all of them instead of one each. Entry ``i`` is what
+        :meth:`ids` returns for ``blocks[i]`` (the same values, the same ``end``), or ``None``
         where the batch does not vouch for it: an entry not a list or tuple of ``pages_per_chunk``
-        items, or any entry of the batch refused (then every entry is ``None``). Never raises: the
-        caller checks each ``None`` entry with :meth:`ids`, at the place it always did, so a bad
-        object is refused with the same error, in the same order, as without the batch."""
+        items, or any entry of the batch refused or holding anything but Python ints (then every
+        entry is ``None``). Never raises: the caller checks each ``None`` entry with :meth:`ids`, at
+        the place it always did, so a bad object is refused with the same error, in the same
+        order, as without the batch.
+
+        Pure Python up to one ``torch.frombuffer``: a torch op that releases the GIL (as
+        ``torch.tensor`` does) lets saria's own threads take it, and the hook's thread may then
+        wait a whole switch interval to get it back."""
         out: list[BlockIds | None] = [None] * len(blocks)
         try:
             table, pages, _ = self.table(kind)
             rows = [i for i, b in enumerate(blocks) if isinstance(b, (list, tuple)) and len(b) == pages]
             if not rows or not pages:
                 return out
-            host = torch.tensor([blocks[i] for i in rows], dtype=torch.int64)
-            if host.shape != (len(rows), pages):  # nested entries: left to ids()
+            flat = [x for i in rows for x in blocks[i]]
+            if set(map(type, flat)) != {int}:  # bools, floats, numpy ints, ...: ids() converts them
                 return out
-            ends = host.amax(1).tolist()
-            if int(host.min()) < 0 or max(ends) >= table.num_pages:  # refused: ids() names the first bad one
+            if min(flat) < 0:  # refused: ids() names the first bad one
                 return out
-        except Exception:  # not integers, too large, ...: ids() says which and why
+            ends = [max(blocks[i]) for i in rows]
+            if max(ends) >= table.num_pages:
+                return out
+            # int64 as ids() makes them (a value past int64 would raise: in range, none is)
+            host = torch.frombuffer(array.array("q", flat), dtype=torch.int64).view(len(rows), pages)
+        except Exception:  # ids() says which and why
             return out
         for row, i in enumerate(rows):
             out[i] = BlockIds._new(host[row], ends[row] + 1, False)
