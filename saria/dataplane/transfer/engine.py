@@ -391,9 +391,13 @@ class TransferEngine:
             raise ValueError(f"drop() takes a DropOrder, got {type(order).__name__}")
         keys = order.keys()
         if order.tier is Tier.DRAM:
-            for key in keys:
-                if self.dram.drop(key) is not None:
-                    self._counters.add(dram_drops=1)
+            dropped = 0
+            try:
+                for key in keys:
+                    dropped += self.dram.drop(key) is not None
+            finally:  # counted once per order (a drop that raises still counts those before it)
+                if dropped:
+                    self._counters.add(dram_drops=dropped)
         elif order.tier is Tier.SSD:
             if self.ssd is None:
                 raise ValueError("SSD drop order but this engine has no SSD store")
@@ -429,7 +433,7 @@ class TransferEngine:
 
     def _run_drop(self, order: DropOrder, *_) -> OrderRun:
         self.drop(order)
-        return OrderRun(order, None, _set(threading.Event()))
+        return OrderRun(order, None, _RELEASED)  # reads no pages
 
     def _run_prewarm(self, order: PromoteOrder, *_) -> OrderRun:
         self._check_open()
@@ -486,3 +490,8 @@ class TransferEngine:
 def _set(event: threading.Event) -> threading.Event:
     event.set()
     return event
+
+
+# The ``released`` of every run that reads no pages (a drop): set once and never cleared (nothing
+# clears a run's ``released``), so one is shared instead of an event built per drop.
+_RELEASED = _set(threading.Event())
