@@ -114,8 +114,8 @@ class Tables:
             host = torch.frombuffer(array.array("q", flat), dtype=torch.int64).view(len(rows), pages)
         except Exception:  # ids() says which and why
             return out
-        for row, i in enumerate(rows):
-            out[i] = BlockIds._new(host[row], ends[row] + 1, False)
+        for i, row, end in zip(rows, host.unbind(0), ends):  # one op for every row's view
+            out[i] = BlockIds._new(row, end + 1, False)
         return out
 
     def checked_ids(self, kind: str, gather) -> "CheckedIds":
