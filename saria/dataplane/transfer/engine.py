@@ -74,7 +74,7 @@ from saria.dataplane.transfer.results import Completion, EngineCounters, OrderRu
 from saria.dataplane.transfer.ssd_loads import SsdLoads
 from saria.dataplane.transfer.stores import Stores
 from saria.dataplane.transfer.streams import Streams
-from saria.dataplane.transfer.tables import Blocks, Tables
+from saria.dataplane.transfer.tables import Blocks, CheckedIds, Tables
 from saria.dataplane.transfer.writes import Writes
 
 __all__ = ["Blocks", "Completion", "DramObject", "DramStore", "EngineCounters", "LoadItem", "LoadJob", "LoadResult",
@@ -212,15 +212,19 @@ class TransferEngine:
             self._dram_loads.submit(job, dram_items)
         return job
 
-    def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int) -> list[LoadItem]:
-        """The plan's kv objects as load items, their block ids checked (``ValueError``)."""
+    def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int,
+                  checked: CheckedIds | None = None) -> list[LoadItem]:
+        """The plan's kv objects as load items, their block ids checked (``ValueError``).
+        ``checked``: the step's ids checked in one batch already (:meth:`Tables.checked_ids`)."""
         if len(kv_blocks) != plan.num_chunks:
             raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
         items = []
         fp8 = self._tables.quantized(KV)
         for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
             quantized = fp8 and tier is Tier.SSD  # arrives in its FP8 form, dequantized by the unpack
-            ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
+            ids = checked.get(blocks) if checked is not None else None
+            if ids is None:
+                ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
             items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, ids,
                                    self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
         if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
@@ -276,11 +280,12 @@ class TransferEngine:
         paths = self.layerwise()
         jobs = []
         after = self._streams.caller_event()  # the copies follow the caller's queued work
+        checked = self._tables.checked_ids(KV, lambda: [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks])
         for plan, kv_blocks, skip_pages in loads:
             if not self.layerwise_ok(plan):
                 raise ValueError(f"plan {plan.plan_id} cannot be reloaded layer by layer (a GDN state, an FP8 SSD "
                                  "object, or pages that straddle host slots): reload it whole with load()")
-            items = self._kv_items(plan, kv_blocks, skip_pages)
+            items = self._kv_items(plan, kv_blocks, skip_pages, checked)
             if any(i.tier is Tier.SSD for i in items) and self.ssd is None:
                 raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
             jobs.append(LoadJob(plan, items, None, after=after))
@@ -386,9 +391,13 @@ class TransferEngine:
             raise ValueError(f"drop() takes a DropOrder, got {type(order).__name__}")
         keys = order.keys()
         if order.tier is Tier.DRAM:
-            for key in keys:
-                if self.dram.drop(key) is not None:
-                    self._counters.add(dram_drops=1)
+            dropped = 0
+            try:
+                for key in keys:
+                    dropped += self.dram.drop(key) is not None
+            finally:  # counted once per order (a drop that raises still counts those before it)
+                if dropped:
+                    self._counters.add(dram_drops=dropped)
         elif order.tier is Tier.SSD:
             if self.ssd is None:
                 raise ValueError("SSD drop order but this engine has no SSD store")
@@ -424,7 +433,7 @@ class TransferEngine:
 
     def _run_drop(self, order: DropOrder, *_) -> OrderRun:
         self.drop(order)
-        return OrderRun(order, None, _set(threading.Event()))
+        return OrderRun(order, None, _RELEASED)  # reads no pages
 
     def _run_prewarm(self, order: PromoteOrder, *_) -> OrderRun:
         self._check_open()
@@ -481,3 +490,8 @@ class TransferEngine:
 def _set(event: threading.Event) -> threading.Event:
     event.set()
     return event
+
+
+# The ``released`` of every run that reads no pages (a drop): set once and never cleared (nothing
+# clears a run's ``released``), so one is shared instead of an event built per drop.
+_RELEASED = _set(threading.Event())

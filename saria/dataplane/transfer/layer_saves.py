@@ -4,12 +4,13 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 (docs/dataplane.md, "GPU -> DRAM, layer by layer").
 
 :meth:`LayerSaves.start` (``TransferEngine.store_layers``, before the forward, on the caller's
-thread) does everything a layer shares, once per step: it checks the orders (kv objects from the
-pages only: a GDN state has no layer hook and is stored whole), takes each object's host slots
-(an object that does not fit fails, as with ``store()``), and works out where every page's bytes
-go in the slots (:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the
-layer-wise reload reads back, for every tensor and host pool segment at once). Every layer's PACK
-is then built in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
+thread) checks the orders (kv objects from the pages only: a GDN state has no layer hook and is
+stored whole; every object's block ids, in one batch: ``Tables.checked_ids``) and takes each
+object's host slots (an object that does not fit fails, as with ``store()``); nothing else runs on
+that thread. Where every page's bytes go in the slots
+(:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the layer-wise reload reads
+back, for every tensor and host pool segment at once) and every layer's PACK are then worked out
+in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
 uploaded once under the ``offload`` stream, each layer one launch at an offset into it), by the
 engine's save thread (CUDA: ahead of the forward's hooks, which then only launch; CPU: at the first
 layer handed to it) or by the first hook that needs it, so its checks never hold up the forward.
@@ -52,6 +53,7 @@ from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
+from saria.dataplane.transfer.flags import LayerFlags
 from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
 from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
 from saria.dataplane.transfer.streams import Event
@@ -85,7 +87,7 @@ class StepSave:
         self._preparing = None  # the function that prepares it (None: done, failed, or nothing to copy)
         self._prepare_lock = threading.Lock()
         self._nbytes = 0
-        self._done = [threading.Event() for _ in range(layers)]  # the layer's copies queued (CUDA) or ran (CPU)
+        self._done = LayerFlags(layers)  # the layer's copies queued (CUDA) or ran (CPU)
         self._events: list[Event | None] = [None] * layers  # CUDA: recorded after the layer's copies
         self._error: BaseException | None = None  # the first fault: every object of the step fails
         self._lock = threading.Lock()
@@ -122,7 +124,7 @@ class StepSave:
         saves = self._saves
         saves.counters.add(layer_saves=1)
         if self._error is not None:
-            self._done[layer].set()
+            self._done.set(layer)
         elif saves.streams.cuda:
             streams = saves.streams
             try:
@@ -138,7 +140,7 @@ class StepSave:
                     self._events[layer] = streams.record("offload")
                 except Exception as exc:
                     self._fault(exc)
-                self._done[layer].set()
+                self._done.set(layer)
         else:
             saves.submit(self, layer)
 
@@ -155,7 +157,7 @@ class StepSave:
             try:
                 self._events[layer] = self._saves.streams.record("offload")
             finally:
-                self._done[layer].set()
+                self._done.set(layer)
 
     def _copies_for(self, layer: int) -> list:
         """Layer ``layer``'s copy (one launch), the step's copies of every layer prepared first if
@@ -229,10 +231,8 @@ class StepSave:
         self._end()
 
     def _wait(self, deadline: float | None) -> None:
-        for layer in range(self.layers):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._done[layer].wait(left):
-                raise TimeoutError(f"layer-wise saves of layer {layer} not done in time")
+        if not self._done.wait_all(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"layer-wise saves of layer {self._done.first_clear()} not done in time")
         try:
             for event in self._events:
                 if event is None:
@@ -302,7 +302,7 @@ class StepSave:
             return
         for layer in range(self.layers):
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
-                self._done[layer].set()
+                self._done.set(layer)
         self._wait(None)
         self._end()
 
@@ -343,6 +343,8 @@ class LayerSaves:
         """Check the orders (``ValueError`` before anything started), take the objects' slots and
         prepare every layer's copies: the returned :class:`StepSave` waits for its hooks."""
         objects: list[_Object] = []
+        checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
+                                               if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
         for o, order in enumerate(orders):
             if not isinstance(order, (StoreOrder, PromoteOrder)):
                 raise ValueError(f"store_layers() takes StoreOrders or PromoteOrders, got {type(order).__name__}")
@@ -354,7 +356,10 @@ class LayerSaves:
                                  "that straddle host slots): store it whole with store()")
             for n, chunk in enumerate(order.kv):
                 what = f"kv object {n} of order {order.order_id}"  # by place: never its chunk hash
-                objects.append(_Object(ObjectKey(chunk, KV), o, self.tables.ids(KV, what, kv_blocks.get(chunk))))
+                blocks = kv_blocks.get(chunk)
+                ids = checked.get(blocks)
+                objects.append(_Object(ObjectKey(chunk, KV), o, ids if ids is not None else
+                                       self.tables.ids(KV, what, blocks)))
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
         runs = [OrderRun(order, _running(), threading.Event()) for order in orders]
@@ -365,10 +370,9 @@ class LayerSaves:
         try:
             self._allocate(objects)
             placed = [obj for obj in objects if obj.slots is not None]
-            if placed:
-                layout = slot_layout(self.host_pool, self.loads.page_offsets, [obj.slots for obj in placed],
-                                     torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
-                step._preparing = lambda: self._prepare(layout)
+            if placed:  # where the pages go is worked out with the rest, off this thread (the save thread)
+                slots, ids = [obj.slots for obj in placed], [obj.ids for obj in placed]
+                step._preparing = lambda: self._prepare(slots, ids)
                 if self.streams.cuda:
                     with self._lock:
                         if not self._closed:
@@ -377,10 +381,13 @@ class LayerSaves:
             step._end(exc)
         return step
 
-    def _prepare(self, layout) -> "LayeredCopy":
-        """The step's copies of every layer, in one pass (its work array uploaded on the ``offload``
-        stream, where the layers' launches run)."""
-        buffers, ids, where, offsets = layout
+    def _prepare(self, slots: list[list[int]], ids: list) -> "LayeredCopy":
+        """The step's copies of every layer, in one pass: where each page goes in the objects' slots
+        (:func:`slot_layout`), then the copies (its work array uploaded on the ``offload`` stream,
+        where the layers' launches run). ``slots`` stay the step's until it ends, and it ends only
+        after this returned (``StepSave._prepare_lock``)."""
+        buffers, ids, where, offsets = slot_layout(self.host_pool, self.loads.page_offsets, slots,
+                                                   torch.stack([i.on(torch.device("cpu")) for i in ids]))
         with self.streams.on("offload"):
             return self.loads.prepare(buffers, ids, where, offsets, pack=True)
 
@@ -403,7 +410,7 @@ class LayerSaves:
                 self._queue.put((step, layer))
                 return
         step._fault(RuntimeError("the transfer engine is closed"))
-        step._done[layer].set()
+        step._done.set(layer)
 
     def _loop(self) -> None:
         bind_thread(self.streams.device)

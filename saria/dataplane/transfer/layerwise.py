@@ -19,12 +19,12 @@ each layer costs one launch and one event:
   the ``ssd`` stream. An object that failed its read is never copied, at no layer: its load fails,
   and its chunk and every chunk after it in its plan are recomputed by the engine.
 
-Per layer and path the step keeps a host event ``issued`` (the layer's copies are queued) and a
-device event recorded after them (on the CPU its :class:`~saria.dataplane.transfer.streams.HostEvent`
-twin). :meth:`StepLoad.wait_layer` waits for the first and makes the caller's current stream wait
+Per layer and path the step keeps a host flag ``issued`` (the layer's copies are queued; one
+:class:`~saria.dataplane.transfer.flags.LayerFlags` for all layers) and a device event recorded
+after them (on the CPU its :class:`~saria.dataplane.transfer.streams.HostEvent` twin). :meth:`StepLoad.wait_layer` waits for the first and makes the caller's current stream wait
 for the second: the host never blocks on the device. On the CPU the path threads copy
 synchronously, so ``issued`` means done and the caller's thread waits on it (the twin of the
-device wait). A path that fails part-way still sets every layer's event (a layer never waits
+device wait). A path that fails part-way still sets every layer's flag (a layer never waits
 forever); its objects are failed.
 
 Each plan is a :class:`~saria.dataplane.transfer.load_job.LoadJob` as for whole reloads. After the
@@ -54,6 +54,7 @@ from saria.dataplane.dram.store import DramStore
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
+from saria.dataplane.transfer.flags import LayerFlags
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
 from saria.dataplane.transfer.results import TransferCounters
 from saria.dataplane.transfer.retire import Retirer
@@ -70,19 +71,18 @@ class _Path:
     def __init__(self, name: str, layers: int, items: list[LoadItem]):
         self.name = name
         self.items = items
-        self.issued = [threading.Event() for _ in range(layers)]
+        self.issued = LayerFlags(layers)
         self.events: list[Event | None] = [None] * layers
         self.done = threading.Event()  # every layer issued and every item finished on its job
         self.finished: set[int] = set()  # ids of the items finished on their jobs (a failure fails the rest)
 
     def layer_done(self, layer: int, event: Event | None) -> None:
         self.events[layer] = event
-        self.issued[layer].set()
+        self.issued.set(layer)
 
     def give_up(self) -> None:
         """Set every layer not issued yet: a waiter never hangs (the items are failed by the caller)."""
-        for flag in self.issued:
-            flag.set()
+        self.issued.set_all()
 
     def finish(self, job: LoadJob, item: LoadItem, event: Event | None = None,
                error: BaseException | None = None) -> None:
@@ -123,7 +123,7 @@ class StepLoad:
         if not 0 <= layer < self.layers:
             raise ValueError(f"layer {layer} is not one of this step's {self.layers} layers")
         for path in self._paths:
-            path.issued[layer].wait()
+            path.issued.wait(layer)
             event = path.events[layer]
             if event is not None:
                 self._streams.wait(None, event)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import array
 import logging
 from typing import Sequence
 
@@ -81,6 +82,67 @@ class Tables:
             return check_block_ids(table, ids.cpu())
         except IndexError:
             raise ValueError(f"{what} names block ids {ids.tolist()} outside [0, {table.num_pages})") from None
+
+    def ids_batch(self, kind: str, blocks: Sequence[Blocks | None]) -> list[BlockIds | None]:
+        """The block ids of several objects of ``kind`` checked together, for a step's objects:
+        one tensor and one range check for all of them instead of one each. Entry ``i`` is what
+        :meth:`ids` returns for ``blocks[i]`` (the same values, the same ``end``), or ``None``
+        where the batch does not vouch for it: an entry not a list or tuple of ``pages_per_chunk``
+        items, or any entry of the batch refused or holding anything but Python ints (then every
+        entry is ``None``). Never raises: the caller checks each ``None`` entry with :meth:`ids`, at
+        the place it always did, so a bad object is refused with the same error, in the same
+        order, as without the batch.
+
+        Pure Python up to one ``torch.frombuffer``: a torch op that releases the GIL (as
+        ``torch.tensor`` does) lets saria's own threads take it, and the hook's thread may then
+        wait a whole switch interval to get it back."""
+        out: list[BlockIds | None] = [None] * len(blocks)
+        try:
+            table, pages, _ = self.table(kind)
+            rows = [i for i, b in enumerate(blocks) if isinstance(b, (list, tuple)) and len(b) == pages]
+            if not rows or not pages:
+                return out
+            flat = [x for i in rows for x in blocks[i]]
+            if set(map(type, flat)) != {int}:  # bools, floats, numpy ints, ...: ids() converts them
+                return out
+            if min(flat) < 0:  # refused: ids() names the first bad one
+                return out
+            ends = [max(blocks[i]) for i in rows]
+            if max(ends) >= table.num_pages:
+                return out
+            # int64 as ids() makes them (a value past int64 would raise: in range, none is)
+            host = torch.frombuffer(array.array("q", flat), dtype=torch.int64).view(len(rows), pages)
+        except Exception:  # ids() says which and why
+            return out
+        for i, row, end in zip(rows, host.unbind(0), ends):  # one op for every row's view
+            out[i] = BlockIds._new(row, end + 1, False)
+        return out
+
+    def checked_ids(self, kind: str, gather) -> "CheckedIds":
+        """A step's block id lists (``gather()``, e.g. every kv object's of the step) checked in one
+        batch (:meth:`ids_batch`), to look up by the list itself (:class:`CheckedIds`). Never
+        raises (arguments too malformed to gather: nothing is vouched for)."""
+        try:
+            blocks = list(gather())
+        except Exception:
+            blocks = []
+        return CheckedIds(blocks, self.ids_batch(kind, blocks))
+
+
+class CheckedIds:
+    """Block id lists checked in one batch (:meth:`Tables.checked_ids`): :meth:`get` gives the
+    checked ids of one of those very lists (matched by identity: each list is kept alive here, so
+    no other object can take its ``id``), or ``None`` where the caller checks it itself
+    (:meth:`Tables.ids`)."""
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self, blocks: list, ids: list[BlockIds | None]):
+        self._by_id = {id(b): (b, i) for b, i in zip(blocks, ids) if i is not None}
+
+    def get(self, blocks) -> BlockIds | None:
+        entry = self._by_id.get(id(blocks))
+        return entry[1] if entry is not None and entry[0] is blocks else None
 
 
 def _unpack(item: LoadItem, staging: torch.Tensor) -> None:

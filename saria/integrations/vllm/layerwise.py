@@ -179,13 +179,14 @@ class LayerLoads:
                 self._first_waited = True
                 for job in self._before_first:
                     job.wait_on(self.streams)
+        ended = {}  # id(job) -> its result (StepLoad.end computes each job's once)
         for step in self._steps:
-            step.end()
+            ended.update(zip(map(id, step.jobs), step.end()))
         if missed:
             self.counters.missed_steps += 1
             log.warning("saria: a step's forward did not wait for every layer it reloaded; its reloaded blocks are "
                         "recomputed (a full CUDA graph? layerwise needs piecewise graphs)")
-        out = [(spec, job.outcome(), missed) for spec, job in self._loads]
+        out = [(spec, ended[id(job)] if id(job) in ended else job.outcome(), missed) for spec, job in self._loads]
         self._reset()
         return out
 

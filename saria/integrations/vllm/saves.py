@@ -79,8 +79,9 @@ class WorkerSaves:
         ``layerwise``. What started here is skipped there (``self.ahead`` batches)."""
         worker, engine = self.worker, self.worker.engine
         stores: list[tuple[Order, RequestOrders]] = []
+        layered_ok = engine.store_layers_ok
         for batch in meta.orders:
-            if meta.captures or not all(isinstance(o, DropOrder) or engine.store_layers_ok(o) for o in batch.orders) \
+            if meta.captures or not all(isinstance(o, DropOrder) or layered_ok(o) for o in batch.orders) \
                     or (batch.share and worker.settings.cluster_admission == "evicted"):
                 break
             for order in batch.orders:
@@ -169,14 +170,20 @@ class WorkerSaves:
                 if chunk in batch.kv_blocks:  # this order reads the chunk from vLLM's blocks
                     audit.stored(chunk, batch.kv_blocks[chunk])
         try:
-            (run,) = worker.engine.execute([order], batch.kv_blocks, prepacked=prepacked)
+            if drop:  # what execute() runs for it, without its run: a drop reads no pages, completes nothing
+                worker.engine.drop(order)
+                run = None
+            else:
+                (run,) = worker.engine.execute([order], batch.kv_blocks, prepacked=prepacked)
         except Exception as exc:  # the engine started nothing of it
             if not drop:
                 self.completions.append(CompletionReport(order.order_id, False))
             worker._fault("drop" if drop else type(order).__name__, exc)
             return
-        if drop and order.tier is Tier.DRAM:
-            self.dram_keys.difference_update(order.keys())
+        if run is None:
+            if order.tier is Tier.DRAM:
+                self.dram_keys.difference_update(order.keys())
+            return
         if batch.req_id is not None and not run.released.is_set():
             self.reading.setdefault(batch.req_id, []).append(run.released)
         if run.completion is not None:

@@ -1,0 +1,77 @@
+"""Tables.ids_batch / checked_ids: a step's block ids checked in one batch vouch for exactly what
+Tables.ids accepts one by one (same values, same bound), and for nothing it refuses."""
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from saria.kernels import PageTable
+from saria.orders import KV
+from saria.dataplane.transfer.tables import Tables
+
+PAGES, NUM_PAGES = 4, 12
+cpu = torch.device("cpu")
+TABLES = Tables(PageTable([torch.zeros(NUM_PAGES, 2, 8), torch.zeros(NUM_PAGES, 3, 4)]), None, PAGES, 0)
+
+ids_value = st.one_of(
+    st.integers(min_value=0, max_value=NUM_PAGES - 1),  # mostly good ids
+    st.integers(min_value=0, max_value=NUM_PAGES - 1),
+    st.integers(min_value=-3, max_value=NUM_PAGES + 3),
+    st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False, min_value=-2.0, max_value=NUM_PAGES + 1.0),
+    st.just("3"), st.none(), st.lists(st.integers(0, 3), min_size=1, max_size=2),
+)
+
+
+entry = st.one_of(
+    st.lists(st.integers(0, NUM_PAGES - 1), min_size=PAGES, max_size=PAGES).map(tuple),  # the usual case
+    st.lists(st.integers(0, NUM_PAGES - 1), min_size=PAGES, max_size=PAGES),
+    st.lists(ids_value, min_size=PAGES, max_size=PAGES),
+    st.lists(ids_value, min_size=PAGES - 1, max_size=PAGES + 1).map(tuple),
+    st.lists(st.integers(0, NUM_PAGES - 1), min_size=PAGES, max_size=PAGES).map(
+        lambda v: torch.tensor(v, dtype=torch.int32)),
+    st.none(),
+)
+
+
+def one(blocks):
+    try:
+        return TABLES.ids(KV, "the object", blocks)
+    except Exception as exc:
+        return exc
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(entry, min_size=0, max_size=6))
+def test_batch_vouches_for_exactly_what_ids_accepts(entries):
+    batch = TABLES.ids_batch(KV, entries)
+    assert len(batch) == len(entries)
+    singles = [one(b) for b in entries]
+    for got, single in zip(batch, singles):
+        if got is None:
+            continue
+        assert not isinstance(single, Exception), f"the batch vouched for ids that ids() refuses: {single}"
+        assert got.end == single.end and got.unique == single.unique is False
+        assert torch.equal(got.on(cpu), single.on(cpu))
+        assert got.on(cpu).dtype == torch.int64 and got.shape == single.shape
+    # where every entry is a good list or tuple, the batch vouches for all of them (the fast path)
+    if entries and all(isinstance(b, (list, tuple)) and all(type(x) is int for x in b) for b in entries) and \
+            not any(isinstance(s, Exception) for s in singles):
+        assert all(b is not None for b in batch)
+    checked = TABLES.checked_ids(KV, lambda: entries)
+    for b, got in zip(entries, batch):
+        found = checked.get(b)
+        assert (found is None) == (got is None) and (found is None or torch.equal(found.on(cpu), got.on(cpu)))
+    if entries and isinstance(entries[0], (list, tuple)):  # an equal list that is not the one checked
+        assert checked.get(list(entries[0]) if isinstance(entries[0], tuple) else tuple(entries[0])) is None
+
+
+def test_a_bad_list_anywhere_leaves_every_entry_to_ids():
+    good = (0, 1, 2, 3)
+    assert all(b is not None for b in TABLES.ids_batch(KV, [good, list(good)]))
+    assert TABLES.ids_batch(KV, [good, (0, 1, 2, True)]) == [None, None]  # not all ints: ids() converts them
+    for bad in ((0, 1, 2, NUM_PAGES), (0, -1, 2, 3), (0, 1, 2, "x"), (0, 1, 2, [3]), (0, 1, 2, 2 ** 64)):
+        assert TABLES.ids_batch(KV, [good, bad, good]) == [None, None, None]
+    short = TABLES.ids_batch(KV, [good, (0, 1, 2), torch.tensor(good)])  # only the lists of the right length
+    assert short[0] is not None and short[1:] == [None, None]
+    assert TABLES.checked_ids(KV, lambda: 1 / 0).get(good) is None  # nothing gathered: nothing vouched
