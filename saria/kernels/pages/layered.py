@@ -35,7 +35,7 @@ from ..backend import INTERPRETED, resolve_copy_backend
 from ..block_ids import BlockIds
 from ..checks import MAX_PAGE_IDS, MAX_TENSORS, check_block_ids, check_count, check_in_range, check_unpack_target
 from ..page_table import PageTable
-from .scattered import _as_ids, _raw_stream, _scattered_kernel, _torch_ops
+from .scattered import _as_ids, _raw_stream, _scattered_kernel, _torch_ops, upload_work
 from .scattered_checks import check_placements, check_scattered_buffer
 from .triton import MAX_GRID_YZ, config_for_bytes
 from ..variants import launcher_for, warm
@@ -195,17 +195,9 @@ def _prepare_triton(copy: LayeredCopy, table: PageTable, groups: list[list[int]]
     pages = bases + ids.unsqueeze(0) * strides  # [rows, n]
     places = addresses[where[rows]] + offs[rows]
     src, dst = (pages, places) if pack else (places, pages)
-    work = torch.stack([src, dst, sizes.expand_as(src)], dim=2).contiguous()  # [rows, n, 3], layer by layer
+    # [rows, n, 3], layer by layer; once per step, on the current stream (the path's own)
     device = table.device
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            # Once per step, through pinned memory on the current stream (the path's own): the host
-            # never waits for it, and the launches that follow on that stream come after it.
-            work = work.pin_memory().to(device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        set_(copy, "_event", event)
-        set_(copy, "_streams", {_raw_stream(device.index)})
+    work = upload_work(copy, torch.stack([src, dst, sizes.expand_as(src)], dim=2).contiguous(), device)
     set_(copy, "_keep", (work,))
     runs, programs, first = [], [], 0
     for group in groups:

@@ -130,6 +130,21 @@ class ScatteredCopy:
         return f"ScatteredCopy({self.nbytes} bytes, backend={self.backend}, {self._table!r})"
 
 
+def upload_work(copy, work: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``work`` (int64 ``[rows, n, 3]`` on the host) where ``copy``'s kernel reads it: on CUDA
+    uploaded once, through pinned memory on the current stream (the host never waits for it), with
+    an event that tells a launch on another stream when it has landed (``copy._event``, read by
+    ``_first_on``) and that stream recorded as the one it was queued on (``copy._streams``)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            work = work.pin_memory().to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        object.__setattr__(copy, "_event", event)
+        object.__setattr__(copy, "_streams", {_raw_stream(device.index)})
+    return work
+
+
 def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
@@ -227,18 +242,9 @@ def _prepare_triton(copy: ScatteredCopy, table: PageTable, buffer: torch.Tensor,
     pages = bases + ids.unsqueeze(0) * strides
     places = buffer.data_ptr() + offs
     src, dst = (pages, places) if pack else (places, pages)
-    work = torch.stack([src, dst, sizes.expand_as(src)], dim=2).contiguous()
-    set_ = object.__setattr__
     device = table.device
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            # Through pinned memory, so the upload does not make the host wait for the stream; an
-            # event tells a launch on another stream when it has landed (ScatteredCopy._first_on).
-            work = work.pin_memory().to(device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        set_(copy, "_event", event)
-        set_(copy, "_streams", {_raw_stream(device.index)})
+    work = upload_work(copy, torch.stack([src, dst, sizes.expand_as(src)], dim=2).contiguous(), device)
+    set_ = object.__setattr__
     n, tensors = ids.numel(), len(table)
     cfg = launch_config(table, n)
     tiles = min(cfg.tiles, MAX_GRID_YZ)
