@@ -161,7 +161,7 @@ class SchedulerGuard:
         if self.off:
             return False, None
         try:
-            delay, params = self.inner.request_finished(request, list(block_ids))
+            delay, params = self.inner.request_finished(request, block_ids)
         except Exception as exc:
             self._fault("request_finished", exc)
             return False, None

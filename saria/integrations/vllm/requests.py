@@ -47,7 +47,7 @@ class LoadCounters:
                 self.hit_tokens_cluster += tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What the scheduler half knows of one request, from its lookup to its end."""
 
@@ -84,7 +84,7 @@ class RequestState:
 
     def failed_from(self, tier: Tier) -> tuple[ObjectKey, ...]:
         """The objects of the plan read from ``tier`` whose reload failed."""
-        if self.load_report is None or self.plan is None:
+        if self.load_report is None or self.plan is None or not self.load_report.failed:
             return ()
         keys = set(self.plan.keys_from(tier))
         return tuple(key for key in self.load_report.failed if key in keys)
@@ -104,7 +104,13 @@ def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int
             state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
     cached = out.scheduled_cached_reqs
     resumed = resumed_req_ids(cached)
-    for i, req_id in enumerate(cached.req_ids):
+    req_ids = cached.req_ids
+    if len(requests) * 4 < len(req_ids):  # few followed among many running: find them by id
+        index = dict(zip(req_ids, range(len(req_ids))))
+        followed = [(i, req_id) for req_id in requests if (i := index.get(req_id)) is not None]
+    else:
+        followed = enumerate(req_ids)
+    for i, req_id in followed:
         state = requests.get(req_id)
         if state is None:
             continue

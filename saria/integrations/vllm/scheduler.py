@@ -238,9 +238,14 @@ class SariaScheduler:
         chunk_tokens, end = self.config.chunk.chunk_tokens, state.load_end
         start = end - num_external_tokens
         tiers = [tier.value for tier in state.plan.kv_sources]
-        tiers += ["vllm"] * (state.cluster_start - len(tiers)) + ["cluster"] * len(state.cluster)
-        spans = ((tier, min((i + 1) * chunk_tokens, end) - max(i * chunk_tokens, start)) for i, tier in enumerate(tiers))
-        return tuple((tier, tokens) for tier, tokens in spans if tokens > 0)
+        if state.cluster:
+            tiers += ["vllm"] * (state.cluster_start - len(tiers)) + ["cluster"] * len(state.cluster)
+        out = []
+        for i, tier in enumerate(tiers):
+            tokens = min((i + 1) * chunk_tokens, end) - max(i * chunk_tokens, start)
+            if tokens > 0:
+                out.append((tier, tokens))
+        return tuple(out)
 
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
         open_ = self._open
@@ -269,10 +274,13 @@ class SariaScheduler:
             warm = self.prewarm.due(self.clock())
             if warm:
                 meta.orders.append(RequestOrders(None, tuple(warm)))
+        in_flight, events = self._in_flight, self.events
         for batch in meta.orders:
-            self._in_flight.update(o.order_id for o in batch.orders if completes(o))
-            if self.events is not None:
-                self.events.sent(batch.orders)
+            for o in batch.orders:
+                if completes(o):
+                    in_flight.add(o.order_id)
+            if events is not None:
+                events.sent(batch.orders)
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -419,7 +427,10 @@ class SariaScheduler:
         if self.events is not None:  # what the events of the chunks these orders make resident carry
             self.events.remember(request, hashes, orders)
         k = self.blocks_per_chunk
-        blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
+        ids = state.block_ids
+        blocks = {h: tuple(ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
+        if self.cluster is None:  # no chunk to share (_shares)
+            return RequestOrders(req_id, tuple(orders), blocks, frozenset())
         computed = set(hashes[local:]) - set(state.cluster_loaded())
         return RequestOrders(req_id, tuple(orders), blocks, self._shares(orders, computed))
 
