@@ -105,7 +105,7 @@ def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int
     cached = out.scheduled_cached_reqs
     resumed = resumed_req_ids(cached)
     req_ids = cached.req_ids
-    if len(requests) * 4 < len(req_ids):  # few followed among many running: find them by id
+    if len(requests) < len(req_ids):  # fewer followed than running: find them by id
         index = dict(zip(req_ids, range(len(req_ids))))
         followed = [(i, req_id) for req_id in requests if (i := index.get(req_id)) is not None]
     else:

@@ -204,7 +204,8 @@ class SariaScheduler:
         ids = groups[self.geometry.attention_group]
         k = self.blocks_per_chunk
         if first < plan.num_chunks:  # the chunks vLLM does not hold, with their totals
-            sub = self.control.plan_from(plan, first)
+            # from chunk 0 that is the live plan this state holds (what plan_from answers)
+            sub = plan if first == 0 else self.control.plan_from(plan, first)
         else:  # vLLM holds the whole local plan: the load is cluster chunks only
             sub = dataclasses.replace(plan, chunk_hashes=(), kv_sources=(), tokens=0, dram_bytes=0, ssd_bytes=0)
         state_blocks = None
