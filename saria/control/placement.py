@@ -102,6 +102,8 @@ class Placement:
         P = min(P_target, what free DRAM plus idle LRU candidates can take)."""
         sources = plan.kv_sources
         dram_hits = sources[:len(used)].count(DRAM)
+        if dram_hits == len(used):  # no SSD hit: nothing to promote (promotion_target is 0)
+            return
         target = promotion_target(self._ratio, dram_hits, len(used) - dram_hits)
         if target == 0:
             return

@@ -12,6 +12,9 @@ from saria.control import DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan,
 from .compat import resumed_req_ids
 from .metadata import LoadReport, LoadSpec
 
+_DRAM, _SSD = Tier.DRAM.value, Tier.SSD.value  # an enum's .value is a descriptor call: read once
+TIER_NAMES = {tier: tier.value for tier in Tier}
+
 TOTALS_FROM_CONTROL = ("requests", "ssd_writes", "ssd_bytes_written", "admissions_eviction", "admissions_reuse",
                        "admissions_prewrite", "promotions")
 
@@ -39,9 +42,9 @@ class LoadCounters:
             self.cluster_chunks_missed += report.cluster_failed
             delivered = 0 if hybrid else min(report.valid_chunks, len(chunks))
         for tier, tokens in chunks[:delivered]:
-            if tier == Tier.DRAM.value:
+            if tier == _DRAM:
                 self.hit_tokens_dram += tokens
-            elif tier == Tier.SSD.value:
+            elif tier == _SSD:
                 self.hit_tokens_ssd += tokens
             elif tier == "cluster":
                 self.hit_tokens_cluster += tokens

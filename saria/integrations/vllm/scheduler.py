@@ -54,7 +54,7 @@ from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, Sa
 from .events import KVEvents
 from .prewarm import PrewarmSession, PrewarmSessions
 from .recovery import InventoryTakeover
-from .requests import TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
+from .requests import TIER_NAMES, TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
 from .sealing import ChunkNames
 from .settings import ConnectorSettings
 
@@ -154,7 +154,7 @@ class SariaScheduler:
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.takeover.waiting() or self._awaiting_layouts():
+        if (self.takeover.active and self.takeover.waiting()) or (self.cluster is not None and self._awaiting_layouts()):
             return None, False  # vLLM asks again next step
         req_id = request.request_id
         self._drop_plan(req_id)  # a re-query (e.g. after preemption) plans afresh
@@ -238,7 +238,7 @@ class SariaScheduler:
         tokens up to the end of its plan and cluster chunks (vLLM holds the ones before)."""
         chunk_tokens, end = self.config.chunk.chunk_tokens, state.load_end
         start = end - num_external_tokens
-        tiers = [tier.value for tier in state.plan.kv_sources]
+        tiers = [TIER_NAMES[tier] for tier in state.plan.kv_sources]
         if state.cluster:
             tiers += ["vllm"] * (state.cluster_start - len(tiers)) + ["cluster"] * len(state.cluster)
         out = []
