@@ -306,3 +306,40 @@ def test_layerwise_is_off_under_vllms_micro_batching_with_one_line(dbo, ubatch_s
         assert not decide_layerwise(ConnectorSettings.from_extra_config({"layerwise": True}), config, hybrid=True)
     finally:
         logger.removeHandler(handler)
+
+
+def test_a_step_commits_the_open_requests_in_lookup_order_also_after_a_committed_one_is_planned_again():
+    """The scheduler half follows, loads and commits only the requests not yet committed (its
+    ``_open`` map), in the order of its requests: a committed request planned again (e.g. after a
+    preemption) takes its old place, as it does in ``_requests``, and a cached request is found by
+    id among many running ones."""
+    from saria.integrations.vllm.scheduler import SariaScheduler
+
+    geometry = engine_geometry(kv_config((["l0"], ATTN)), cache_config())
+    scheduler = SariaScheduler(ConnectorSettings.from_extra_config({"chunk_tokens": 64}), geometry)
+    def request(name):  # two full chunks of prompt, and one token more
+        hashes = [f"{name}{i}".encode() for i in range(4)]
+        return types.SimpleNamespace(request_id=name, block_hashes=hashes, num_prompt_tokens=129)
+
+    def step(new=(), cached=(), running=0):
+        new_reqs = [types.SimpleNamespace(req_id=r.request_id, block_ids=([10, 11, 12, 13, 14],),
+                                          num_computed_tokens=0) for r in new]
+        ids = [f"other{i}" for i in range(running)] + [r.request_id for r in cached]
+        cached_reqs = types.SimpleNamespace(req_ids=ids, new_block_ids=[None] * len(ids),
+                                            num_computed_tokens=[0] * running + [129] * len(cached),
+                                            resumed_req_ids=set())
+        out = types.SimpleNamespace(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                                    num_scheduled_tokens={**{r.request_id: 129 for r in new},
+                                                          **{i: 1 for i in ids}}, preempted_req_ids=set())
+        return [batch.req_id for batch in scheduler.build_connector_meta(out).orders if batch.req_id]
+
+    a, b, c = request("a"), request("b"), request("c")
+    for r in (a, b):
+        assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert step(new=(a, b), running=40) == ["a", "b"]
+    assert list(scheduler._open) == []
+    scheduler.get_num_new_matched_tokens(c, 0)
+    scheduler.get_num_new_matched_tokens(a, 0)  # planned again: it keeps its place before c
+    assert list(scheduler._open) == ["a", "c"] and list(scheduler._requests) == ["a", "b", "c"]
+    assert step(new=(c, a), running=40) == ["a", "c"]
+    assert step(cached=(a, b, c), running=40) == [] and all(s.committed for s in scheduler._requests.values())

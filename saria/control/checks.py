@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
 from saria.orders import KV, STATE, ControlPlaneError, ObjectKey
 
+_INF = math.inf
+
 if TYPE_CHECKING:
     from saria.control.tree import CacheObject
 
@@ -29,6 +31,8 @@ __all__ = ["check_hashes", "check_id", "check_key", "check_max_bytes", "check_na
 
 def check_now(now: object, latest: float) -> float:
     """A finite number of seconds; one earlier than ``latest`` (the latest seen) counts as ``latest``."""
+    if type(now) is float and -_INF < now < _INF:  # the common case (a clock's float; NaN fails here)
+        return now if now > latest else latest
     try:
         finite = isinstance(now, (int, float)) and not isinstance(now, bool) and math.isfinite(now)
     except OverflowError:  # an int beyond any float

@@ -16,7 +16,6 @@ was used. From there, in this order (``ControlPlane.commit_prefill``):
 
 from __future__ import annotations
 
-import math
 
 from saria.config import SariaConfig
 from saria.control.admission import Admission
@@ -80,7 +79,9 @@ class Placement:
                 if obj.ssd == ABSENT:
                     tiers.write(obj, GPU, "write-through", changes)
         admission = self._admission
-        theta_R = admission.theta_R if admission.enabled else math.inf
+        if not admission.enabled:  # no SSD tier: theta_R is infinite, no chunk takes the reuse path
+            return
+        theta_R = admission.theta_R
         if admission.dither:  # R_b + u_b >= theta_R, u_b < 1: R_b > theta_R - 1 (by_reuse decides below)
             theta_R -= 1
         popular = [i for i, node in enumerate(nodes) if node.R_b >= theta_R]
@@ -102,6 +103,8 @@ class Placement:
         P = min(P_target, what free DRAM plus idle LRU candidates can take)."""
         sources = plan.kv_sources
         dram_hits = sources[:len(used)].count(DRAM)
+        if dram_hits == len(used):  # no SSD hit: nothing to promote (promotion_target is 0)
+            return
         target = promotion_target(self._ratio, dram_hits, len(used) - dram_hits)
         if target == 0:
             return
@@ -111,6 +114,8 @@ class Placement:
 
     def _prewrite(self, changes: PendingChanges) -> None:
         """Write LRU-end DRAM copies that would be admitted at their next eviction (E_b + 1)."""
+        if not self._admission.enabled:  # no SSD tier: nothing is admitted (at_next_eviction is empty)
+            return
         tiers = self._tiers
         for obj in self._admission.at_next_eviction(tiers.unpersisted_lru_end(self._prewrite_depth)):
             if obj.ssd == ABSENT:  # a write issued in this loop may have evicted nothing, but be sure

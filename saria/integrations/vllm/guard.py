@@ -83,18 +83,21 @@ class SchedulerGuard:
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        groups = None
         if num_external_tokens > 0:  # vLLM now waits for this request's load
             self._awaiting.add(request.request_id)
             try:  # an in-step load runs in this step: a cancel must name the blocks vLLM will read
                 if self.inner.layerwise:
-                    group = blocks.get_block_ids()[self.inner.geometry.attention_group]
+                    groups = blocks.get_block_ids()
+                    group = groups[self.inner.geometry.attention_group]
                     self._awaiting_blocks[request.request_id] = (tuple(group), request, num_external_tokens)
             except Exception as exc:
+                groups = None
                 self._fault("update_state_after_alloc", exc)
         if self.off:
             return
         try:
-            self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
+            self.inner.update_state_after_alloc(request, blocks, num_external_tokens, groups)
         except Exception as exc:
             self._fault("update_state_after_alloc", exc)
 
@@ -158,7 +161,7 @@ class SchedulerGuard:
         if self.off:
             return False, None
         try:
-            delay, params = self.inner.request_finished(request, list(block_ids))
+            delay, params = self.inner.request_finished(request, block_ids)
         except Exception as exc:
             self._fault("request_finished", exc)
             return False, None

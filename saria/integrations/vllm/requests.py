@@ -12,6 +12,9 @@ from saria.control import DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan,
 from .compat import resumed_req_ids
 from .metadata import LoadReport, LoadSpec
 
+_DRAM, _SSD = Tier.DRAM.value, Tier.SSD.value  # an enum's .value is a descriptor call: read once
+TIER_NAMES = {tier: tier.value for tier in Tier}
+
 TOTALS_FROM_CONTROL = ("requests", "ssd_writes", "ssd_bytes_written", "admissions_eviction", "admissions_reuse",
                        "admissions_prewrite", "promotions")
 
@@ -39,15 +42,15 @@ class LoadCounters:
             self.cluster_chunks_missed += report.cluster_failed
             delivered = 0 if hybrid else min(report.valid_chunks, len(chunks))
         for tier, tokens in chunks[:delivered]:
-            if tier == Tier.DRAM.value:
+            if tier == _DRAM:
                 self.hit_tokens_dram += tokens
-            elif tier == Tier.SSD.value:
+            elif tier == _SSD:
                 self.hit_tokens_ssd += tokens
             elif tier == "cluster":
                 self.hit_tokens_cluster += tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What the scheduler half knows of one request, from its lookup to its end."""
 
@@ -67,6 +70,7 @@ class RequestState:
     cluster_start: int = 0
     load_end: int = 0  # tokens: where the planned load ends (the plan's end, or its cluster chunks')
     load_first: int = 0  # the load's first chunk (vLLM holds the ones before)
+    prompt_hashes: list | None = None  # the prompt's chunk hashes (names), from its lookup
 
     def cluster_loaded(self) -> tuple:
         """The cluster chunks the load delivered into the request's blocks."""
@@ -83,7 +87,7 @@ class RequestState:
 
     def failed_from(self, tier: Tier) -> tuple[ObjectKey, ...]:
         """The objects of the plan read from ``tier`` whose reload failed."""
-        if self.load_report is None or self.plan is None:
+        if self.load_report is None or self.plan is None or not self.load_report.failed:
             return ()
         keys = set(self.plan.keys_from(tier))
         return tuple(key for key in self.load_report.failed if key in keys)
@@ -103,7 +107,13 @@ def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int
             state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
     cached = out.scheduled_cached_reqs
     resumed = resumed_req_ids(cached)
-    for i, req_id in enumerate(cached.req_ids):
+    req_ids = cached.req_ids
+    if len(requests) < len(req_ids):  # fewer followed than running: find them by id
+        index = dict(zip(req_ids, range(len(req_ids))))
+        followed = [(i, req_id) for req_id in requests if (i := index.get(req_id)) is not None]
+    else:
+        followed = enumerate(req_ids)
+    for i, req_id in followed:
         state = requests.get(req_id)
         if state is None:
             continue

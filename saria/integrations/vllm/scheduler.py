@@ -54,7 +54,7 @@ from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, Sa
 from .events import KVEvents
 from .prewarm import PrewarmSession, PrewarmSessions
 from .recovery import InventoryTakeover
-from .requests import TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
+from .requests import TIER_NAMES, TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
 from .sealing import ChunkNames
 from .settings import ConnectorSettings
 
@@ -119,6 +119,9 @@ class SariaScheduler:
         self.workers = workers
         self.clock = clock
         self._requests: dict[str, RequestState] = {}
+        # of those, the ones not yet committed, in the same order: the only ones a step's metadata
+        # follows, loads or commits (a committed request's blocks and tokens are no longer read)
+        self._open: dict[str, RequestState] = {}
         self._follow_ups: list[Order] = []  # drops caused by completions and releases
         self._partial_loads: dict[str, LoadReport] = {}
         self._partial_orders: dict[int, CompletionReport] = {}
@@ -151,15 +154,18 @@ class SariaScheduler:
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.takeover.waiting() or self._awaiting_layouts():
+        if (self.takeover.active and self.takeover.waiting()) or (self.cluster is not None and self._awaiting_layouts()):
             return None, False  # vLLM asks again next step
-        self._drop_plan(request.request_id)  # a re-query (e.g. after preemption) plans afresh
-        state = self._requests[request.request_id] = RequestState(request)
-        if self.prewarm.enabled and request.request_id not in self._sessions:  # its arrival
-            self._sessions[request.request_id] = self.prewarm.arrived(
-                self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
+        req_id = request.request_id
+        self._drop_plan(req_id)  # a re-query (e.g. after preemption) plans afresh
+        state = RequestState(request)
+        self._track(req_id, state)
+        # the prompt's chunk hashes, kept for its commit (the same request, the same prompt)
+        full = state.prompt_hashes = self.chunk_hashes(request, request.num_prompt_tokens)
+        if self.prewarm.enabled and req_id not in self._sessions:  # its arrival
+            self._sessions[req_id] = self.prewarm.arrived(list(full), self.clock())
         # vLLM must compute at least the prompt's last token itself.
-        hashes = self.chunk_hashes(request, request.num_prompt_tokens - 1)
+        hashes = full[:(request.num_prompt_tokens - 1) // self.config.chunk.chunk_tokens]
         if not hashes:
             return 0, False
         plan = self.control.plan(hashes, self.clock())
@@ -178,7 +184,9 @@ class SariaScheduler:
         state.plan, state.load_end = plan, tokens
         return tokens - num_computed_tokens, not self.layerwise
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
+                                 groups: Any = None) -> None:
+        """``groups``: ``blocks.get_block_ids()``, when the caller has it already."""
         state = self._requests.get(request.request_id)
         if state is None or state.plan is None or state.load_sent:
             return
@@ -191,11 +199,13 @@ class SariaScheduler:
         start = end - num_external_tokens  # tokens vLLM holds already
         first = state.load_first = start // chunk_tokens
         skip = (start % chunk_tokens) // self.block_size
-        groups = blocks.get_block_ids()
-        ids = list(groups[self.geometry.attention_group])
+        if groups is None:
+            groups = blocks.get_block_ids()
+        ids = groups[self.geometry.attention_group]
         k = self.blocks_per_chunk
         if first < plan.num_chunks:  # the chunks vLLM does not hold, with their totals
-            sub = self.control.plan_from(plan, first)
+            # from chunk 0 that is the live plan this state holds (what plan_from answers)
+            sub = plan if first == 0 else self.control.plan_from(plan, first)
         else:  # vLLM holds the whole local plan: the load is cluster chunks only
             sub = dataclasses.replace(plan, chunk_hashes=(), kv_sources=(), tokens=0, dram_bytes=0, ssd_bytes=0)
         state_blocks = None
@@ -210,7 +220,7 @@ class SariaScheduler:
             h = self.config.chunk.chunk_tokens // self.geometry.hash_tokens
             audit_names = tuple(request.block_hashes[(c + 1) * h - 1] for c in range(first, first + sub.num_chunks))
         state.load = LoadSpec(request.request_id, sub,
-                              tuple(tuple(ids[c * k:(c + 1) * k]) for c in range(first, end // chunk_tokens)), skip,
+                              tuple([tuple(ids[c * k:(c + 1) * k]) for c in range(first, end // chunk_tokens)]), skip,
                               state_blocks, cluster, audit_names, layerwise=self.layerwise)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -228,13 +238,19 @@ class SariaScheduler:
         tokens up to the end of its plan and cluster chunks (vLLM holds the ones before)."""
         chunk_tokens, end = self.config.chunk.chunk_tokens, state.load_end
         start = end - num_external_tokens
-        tiers = [tier.value for tier in state.plan.kv_sources]
-        tiers += ["vllm"] * (state.cluster_start - len(tiers)) + ["cluster"] * len(state.cluster)
-        spans = ((tier, min((i + 1) * chunk_tokens, end) - max(i * chunk_tokens, start)) for i, tier in enumerate(tiers))
-        return tuple((tier, tokens) for tier, tokens in spans if tokens > 0)
+        tiers = [TIER_NAMES[tier] for tier in state.plan.kv_sources]
+        if state.cluster:
+            tiers += ["vllm"] * (state.cluster_start - len(tiers)) + ["cluster"] * len(state.cluster)
+        out = []
+        for i, tier in enumerate(tiers):
+            tokens = min((i + 1) * chunk_tokens, end) - max(i * chunk_tokens, start)
+            if tokens > 0:
+                out.append((tier, tokens))
+        return tuple(out)
 
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
-        follow_blocks(self._requests, scheduler_output, self.geometry.attention_group, self.geometry.state_group)
+        open_ = self._open
+        follow_blocks(open_, scheduler_output, self.geometry.attention_group, self.geometry.state_group)
         meta = SariaConnectorMetadata()
         if self._first:
             meta.orders.append(RequestOrders(None, tuple(self._first)))
@@ -245,23 +261,27 @@ class SariaScheduler:
         if self._follow_ups:
             meta.orders.append(RequestOrders(None, tuple(self._follow_ups), share=self._shares(self._follow_ups)))
             self._follow_ups = []
-        for state in self._requests.values():
+        for state in open_.values():
             if state.load is not None:
                 meta.loads.append(state.load)
                 state.load, state.load_sent = None, True
         if self.geometry.hybrid:
             meta.captures = self._captures(scheduler_output)
-        for req_id, state in self._requests.items():
-            if self._ready_to_commit(state):
-                meta.orders.append(self._commit(req_id, state))
+        committed = [(req_id, state) for req_id, state in open_.items() if self._ready_to_commit(state)]
+        for req_id, state in committed:
+            del open_[req_id]
+            meta.orders.append(self._commit(req_id, state))
         if self.prewarm.enabled:
             warm = self.prewarm.due(self.clock())
             if warm:
                 meta.orders.append(RequestOrders(None, tuple(warm)))
+        in_flight, events = self._in_flight, self.events
         for batch in meta.orders:
-            self._in_flight.update(o.order_id for o in batch.orders if completes(o))
-            if self.events is not None:
-                self.events.sent(batch.orders)
+            for o in batch.orders:
+                if completes(o):
+                    in_flight.add(o.order_id)
+            if events is not None:
+                events.sent(batch.orders)
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -314,6 +334,7 @@ class SariaScheduler:
         if session is not None:
             self.prewarm.finished(session, self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
         state = self._requests.pop(request.request_id, None)
+        self._open.pop(request.request_id, None)
         self.names.forget(request.request_id)
         return state is not None and state.reads_pages, None
 
@@ -358,7 +379,7 @@ class SariaScheduler:
         captures = []
         chunk_tokens = self.config.chunk.chunk_tokens
         for req_id in out.num_scheduled_tokens:
-            state = self._requests.get(req_id)
+            state = self._open.get(req_id)
             if state is None or state.committed:
                 continue
             end = state.computed
@@ -384,9 +405,21 @@ class SariaScheduler:
             return False
         return not state.load_sent or state.load_report is not None
 
+    def _track(self, req_id: str, state: RequestState) -> None:
+        """A request's (new) state, in both maps: ``_open`` keeps the order of ``_requests`` (the
+        order in which a step commits its requests), also when a committed request is planned again."""
+        again = req_id in self._requests and req_id not in self._open
+        self._requests[req_id] = state
+        if again:
+            self._open = {k: v for k, v in self._requests.items() if not v.committed}
+        else:
+            self._open[req_id] = state
+
     def _commit(self, req_id: str, state: RequestState) -> RequestOrders:
         request = state.request
-        hashes = self.chunk_hashes(request, request.num_prompt_tokens)
+        hashes = state.prompt_hashes
+        if hashes is None:
+            hashes = self.chunk_hashes(request, request.num_prompt_tokens)
         states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
         local = state.plan.num_chunks if state.plan is not None else 0
         orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states)
@@ -395,7 +428,10 @@ class SariaScheduler:
         if self.events is not None:  # what the events of the chunks these orders make resident carry
             self.events.remember(request, hashes, orders)
         k = self.blocks_per_chunk
-        blocks = {h: tuple(state.block_ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
+        ids = state.block_ids
+        blocks = {h: tuple(ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
+        if self.cluster is None:  # no chunk to share (_shares)
+            return RequestOrders(req_id, tuple(orders), blocks, frozenset())
         computed = set(hashes[local:]) - set(state.cluster_loaded())
         return RequestOrders(req_id, tuple(orders), blocks, self._shares(orders, computed))
 
