@@ -35,7 +35,7 @@ from ..backend import INTERPRETED, resolve_copy_backend
 from ..block_ids import BlockIds
 from ..checks import MAX_PAGE_IDS, MAX_TENSORS, check_block_ids, check_count, check_in_range, check_unpack_target
 from ..page_table import PageTable
-from .scattered import _as_ids, _raw_stream, _scattered_kernel, _torch_ops, upload_work
+from .scattered import _as_ids, _raw_stream, _scattered_kernel, _torch_ops, run_all, upload_work
 from .scattered_checks import check_placements, check_scattered_buffer
 from .triton import MAX_GRID_YZ, config_for_bytes
 from ..variants import launcher_for, warm
@@ -263,13 +263,7 @@ def _torch_layer(tables: Sequence[PageTable], group: list[int], buffers: list[to
             ops.extend(o)
             singles.extend(s)
     ops.extend(singles)
-
-    @torch.no_grad()
-    def run(stream=None):
-        for op in ops:
-            op()
-
-    return run
+    return run_all(ops)
 
 
 

@@ -274,6 +274,11 @@ def _torch_plan(table: PageTable, buffer: torch.Tensor, offs: torch.Tensor, ids:
         ops.extend(o)
         singles.extend(s)
     ops.extend(singles)
+    return run_all(ops)
+
+
+def run_all(ops: list[Callable]) -> Callable:
+    """One copy's torch ops as one call (``stream`` ignored: the torch path copies in the call)."""
 
     @torch.no_grad()
     def run(stream=None):
