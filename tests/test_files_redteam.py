@@ -23,7 +23,7 @@ import pytest
 from saria.dataplane import SSDStore, StoreConfigError, probe_direct_io
 from saria.dataplane.ssd.format import FILE_NAME
 from saria.integrations.vllm.layout import ParallelLayout, rank_directories
-
+from saria.seal import KeyFile, KeyFileError, new_key_file, rotate_key_file
 
 from ssd_cases import PB, Fault, FaultyOps, capacity, payload, read_back
 
@@ -251,3 +251,55 @@ def test_probe_never_writes_through_a_name(tmp_path, tmpfile):
     assert target.read_bytes() == before
     assert all(os.path.islink(d / e) for e in os.listdir(d)), "the probe leaves no file of its own behind"
     assert any(c.op == "pwrite" for c in ops.calls)
+
+
+# ------------------------------------------------------------------ the key file (item 5)
+
+def test_key_file_of_another_user_is_refused(tmp_path, foreign):
+    path = tmp_path / "keys"
+    new_key_file(path)
+    uid = foreign(path)
+    with pytest.raises(KeyFileError, match=f"owned by uid {uid}") as exc:
+        KeyFile.load(path)
+    assert "\n" not in str(exc.value) and str(path) in str(exc.value)
+    with pytest.raises(KeyFileError, match=f"owned by uid {uid}"):
+        rotate_key_file(path)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o775], ids=oct)
+def test_key_file_in_a_directory_others_can_write_is_refused(tmp_path, mode):
+    d = tmp_path / "etc"
+    d.mkdir()
+    path = d / "keys"
+    new_key_file(path)
+    before = path.read_bytes()
+    os.chmod(d, mode)
+    with pytest.raises(KeyFileError, match="directory .*etc is writable by group or other") as exc:
+        KeyFile.load(path)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(KeyFileError, match="writable by group or other"):
+        rotate_key_file(path)
+    with pytest.raises(KeyFileError, match="writable by group or other"):
+        new_key_file(d / "keys2")
+    assert not (d / "keys2").exists() and path.read_bytes() == before
+
+
+def test_key_file_with_a_second_hard_link_is_refused(tmp_path):
+    path = tmp_path / "keys"
+    new_key_file(path)
+    os.link(path, tmp_path / "copy")
+    with pytest.raises(KeyFileError, match="has 2 hard links"):
+        KeyFile.load(path)
+
+
+def test_rotate_writes_through_a_fresh_private_file(tmp_path):
+    """A link planted at the old fixed temporary name (``.keys.new``) is neither followed nor
+    needed: rotate writes a new file of its own and renames it over the key file."""
+    path = tmp_path / "keys"
+    new_key_file(path)
+    target, before = victim(tmp_path)
+    (tmp_path / ".keys.new").symlink_to(target)
+    rotated = rotate_key_file(path)
+    assert KeyFile.load(path) == rotated and rotated.current == 2
+    assert stat.S_IMODE(path.stat().st_mode) == 0o400 and path.stat().st_nlink == 1
+    assert target.read_bytes() == before
