@@ -303,3 +303,31 @@ def test_rotate_writes_through_a_fresh_private_file(tmp_path):
     assert KeyFile.load(path) == rotated and rotated.current == 2
     assert stat.S_IMODE(path.stat().st_mode) == 0o400 and path.stat().st_nlink == 1
     assert target.read_bytes() == before
+
+
+# ------------------------------------------------------------------ audit_kv with a key (item 5)
+
+def test_audit_kv_with_a_key_is_refused_unless_the_testing_aid_allows_it(tmp_path):
+    """``audit_kv`` keeps vLLM's block hashes of reloaded chunks in the workers: with a key (a
+    shared deployment) it is refused in one line, at ``saria serve`` before vLLM starts too."""
+    import subprocess
+    import sys
+
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    with pytest.raises(ValueError, match="audit_kv with secret_file.*audit_kv_with_key") as exc:
+        ConnectorSettings.from_extra_config({"audit_kv": True, "secret_file": "/k"})
+    assert "\n" not in str(exc.value)
+    allowed = ConnectorSettings.from_extra_config({"audit_kv": True, "secret_file": "/k", "audit_kv_with_key": True})
+    assert allowed.audit_kv and allowed.sealed and allowed.audit_kv_with_key
+    assert ConnectorSettings.from_extra_config({"audit_kv": True}).audit_kv  # without a key: a test, as before
+    with pytest.raises(ValueError, match="audit_kv_with_key must be true or false"):
+        ConnectorSettings.from_extra_config({"audit_kv_with_key": "yes"})
+    key = tmp_path / "saria.key"
+    new_key_file(key)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "saria.commands.cli", "serve", "m", "--secret-file", str(key),
+                           "--saria-option", "audit_kv=true", "--print-command"], capture_output=True, text=True,
+                          timeout=120, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.count("\n") == 1 and "audit_kv with secret_file" in proc.stderr, proc.stderr
