@@ -331,3 +331,29 @@ def test_audit_kv_with_a_key_is_refused_unless_the_testing_aid_allows_it(tmp_pat
                           timeout=120, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     assert proc.stderr.count("\n") == 1 and "audit_kv with secret_file" in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------ saria cluster start's logs
+
+def test_cluster_logs_never_truncate_what_a_link_or_another_name_reaches(tmp_path):
+    """``saria cluster start --logdir DIR``: its processes' logs are emptied at each start, but a
+    link planted at a log's name (or a second name of someone's file) is refused, its target intact."""
+    from saria.dataplane.cluster.local import open_log
+
+    target, before = victim(tmp_path)
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    (logdir / "master-1.log").symlink_to(target)
+    with pytest.raises(OSError):
+        open_log(logdir / "master-1.log")
+    os.link(target, logdir / "node-1.log")
+    with pytest.raises(OSError, match="2 hard links"):
+        open_log(logdir / "node-1.log")
+    assert target.read_bytes() == before
+    (logdir / "old.log").write_bytes(b"an earlier run's log\n")
+    with open_log(logdir / "old.log") as f:
+        f.write(b"new\n")
+    assert (logdir / "old.log").read_bytes() == b"new\n"
+    with open_log(logdir / "new.log") as f:
+        pass
+    assert stat.S_IMODE(os.stat(logdir / "new.log").st_mode) == 0o600
