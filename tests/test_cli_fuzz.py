@@ -42,14 +42,15 @@ cluster it would build is replaced by the same sentinel, so its checks of ports,
 and log directory are fuzzed (tests/test_cluster_command.py runs it for real). A subcommand with
 actions of its own is fuzzed per action (``cluster start``, ``keys new``).
 
-``saria keys new/show/rotate/retire PATH`` are fuzzed on their key file: PATH is a valid key file
+``saria keys new/show/rotate/retire/rekey PATH`` are fuzzed on their key file: PATH is a valid key file
 (for ``keys new``: a fresh path), or replaced by any of the paths above, a key file that must be
 refused (mode 0644, a symlink to one, a FIFO, malformed JSON) or a junk string, which is always
 placed inside the example's temporary directory (a key file is never written anywhere else). On
 top of the contract: no run prints a key of any key file it saw (hex, or its first 8 bytes);
 ``show`` leaves the file byte for byte; a run that succeeds leaves a key file that loads, mode 0400
 (``rotate``: one epoch more, the new one current, the others and the naming root kept;
-``retire``: one old epoch fewer, the rest kept; ``new``: epoch 1) and no ``.NAME.new`` beside it;
+``retire``: one old epoch fewer, the rest kept; ``rekey``: a new naming root and one new epoch, no old
+key kept; ``new``: epoch 1) and no ``.NAME.new`` beside it;
 a run that fails leaves the file as it was (and ``new`` creates nothing).
 
 Size: ``SARIA_FUZZ_EXAMPLES`` (default 100) scales every fuzz test's ``max_examples``
@@ -932,7 +933,7 @@ def baseline(command: str, tmp: Path) -> tuple[list[str], dict[str, list[str]]]:
         return [], {"--node-gb": ["0.05"]}
     if command == "keys new":
         return [str(tmp / "new.key")], {}
-    if command in ("keys show", "keys rotate"):
+    if command in ("keys show", "keys rotate", "keys rekey"):
         return [str(make_key_file(tmp / "saria.key"))], {}
     if command == "keys retire":  # epochs 1 and 2, 2 current
         return [str(make_key_file(tmp / "saria.key", rotations=1))], {"--epoch": ["1"]}
@@ -1125,6 +1126,10 @@ def check_key_file(command: str, run: Run, output: Output, old, tmp: Path) -> No
         ok = (old is not None and new.names == old.names and new.current == max(old.epochs) + 1
               and new.epochs == {**old.epochs, new.current: new.epochs[new.current]}
               and new.epochs[new.current] not in old.epochs.values())
+    elif action == "rekey":
+        ok = (old is not None and new.names != old.names and list(new.epochs) == [new.current]
+              and new.current == (max(old.epochs) + 1 if max(old.epochs) < (1 << 32) - 1 else 1)
+              and not {new.names, *new.epochs.values()} & {old.names, *old.epochs.values()})
     else:  # retire
         gone = set(old.epochs) - set(new.epochs) if old is not None else set()
         ok = (old is not None and new.names == old.names and new.current == old.current and len(gone) == 1
@@ -1136,7 +1141,7 @@ def check_key_file(command: str, run: Run, output: Output, old, tmp: Path) -> No
 
 
 SINGLE_WEIGHT = {"replay": 300, "sweep": 200, "tune": 200, "synth": 250, "doctor": 30, "roundtrip": 8, "demo": 80,
-                 "keys new": 40, "keys show": 40, "keys rotate": 40, "keys retire": 40}
+                 "keys new": 40, "keys show": 40, "keys rotate": 40, "keys retire": 40, "keys rekey": 40}
 COMBO_WEIGHT = {"replay": 200, "sweep": 120, "tune": 120, "synth": 150, "doctor": 15, "roundtrip": 4, "demo": 50,
                 "keys show": 20, "keys retire": 30}
 # commands with two or more options to combine (``keys new PATH`` and ``keys rotate PATH`` have one)
@@ -1463,7 +1468,8 @@ def test_found_by_fuzzing(tmp_path, argv, names, refused):
         assert run.code == 2, run.describe()
 
 
-@pytest.mark.parametrize("action", [["rotate"], ["retire", "--epoch", "1"]], ids=["rotate", "retire"])
+@pytest.mark.parametrize("action", [["rotate"], ["retire", "--epoch", "1"], ["rekey"]],
+                         ids=["rotate", "retire", "rekey"])
 def test_keys_replace_a_key_file_past_something_planted_at_the_old_temporary_name(tmp_path, action):
     """A directory at ``.NAME.new``, where ``rotate``/``retire`` once wrote the key file's new version
     (found by the fuzz: an IsADirectoryError escaped; then it blocked every rotation): the new

@@ -14,9 +14,11 @@ to SSD:
    root survives rotations), so the first A plans its chunks from SSD, but they were sealed under
    epoch 1: each read is a counted miss (``unknown_epoch``), never bytes, and vLLM recomputes; the
    second A reuses what the first stored under epoch 2.
-4. **other key** (K2, same drives): A. Its chunk ids are other names, and the store finds the
-   previous objects sealed under another key file: not one is read, and it says so once.
-5. **no key** (same drives): A, B, no salt, A. The sealed objects are not read as plaintext; without
+4. **other key** (K2, same drives): A. Its chunk ids are other names, and its store label is
+   another: the drive file reads as another store's (K1's label, never shown), not one object is
+   read, and it is wiped with one line.
+5. **no key** (same drives): A, B, no salt, A. The sealed store is another identity, wiped, never
+   read as plaintext; without
    a key tenants stay apart (vLLM's salted block hashes), and one warning says nothing is sealed.
 
 Every block hash vLLM computed (recorded in the engines), every salt and the prompt's tokens are
@@ -45,6 +47,7 @@ from hypothesis import strategies as st
 from saria.harness import run_in_subprocess
 from saria.integrations.vllm.metrics import METRICS, SariaStats, worker_stats, worker_totals
 from saria.seal import KeyFileError, new_key_file, retire_epoch, rotate_key_file
+from saria.seal.keys import LABEL_PREFIX
 
 from test_vllm_connector import assert_kv_audited, assert_same_outputs
 
@@ -53,7 +56,7 @@ KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2
 SALTS = {"A": "tenant-alpha-4b1d93", "B": "tenant-bravo-77e0c2", "C": "tenant-charlie-0a9f51", None: None}
 REUSABLE = 6 * CHUNK  # of the 400-token prompt: vLLM computes at least its last token itself
 UNSEALED_WARNING = "neither sealed nor authenticated"
-OTHER_KEY_LINE = "sealed under another key file"
+WIPED_LINE = "was written for a sealed store's identity (another key file, model or layout)"
 
 
 def run(session: dict, ssd: Path, tenants: list, key: Path | None) -> dict:
@@ -135,9 +138,12 @@ def test_another_key_file_reads_nothing_and_the_store_says_so_once(history):
     assert cached(other) == [0]
     ssd, engine = other["worker"]["ssd"], other["worker"]["engine"]
     assert ssd["reads"] == 0 and engine["ssd_to_gpu_bytes"] == 0
-    assert ssd["other_key_dropped_at_open"] >= 2 * 6  # K1's objects (B's, no salt's, A's): found, none read
-    assert ssd["auth_failures"] == 0  # not even tried: no tag was worth checking
-    assert other["log"].count(OTHER_KEY_LINE) == 1, lines(other["log"], OTHER_KEY_LINE)
+    # K1's store label is not K2's: the drive file reads as another store's (B's, no salt's and A's
+    # objects: none read, no tag even tried) and is wiped, in one line that shows no label
+    assert ssd["wiped_at_open"] >= 2 * 6 and ssd["wiped_files"] == 1
+    assert ssd["auth_failures"] == 0
+    assert other["log"].count(WIPED_LINE) == 1, lines(other["log"], "wiped")
+    assert LABEL_PREFIX not in other["log"]
 
 
 def test_without_a_key_tenants_stay_apart_sealed_objects_are_not_read_and_one_line_says_so(history):
@@ -145,7 +151,8 @@ def test_without_a_key_tenants_stay_apart_sealed_objects_are_not_read_and_one_li
     assert cached(plain) == [0, 0, 0, REUSABLE]
     assert plain["turns"][3]["dram_tokens"] == REUSABLE
     ssd = plain["worker"]["ssd"]
-    assert ssd["sealed_dropped_at_open"] >= 1 and ssd["reads"] == 0  # K2's objects: never plaintext
+    assert ssd["wiped_at_open"] >= 1 and ssd["reads"] == 0  # K2's store: another identity, never read
+    assert plain["log"].count(WIPED_LINE) == 1, lines(plain["log"], "wiped")
     assert plain["log"].count(UNSEALED_WARNING) == 1, lines(plain["log"], UNSEALED_WARNING)
     for name in ("sealed", "restart", "retired", "other_key"):
         assert UNSEALED_WARNING not in history[name]["log"]

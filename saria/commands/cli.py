@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from saria.commands import keys  # light: the seal package is imported only when an action runs
 
-    p = sub.add_parser("keys", help="make, show, rotate and retire the key file that seals shared tiers",
+    p = sub.add_parser("keys", help="make, show, rotate, retire and rekey the key file that seals shared tiers",
                        description=keys.__doc__, epilog=keys.EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for action in keys.add_arguments(p):

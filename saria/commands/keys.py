@@ -10,6 +10,7 @@ tag are misses, never served.
   saria keys show PATH                 its format, epochs, current epoch and file mode (never a key)
   saria keys rotate PATH               add an epoch and seal new objects under it
   saria keys retire PATH --epoch N     drop an old epoch: its objects become misses
+  saria keys rekey PATH                a leaked key file: new naming root and master, every object a miss
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ EPILOG = """Key management:
   unreadable, `saria keys retire --epoch N` drops it; the current epoch cannot be retired. Names
   do not change with the epoch. Rotate before a key has sealed 2^32 parts in one process (saria
   refuses past that, NIST SP 800-38D).
+
+  A leaked key file (a copy where it should not be): `saria keys rotate` is not enough, since it
+  keeps the naming root, with which the holder of the old file can still compute chunk ids for
+  guessed prompts, test whether they are cached, and tell tenants apart. `saria keys rekey` replaces
+  the naming root and the master key and drops every older epoch: every name, store label and key
+  id changes, so every object sealed under the old file becomes a clean miss (each server's SSD
+  drive files read as another store's at its next start and are wiped, one line; cluster objects
+  are never found again and age out). Give the new file to every server sharing the tier, restart
+  them, and destroy every copy of the old one.
 
   A lost key file loses nothing but the cache: its objects can never be read again (they are
   misses, recomputed by the engine), and a new key file starts an empty cache. There is no
@@ -78,6 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
            "Remove epoch N from the key file at PATH: every object sealed under it becomes a miss "
            "(the engine recomputes it). The current epoch cannot be retired: rotate first.").add_argument(
         "--epoch", type=int_range(1, (1 << 32) - 1), required=True, metavar="N", help="the epoch to retire")
+    action("rekey", "a leaked key file: a new naming root and master key; every object becomes a miss",
+           "Replace the naming root and the master key of the key file at PATH and drop every older epoch: "
+           "the recovery from a leaked key file (rotate keeps the naming root, with which a leaked copy still "
+           "computes names). Every object sealed under the old file becomes a clean miss at each server's next "
+           "start (the engine recomputes it). The file is replaced atomically (a new file, mode 0400).")
     return parsers
 
 
@@ -110,7 +125,7 @@ def render(report: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from saria.seal import KeyFileError, new_key_file, retire_epoch, rotate_key_file
+    from saria.seal import KeyFileError, new_key_file, rekey_key_file, retire_epoch, rotate_key_file
 
     name = f"saria keys {args.keys_command}"
     if not args.path.strip():  # Path("") is the current directory: "key file . is not a regular file"
@@ -132,6 +147,11 @@ def main(args: argparse.Namespace) -> int:
             keys = retire_epoch(args.path, args.epoch)
             print(f"{name}: {args.path}: epoch {args.epoch} retired (its objects are misses from each server's "
                   f"next start); epochs {sorted(keys.epochs)} remain, {keys.current} current")
+        elif args.keys_command == "rekey":
+            keys = rekey_key_file(args.path)
+            print(f"{name}: {args.path}: new naming root and master key (epoch {keys.current}); every object sealed "
+                  "under the old file is a miss from each server's next start. Give this file to every server "
+                  "sharing the tier, restart them, and destroy every copy of the old file.")
         else:  # argparse allows only the above
             raise AssertionError(args.keys_command)
     except KeyFileError as exc:

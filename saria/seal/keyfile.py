@@ -10,10 +10,12 @@ A key file is a small JSON text file, mode 0400, owned by the user that runs sar
 ``saria keys new PATH`` writes one with epoch 1; ``saria keys rotate PATH`` adds an epoch and makes
 it current (objects sealed under older epochs stay readable); ``saria keys retire PATH --epoch N``
 removes an old epoch (its objects become misses). The naming root is kept across rotations, so an
-object's name does not change with the epoch it is sealed under. Every secret comes from
-``os.urandom``. A file that group or other can read or write, one that another user owns or that
-has a second hard link, and one in a directory that group or other can write is refused when
-loaded (docs/security.md, "Files on the box").
+object's name does not change with the epoch it is sealed under. ``saria keys rekey PATH`` is the
+recovery from a leaked key file: a new naming root and a new master key, every older epoch
+dropped, so every name, store label and key id changes and every object sealed under the old file
+is a clean miss. Every secret comes from ``os.urandom``. A file that group or other can read or
+write, one that another user owns or that has a second hard link, and one in a directory that
+group or other can write is refused when loaded (docs/security.md, "Files on the box").
 """
 
 from __future__ import annotations
@@ -228,6 +230,21 @@ def rotate_key_file(path: str | os.PathLike) -> KeyFile:
     rotated = KeyFile(keys.names, epoch, {**keys.epochs, epoch: os.urandom(KEY_BYTES)})
     _replace(path, rotated)
     return rotated
+
+
+def rekey_key_file(path: str | os.PathLike) -> KeyFile:
+    """Replace the key file at ``path`` with a new naming root and a new master key (every older
+    epoch dropped): what a leaked key file needs. Nothing the old file derives survives (names,
+    store labels, key id, seal keys), so every object sealed under it is a miss. The new epoch
+    follows the old ones (a server still holding the old file knows no key of it)."""
+    path = Path(path)
+    keys = KeyFile.load(path)
+    epoch = max(keys.epochs) + 1
+    if epoch > MAX_EPOCH:
+        epoch = 1  # every epoch used: start again (the naming root is new, nothing old opens anyway)
+    fresh = KeyFile(os.urandom(KEY_BYTES), epoch, {epoch: os.urandom(KEY_BYTES)})
+    _replace(path, fresh)
+    return fresh
 
 
 def retire_epoch(path: str | os.PathLike, epoch: int) -> KeyFile:

@@ -8,6 +8,8 @@ Every derivation is HKDF-SHA256 (``cryptography``) or HMAC-SHA256 (the standard 
     mask key     M = HKDF(names root, info="saria mask v1")
     seal key  K_eT = HKDF(master key of epoch e, info="saria seal v1" | T | e as u32)
     key id         = HKDF(names root, info="saria key id v1")[:8]
+    label key    L = HKDF(names root, info="saria store label v1")
+    store label    = "saria-sealed-v1:" | hex(HMAC(L, store identity)[:16])
 
 A request's ``cache_salt`` selects its tenant (no salt: the empty string's tenant); the salt is
 never a secret and never leaves this module: the scheduler side turns it into ``T`` and every
@@ -23,6 +25,14 @@ look random per object (no two objects of a tenant share them), yet the worker, 
 key file, reads the tenant back from a chunk id (:meth:`Keyring.tenant_of`) to pick its seal key.
 The key id is stored beside sealed objects (never logged) so a store can tell objects of another
 key file apart from objects that were tampered with.
+
+Everything a sealed store writes where others can read it derives from the naming root: the key
+id, the chunk ids, and the **store label** a sealed store records and names its objects under in
+place of its identity (:meth:`Keyring.store_label`: no model name, revision or layout can be read
+from a superblock or a cluster key, and two stores of one identity under other key files do not
+link). ``saria keys rotate`` keeps the naming root (names stay, old epochs stay readable);
+``saria keys rekey`` replaces it, so nothing of the old key file stays stable: every name, label
+and key id changes and every old object is a clean miss.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ TAG_BYTES = 16
 HASH_BYTES = 32
 CHUNK_ID_BYTES = TAG_BYTES + HASH_BYTES
 KEY_ID_BYTES = 8
+LABEL_PREFIX = "saria-sealed-v1:"  # a sealed store's label (:meth:`Keyring.store_label`) starts with it
+LABEL_BYTES = 16
 
 
 def hkdf(key: bytes, info: bytes, length: int = 32) -> bytes:
@@ -77,6 +89,7 @@ class Keyring:
         self._keys = keys
         self._mask = hkdf(keys.names, b"saria mask v1")
         self.key_id = hkdf(keys.names, b"saria key id v1", KEY_ID_BYTES)
+        self._label_key = hkdf(keys.names, b"saria store label v1")
         self._lock = threading.Lock()
         self._tenants: dict[bytes, Tenant] = {}
         self._name_keys: dict[bytes, bytes] = {}
@@ -96,6 +109,16 @@ class Keyring:
     @property
     def epochs(self) -> tuple[int, ...]:
         return tuple(sorted(self._keys.epochs))
+
+    def store_label(self, identity: str) -> str:
+        """What a sealed store records (an SSD superblock) and names its objects under (cluster
+        keys) in place of ``identity``: a MAC of it under the naming root. It says nothing of the
+        model, revision or layout to whoever reads the storage, differs between key files (and
+        across a rekey), and is the same on every server holding this key file. Never logged."""
+        if not isinstance(identity, str):
+            raise SealError(f"a store identity is a str, got {type(identity).__name__}")
+        mac = hmac.digest(self._label_key, identity.encode("utf-8", "surrogatepass"), "sha256")[:LABEL_BYTES]
+        return LABEL_PREFIX + mac.hex()
 
     # ---------------------------------------------------------------- scheduler side
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from saria.dataplane.ssd.alloc import SlotAllocator
+from saria.seal.keys import LABEL_PREFIX
 from saria.dataplane.ssd.counters import SSDCounters
 from saria.dataplane.ssd.errors import StoreConfigError
 from saria.dataplane.ssd.files import O_DIRECT, DirectoryLock, DriveFile, IoOps, probe_direct_io
@@ -69,8 +70,13 @@ _REFUSED = {  # the warning of each kind of part a store does not serve by its s
 
 
 def written_for(identity: str, part_bytes: int) -> str:
-    """How a log line names what a drive file is (or was) written for."""
-    return f"{f'identity {identity!r}' if identity else 'no identity'} with part_bytes={part_bytes}"
+    """How a log line names what a drive file is (or was) written for; a sealed store's label
+    (:meth:`saria.seal.Keyring.store_label`, a MAC under the naming root) is never shown."""
+    if identity.startswith(LABEL_PREFIX):
+        shown = "a sealed store's identity (another key file, model or layout)"
+    else:
+        shown = f"identity {identity!r}" if identity else "no identity"
+    return f"{shown} with part_bytes={part_bytes}"
 
 
 class Startup:

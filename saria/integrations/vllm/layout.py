@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -105,8 +106,10 @@ def rank_directories(ssd_paths: tuple[str, ...], layout: ParallelLayout) -> list
 
 
 def model_identity(vllm_config: Any) -> dict[str, Any]:
-    """What of vLLM's configuration decides the bytes of an object and the hashes that name it (and,
-    for a local model directory, its weight files as they are: :func:`weight_files_digest`)."""
+    """What of vLLM's configuration decides the bytes of an object and the hashes that name it, and
+    what identifies the weights: for a local model directory, its weight files as they are
+    (:func:`weight_files_digest`); for a hub name, the commit the local cache resolves it to
+    (:func:`hub_commit`)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     hf_config = getattr(model, "hf_config", None)
     try:
@@ -118,7 +121,9 @@ def model_identity(vllm_config: Any) -> dict[str, Any]:
         name = "blake2b:" + hashlib.blake2b(name.encode(), digest_size=16).hexdigest()
     return {"model": name, "revision": str(getattr(model, "revision", None)),
             "hf_config": hashlib.blake2b(config_text.encode(), digest_size=8).hexdigest(),
-            "weights": weight_files_digest(str(model.model)),
+            "weights": weight_files_digest(str(model.model))
+            or hub_commit(str(model.model), getattr(model, "revision", None),
+                          getattr(getattr(vllm_config, "load_config", None), "download_dir", None)),
             "dtype": str(model.dtype), "cache_dtype": str(cache.cache_dtype),
             "hash": str(getattr(cache, "prefix_caching_hash_algo", None)),
             "hash_seed": hashlib.blake2b(_hash_seed(cache).encode(), digest_size=8).hexdigest()}
@@ -131,7 +136,7 @@ def weight_files_digest(model: str) -> str:
     """For a model in a local directory: a digest of its weight files' names, sizes and modification
     times, so that checkpoint files rewritten in place (a trainer saving new weights where the server
     loads them) give another identity, and a restart does not serve the old weights' SSD objects.
-    ``""`` for a model that is not a local directory (a hub name: its ``revision`` names it)."""
+    ``""`` for a model that is not a local directory (a hub name: :func:`hub_commit` names it)."""
     path = Path(model)
     try:
         if not path.is_dir():
@@ -144,6 +149,35 @@ def weight_files_digest(model: str) -> str:
         return h.hexdigest()
     except OSError:  # unreadable: the identity still names the model by its path
         return ""
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_commit(model: str, revision: str | None, cache_dir: str | None = None) -> str:
+    """For a hub model name: ``"hub:<commit>"``, the commit its weights come from as far as this
+    machine knows, with no network: ``revision`` itself when it is a commit, else what the local
+    Hugging Face cache resolves ``revision`` (default ``main``) to (``refs/<revision>``, written when
+    vLLM fetched the model). A server whose cache resolves ``main`` to another commit has other
+    weights: another identity, clean misses. ``""`` when unknown (no cache entry, another hub)."""
+    if revision is not None and _COMMIT.fullmatch(str(revision)):
+        return f"hub:{revision}"
+    if revision is not None and ("/" in str(revision) or str(revision) in (".", "..")):
+        return ""  # a branch name with a slash resolves in a subfolder of refs/: not followed here
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+        from huggingface_hub.file_download import repo_folder_name
+
+        ref = (Path(cache_dir or HF_HUB_CACHE) / repo_folder_name(repo_id=model, repo_type="model") / "refs"
+               / str(revision or "main"))
+        fd = os.open(ref, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            commit = os.read(fd, 64).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+    except Exception:  # not in the cache, a name the hub would refuse, no huggingface_hub: unknown
+        return ""
+    return f"hub:{commit}" if _COMMIT.fullmatch(commit) else ""
 
 
 def _hash_seed(cache_config: Any) -> str:

@@ -91,9 +91,13 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
                     kv_bytes_per_token=g.kv_bytes_per_token, state_bytes=g.state_bytes, pages=page_format(views))
     identity = store_identity(model, layout, **geometry, **stored)
     directories = rank_directories(settings.ssd_paths, layout) if config.ssd_bytes else []
+    # sealed: the superblock records a MAC of the identity under the key file's naming root (no model
+    # name on the drive; another key file, or a rekey, reads as another identity: wiped at open);
+    # the parts' associated data binds the identity itself
     sealed = {} if keyring is None else {"ssd_sealer": Sealer(keyring, "ssd", identity)}
+    recorded = identity if keyring is None else keyring.store_label(identity)
     parts = open_data_plane(config, table, block_tokens=block_size, state_table=state_table,
-                            ssd_paths=directories, ssd_identity=identity, coordinator_mode=settings.coordinator,
+                            ssd_paths=directories, ssd_identity=recorded, coordinator_mode=settings.coordinator,
                             durable=settings.durable,
                             staging_bytes=settings.cluster_staging_bytes if settings.cluster else 0, **sealed)
     if start:  # a previous run's objects of weights this one does not load (not this run's: a reopen)
@@ -107,7 +111,9 @@ def open_rank(settings: ConnectorSettings, geometry: EngineGeometry, layout: Par
         try:  # cluster objects are the DRAM tier's exact bytes, whatever the SSD stores
             cluster_identity = store_identity(model, layout, **geometry)
             sealer = {} if keyring is None else {"sealer": Sealer(keyring, "cluster", cluster_identity)}
-            cluster = WorkerCluster(parts.engine, settings.cluster, cluster_identity,
+            # sealed: object keys are derived from the label, never from the model's identity itself
+            named = cluster_identity if keyring is None else keyring.store_label(cluster_identity)
+            cluster = WorkerCluster(parts.engine, settings.cluster, named,
                                     staging_bytes=settings.cluster_staging_bytes, local_hostname=settings.cluster_host,
                                     timeout_s=settings.cluster_timeout_s, **sealer)
         except BaseException:
