@@ -357,3 +357,18 @@ def test_cluster_logs_never_truncate_what_a_link_or_another_name_reaches(tmp_pat
     with open_log(logdir / "new.log") as f:
         pass
     assert stat.S_IMODE(os.stat(logdir / "new.log").st_mode) == 0o600
+
+
+def test_the_weights_updated_marker_is_never_written_through_a_link(tmp_path):
+    """The marker a reset leaves in a rank's store directory (``resets.MARKER``) is saria's own
+    file: a dangling link at its name is refused, and nothing is created where it points."""
+    from saria.integrations.vllm.resets import MARKER, mark_updated
+
+    d = store_dir(tmp_path)
+    (d / MARKER).symlink_to(tmp_path / "elsewhere-marker")
+    with pytest.raises(OSError):
+        mark_updated([d])
+    assert not (tmp_path / "elsewhere-marker").exists()
+    (d / MARKER).unlink()
+    mark_updated([d])
+    assert stat.S_IMODE(os.lstat(d / MARKER).st_mode) == 0o600
