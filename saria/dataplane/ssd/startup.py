@@ -7,7 +7,13 @@ everything else (half-committed writes, torn or flipped headers, parts beyond th
 truncated file, older generations) is erased and counted. A drive file whose superblock says it
 was written for another identity (or, with an identity given, another ``part_bytes``, or a damaged
 or blank superblock over committed headers) is wiped: truncated to nothing, then preallocated and
-formatted like a new file, with one warning line.
+formatted like a new file, with one warning line. A file with no saria superblock at all is not
+saria's: the start is refused and the file left as it is, never wiped.
+
+Files on the box (docs/security.md): each directory is opened without following a link and checked
+on its descriptor (:class:`~saria.dataplane.ssd.files.DirectoryLock`); the drive file is opened
+relative to it with ``O_NOFOLLOW | O_NONBLOCK``, created 0600, and must be a regular file of this
+user with one link (checked on its descriptor); anything else is refused in one line.
 
 Sealing (docs/ssd.md, "Sealed objects"): a sealed store (``key_id`` given) serves only parts sealed
 under its key file; unsealed parts (a plaintext object must never be served by a sealed store) and
