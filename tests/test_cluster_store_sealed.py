@@ -223,8 +223,8 @@ class TenantKeySealer(Sealer):
         super().__init__(keyring, "cluster", identity)
         self.forced = tenant
 
-    def _aesgcm(self, epoch, tenant, sealing):
-        return super()._aesgcm(epoch, self.forced, sealing)
+    def _seal_key(self, epoch, tenant):
+        return super()._seal_key(epoch, self.forced)
 
 
 def test_tenant_a_key_under_tenant_b_names(cluster, store, pool, raw, keys):

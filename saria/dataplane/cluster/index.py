@@ -93,7 +93,7 @@ class ClusterIndex:
             return 0
         self.lookups += 1
         objects = [(layout, key) for key in keys for layout in self._layouts.values()]
-        future = self._pool.submit(queries.exists, self._conn, objects)
+        future = self._pool.submit(queries.exists, self._conn, objects, self._counters)
         try:
             present = future.result(timeout=self._timeout)
         except FutureTimeout:
@@ -113,7 +113,7 @@ class ClusterIndex:
 
     def counters(self) -> dict[str, Any]:
         return dict(lookups=self.lookups, lookup_timeouts=self.lookup_timeouts, found_chunks=self.found,
-                    layouts=len(self._layouts), on=self.on, went_off=self._counters.went_off,
+                    layouts=len(self._layouts), junk_meta=self._counters.junk_meta, on=self.on, went_off=self._counters.went_off,
                     came_back=self._counters.came_back)
 
     def close(self) -> None:

@@ -220,7 +220,7 @@ class ClusterStore:
             self._counters.add(off_calls=1)
             return [False] * len(keys)
         self._counters.add(exists_calls=1)
-        fut = self._lookups.submit(queries.exists, self._conn, [(self._layout, k) for k in keys])
+        fut = self._lookups.submit(queries.exists, self._conn, [(self._layout, k) for k in keys], self._counters)
         try:
             return fut.result(timeout=self._timeout if timeout_s is None else timeout_s)
         except FutureTimeout:
@@ -295,6 +295,8 @@ class ClusterStore:
             parse_object_key(key)
             if isinstance(parts, torch.Tensor) or not len(parts):
                 raise ValueError(f"object {i}: views must be a non-empty list of part views")
+            if len(parts) > self._layout.max_parts:
+                raise ValueError(f"object {i}: {len(parts)} parts, an object has at most {self._layout.max_parts}")
             for j, v in enumerate(parts):
                 self._registered.check(v, f"object {i} part {j}", self._max_part)
             total += self._layout.meta_bytes(len(parts))
