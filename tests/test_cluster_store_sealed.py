@@ -11,7 +11,10 @@ destinations are memory Mooncake cannot write."""
 
 from __future__ import annotations
 
+import os
 import re
+import struct
+import time
 
 import pytest
 import torch
@@ -406,3 +409,87 @@ def test_sealed_replicas_reload_from_private_staging_and_recompute_what_a_rogue_
         assert c.worker.cluster.counters()["store"]["auth_failures"] == 1 and c.worker.faults.count == 0
     finally:
         close_all(made)
+
+
+# ------------------------------------------------------------------ metadata that cannot amplify or block (issue 43)
+
+
+def planted_claim(parts: int, version: int = 2) -> bytes:
+    """A metadata value a rogue plants: clear fields claiming ``parts`` parts (of metadata format
+    ``version``: 2 as the saria before per-part keys wrote it, 3 now), exactly the size that count
+    implies, a body of junk. Laid out here independently of saria's encoder."""
+    nonce = 12 if version == 2 else 24
+    head = struct.pack(f"<4sHHII8s16s{nonce}s", b"SRCM", version, 0, parts, 1, bytes(8), bytes(16), bytes(nonce))
+    body = 48 + (12 + nonce) * parts + 16
+    return head + bytes(body)
+
+
+def test_a_huge_planted_metadata_value_is_a_bounded_miss(cluster, store, pool, raw, keys):
+    """A 12 MB value claiming 500,000 parts under a live object's metadata key (and under a name
+    never written): the scheduler's lookups and the store's own answer it as a miss, in time
+    bounded whatever the claim (the value is never fetched, no key per claimed part is made), and
+    count it; the object is written again by the next put and loads."""
+    from saria.dataplane.cluster.index import ClusterIndex
+    k12 = keys["k12"]
+    live, fresh = chunk_keys(k12, "amp", [b"amplified live", b"amplified fresh"])
+    assert put(store, pool, {live: (3 * SLOT, 11)}) == [3 * SLOT]
+    layout = store._layout
+    claim = planted_claim(500_000)
+    assert len(claim) > 12_000_000
+    raw_write(raw, {layout.meta_key(live): claim, layout.meta_key(fresh): claim})
+    index = ClusterIndex(cluster.master, 1, timeout_s=30.0)
+    try:
+        index.add_layouts([store.layout_identity])
+        t0 = time.perf_counter()
+        for _ in range(5):
+            assert index.leading([live, fresh]) == 0
+            assert store.exists_many([live, fresh], timeout_s=30.0) == [False, False]
+        took = (time.perf_counter() - t0) / 10
+        # a lookup that built a key per claimed part took 0.2 s and more each; one that does not, about a millisecond
+        assert took < 0.05, f"{took:.3f} s per lookup"
+        assert index.counters()["junk_meta"] == 10 and store.counters()["junk_meta"] == 10
+    finally:
+        index.close()
+    assert store.remove_many([fresh]) == 1  # a removal does not expand the claim either
+    assert put(store, pool, {live: (3 * SLOT, 11)}) == [3 * SLOT]
+    assert get(store, pool, {live: (3 * SLOT, 11)}) == {live: True}
+    assert store.exists_many([live]) == [True]
+    assert store.counters()["rewritten"] == 1
+
+
+def test_junk_metadata_under_a_live_name_does_not_block_the_chunk(cluster, store, pool, raw, keys):
+    """Metadata that does not open (junk of the right size, a claim of many parts, another object's
+    metadata) or whose parts are gone, under a name: the next put writes the object (``rewritten``)
+    and it loads; a sound object is not written again (``present``)."""
+    k12 = keys["k12"]
+    names = chunk_keys(k12, "junk", [b"junk %d" % i for i in range(5)])
+    donor = chunk_keys(k12, "junk", [b"donor"])[0]
+    sizes = {k: (2 * SLOT + 100, 20 + i) for i, k in enumerate(names)}
+    layout = store._layout
+    assert put(store, pool, {**sizes, donor: (2 * SLOT + 100, 30)}) == [2 * SLOT + 100] * 6
+    meta_of = {k: raw_values(raw, [layout.meta_key(k)])[layout.meta_key(k)] for k in names + [donor]}
+    a, b, c, d, sound = names
+    raw_write(raw, {layout.meta_key(a): os.urandom(len(meta_of[a])),  # junk of the right size
+                    layout.meta_key(b): planted_claim(3, version=3),  # a claim that does not open
+                    layout.meta_key(c): meta_of[donor]})  # another object's sealed metadata
+    opened = layout.open_meta(store._sealer, d, meta_of[d])  # d's own metadata, a part removed
+    assert raw.remove(layout.part_keys(d, opened)[1]) == 0
+    assert store.exists_many(names) == [False, False, False, False, True]
+    before = store.counters()
+    assert put(store, pool, sizes) == [2 * SLOT + 100] * 5
+    assert store.exists_many(names) == [True] * 5
+    assert get(store, pool, sizes) == dict.fromkeys(names, True)
+    after = store.counters()
+    assert after["rewritten"] - before["rewritten"] == 4 and after["present"] - before["present"] == 1
+    assert get(store, pool, {donor: (2 * SLOT + 100, 30)}) == {donor: True}
+
+
+def test_an_object_has_at_most_max_parts(store, pool):
+    from saria.dataplane.cluster.layout import MAX_PARTS
+    slot = pool.allocate(1)
+    try:
+        view = pool.views(slot, 64)[0]
+        with pytest.raises(ValueError, match="at most"):
+            store.put_many([object_key(b"\x01" * 48, "kv")], [[view[i:i + 1] for i in range(1)] * (MAX_PARTS + 1)])
+    finally:
+        pool.free(slot)
