@@ -27,7 +27,8 @@ from saria.dataplane.cluster.layout import Layout
 from saria.dataplane.cluster.sealed import SealedLayout
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.keys import object_key
-from saria.seal import Keyring, Sealer, new_key_file, retire_epoch, rotate_key_file
+from saria.seal import Keyring, PartContext, Sealer, new_key_file, retire_epoch, rotate_key_file
+from seal_cases import Version1Sealer
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason=SKIP_REASON)
 
@@ -493,3 +494,60 @@ def test_an_object_has_at_most_max_parts(store, pool):
             store.put_many([object_key(b"\x01" * 48, "kv")], [[view[i:i + 1] for i in range(1)] * (MAX_PARTS + 1)])
     finally:
         pool.free(slot)
+
+
+# ------------------------------------------------------------------ objects of the saria before per-part keys
+
+
+def put_version_2_object(raw, store, keyring, key: bytes, data: bytes) -> None:
+    """Write ``key``'s object as the saria before per-part keys wrote it, with a plain client:
+    parts sealed by seal format 1 (12-byte nonces, directly under K_eT), metadata of format
+    version 2 (laid out here independently of saria's encoder: 52 clear bytes, 48 + 24 n sealed)."""
+    old = Version1Sealer(keyring, "cluster", IDENTITY)
+    layout = store._layout
+    chunks = [data[i:i + SLOT] for i in range(0, len(data), SLOT)]
+    write_id = os.urandom(16)
+    values, rows = {}, []
+    for j, chunk in enumerate(chunks):
+        out = bytearray(len(chunk) + 16)
+        sealed = old.seal_into(PartContext(key, j, len(chunks), len(data), len(chunk)), chunk, out)
+        values[f"{layout.prefix(key)}{j}.{write_id.hex()}"] = bytes(out)
+        rows.append(struct.pack("<QI12s", len(chunk), sealed.epoch, sealed.nonce))
+    body = struct.pack("<IIQ16s16s", len(chunks), 0, len(data), layout.digest, write_id) + b"".join(rows)
+    sealed_body = bytearray(len(body) + 16)
+    meta = old.seal_into(PartContext(key, 0, 1, (1 << 62) + len(body), len(body)), body, sealed_body)
+    head = struct.pack("<4sHHII8s16s12s", b"SRCM", 2, 0, len(chunks), meta.epoch, keyring.key_id, write_id,
+                       meta.nonce)
+    values[layout.meta_key(key)] = head + bytes(sealed_body)
+    assert len(values[layout.meta_key(key)]) == 116 + 24 * len(chunks)
+    raw_write(raw, values)
+
+
+def test_objects_of_the_saria_before_per_part_keys_still_load(cluster, store, pool, raw, keys):
+    """Objects an older saria put (metadata version 2, parts of seal format 1) are found, load
+    exactly, and are not written again; a bit flipped in one of their parts is a miss as before.
+    New objects are written as version 3 beside them."""
+    k12 = keys["k12"]
+    old_keys = chunk_keys(k12, "old", [b"old %d" % i for i in range(3)])
+    objects = {k: (n, 40 + i) for i, (k, n) in enumerate(zip(old_keys, [100, 2 * SLOT, 3 * SLOT + 5]))}
+    for k, (n, seed) in objects.items():
+        put_version_2_object(raw, store, k12, k, pattern(n, seed).numpy().tobytes())
+    assert store.exists_many(old_keys) == [True] * 3
+    assert get(store, pool, objects) == dict.fromkeys(old_keys, True)
+    before = store.counters()
+    assert put(store, pool, objects) == [n for n, _ in objects.values()]  # sound: not written again
+    after = store.counters()
+    assert after["present"] - before["present"] == 3 and after["rewritten"] == before["rewritten"]
+    victim = old_keys[2]
+    part = f"{store._layout.prefix(victim)}1."
+    (name,) = [n for n in mooncake_keys(cluster) if n.startswith(part)]
+    value = bytearray(raw_values(raw, [name])[name])
+    value[7] ^= 1
+    raw_write(raw, {name: bytes(value)})
+    got = get(store, pool, objects)
+    assert got[old_keys[0]] is True and got[old_keys[1]] is True and isinstance(got[victim], ObjectUnauthentic)
+    new = chunk_keys(k12, "old", [b"new"])[0]
+    assert put(store, pool, {new: (SLOT + 1, 49)}) == [SLOT + 1]
+    meta = raw_values(raw, [store._layout.meta_key(new)])[store._layout.meta_key(new)]
+    assert meta[4:6] == (3).to_bytes(2, "little") and len(meta) == 128 + 36 * 2
+    assert get(store, pool, {new: (SLOT + 1, 49), old_keys[0]: (100, 40)}) == {new: True, old_keys[0]: True}

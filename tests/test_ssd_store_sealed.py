@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kernel_cases import fresh_like, vllm_layers
 from saria.config import Capacity, ChunkSpec, SariaConfig
@@ -26,7 +25,8 @@ from saria.dataplane.ssd import (ObjectCorrupt, ObjectEpochUnknown, ObjectNotFou
                                  ObjectWriteError, SSDStore, object_key)
 from saria.dataplane.ssd.format import SEALED_SLOT_VERSION, SLOT_VERSION, Geometry
 from saria.kernels import PageTable
-from saria.seal import Keyring, PartContext, SealedPart, Sealer, Unauthentic, retire_epoch, rotate_key_file
+from saria.seal import Keyring, PartContext, Unauthentic, retire_epoch, rotate_key_file
+from seal_cases import Version1Sealer
 from ssd_cases import (SEALED_FIELDS, Fault, FaultyOps, capacity, drive_file, drives, flip_byte, header_block,
                        make_sealer, patch_header, payload, put_header, read_back)
 
@@ -118,21 +118,6 @@ def test_sealed_objects_round_trip_on_several_drives(tmp_path):
     assert sorted(store.keys()) == sorted(objs)
     assert all(torch.equal(read_back(store, k, v.numel()), v) for k, v in objs.items())
     store.close()
-
-
-class Version1Sealer(Sealer):
-    """Seals as saria's seal format version 1 did (the code path removed from aead.py, kept here as
-    it was): a 12-byte random nonce, directly under K_eT, the version-1 associated data. A store
-    opened with it writes what a store of that saria wrote (slot headers of version 2)."""
-
-    def seal_into(self, ctx, plaintext, out):
-        plain, dest = memoryview(plaintext).cast("B"), memoryview(out).cast("B")
-        tenant = self.tenant_of_name(ctx.name)
-        epoch = self.keyring.current_epoch
-        nonce = os.urandom(12)
-        AESGCM(self.keyring.seal_key(epoch, tenant)).encrypt_into(nonce, plain,
-                                                                  self.associated_data(ctx, tenant, epoch), dest)
-        return SealedPart(epoch, nonce, bytes(dest[ctx.part_length:]))
 
 
 def test_restart_over_a_store_sealed_by_version_1_opens_its_objects(tmp_path, caplog):
