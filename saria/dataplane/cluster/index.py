@@ -112,9 +112,10 @@ class ClusterIndex:
         return n
 
     def counters(self) -> dict[str, Any]:
+        """``junk_meta``: metadata values found junk (larger than any object's, or not parsing): misses."""
         return dict(lookups=self.lookups, lookup_timeouts=self.lookup_timeouts, found_chunks=self.found,
-                    layouts=len(self._layouts), junk_meta=self._counters.junk_meta, on=self.on, went_off=self._counters.went_off,
-                    came_back=self._counters.came_back)
+                    layouts=len(self._layouts), junk_meta=self._counters.junk_meta, on=self.on,
+                    went_off=self._counters.went_off, came_back=self._counters.came_back)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -180,11 +180,13 @@ class ClusterStore:
         parts' ``saria.kernels.checksum`` values if the caller has them (trusted, not recomputed;
         else, or where a part's is ``None``, computed on the worker; a sealed store neither takes
         nor computes any: the tag is its check). The views must stay unchanged until the Future is done (after a timeout: until its
-        ``released`` event is set). A sealed store does not write an object whose metadata is in the
-        cluster already (the Future resolves to its length; ``present`` counts it).
+        ``released`` event is set). A sealed store does not write an object that is in the cluster
+        already, sound (its metadata opens under this key file, every part it names exists: the
+        Future resolves to its length; ``present`` counts it); one whose metadata is junk or whose
+        parts are gone is written again (``rewritten``).
 
         Raises at once, with nothing sent: ``TypeError`` / ``ValueError`` for bad arguments (a key
-        that is not an object key, a view outside the registered memory or too large, a batch
+        that is not an object key, an object of more than :data:`~.layout.MAX_PARTS` parts, a view outside the registered memory or too large, a batch
         whose metadata exceeds ``arena_bytes``), :class:`ClusterClosed`.
         """
         sums = self._check("put", keys, views, checksums)
