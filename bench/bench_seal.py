@@ -7,7 +7,10 @@ cluster reloads with a key against without.
     parts, in 1 thread and in 2 (each with its own buffers), GB/s of plaintext. Beside it: the
     checksum the tag replaces (``saria.kernels.checksum``) on the same part, and whether a pure-
     Python thread keeps running during an open (the GIL released), which 1 vs 2 threads alone
-    cannot tell on a machine whose two cores do not scale.
+    cannot tell on a machine whose two cores do not scale. And what a key per part costs (seal
+    format 2): one HKDF-SHA256 and AES key setup a part in microseconds, its share of the part's
+    AES-GCM, and the 1-thread seal rate under one fixed key (format 1's way) and with a key per
+    part, side by side.
 (b) **SSD-only reload, sealed / unsealed.** Two SSD stores in two directories under ``--ssd-dir``
     (one drive), the same chunks of a model's pages written to each (as vLLM block hashes become
     chunk ids with a key: 48-byte names), then reloaded through the transfer engine into pages
@@ -103,7 +106,43 @@ def aead_rates(keyring: Keyring, part_bytes: int, seconds: float) -> dict:
         n += 1
     out["checksum_GBps"] = n * part_bytes / (time.perf_counter() - t0) / 1e9
     out["gil_released"] = gil_probe(sealer, ctx, sealed, sealed_buf, part_bytes)
+    out.update(part_key_cost(sealer, ctx, plain, part_bytes, seconds))
     return out
+
+
+def part_key_cost(sealer, ctx, plain, part_bytes: int, seconds: float) -> dict:
+    """What a key per part costs (seal format 2, docs/security.md): one HKDF-SHA256 and an AES key
+    setup per part (µs), against the same part's AES-GCM under one fixed key (format 1's way), and
+    the seal rate each way side by side (1 thread)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from saria.seal import aead
+
+    tenant = sealer.tenant_of_name(ctx.name)
+    k_et = sealer.keyring.seal_key(sealer.keyring.current_epoch, tenant)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds / 4 or n < 100:
+        AESGCM(aead.part_key(k_et, os.urandom(aead.NONCE_BYTES)))
+        n += 1
+    derive_s = (time.perf_counter() - t0) / n
+    fixed, out = AESGCM(k_et), bytearray(part_bytes + 16)
+    rates = {}
+    for _ in range(4):  # interleaved, 4 times each: one fixed key, then a key per part (the best of each)
+        for how in ("fixed", "per_part"):
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / 8 or n == 0:
+                if how == "fixed":  # as format 1 sealed: the tenant read, the associated data built, one key
+                    t = sealer.tenant_of_name(ctx.name)
+                    fixed.encrypt_into(os.urandom(12), plain, sealer.associated_data(ctx, t, 1), out)
+                else:
+                    sealer.seal_into(ctx, plain, out)
+                n += 1
+            rates.setdefault(how, []).append(n * part_bytes / (time.perf_counter() - t0) / 1e9)
+    fixed_gbps, per_part_gbps = max(rates["fixed"]), max(rates["per_part"])
+    gcm_s = part_bytes / (fixed_gbps * 1e9)
+    return {"part_key_us": derive_s * 1e6, "part_gcm_us": gcm_s * 1e6, "part_key_share": derive_s / gcm_s,
+            "seal_fixed_key_GBps": fixed_gbps, "seal_per_part_key_GBps": per_part_gbps,
+            "per_part_key_ratio": per_part_gbps / fixed_gbps}
 
 
 def gil_probe(sealer, ctx, sealed, blob, part_bytes) -> float:
@@ -321,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    the checksum a tag replaces: {a['checksum_GBps']:.2f} GB/s; a Python thread kept "
               f"{a['gil_released']:.0%} of its rate during opens (the GIL is "
               f"{'released' if a['gil_released'] > 0.25 else 'held'})")
+        print(f"    a key per part (HKDF-SHA256 + AES key setup): {a['part_key_us']:.1f} us a part, "
+              f"{a['part_key_share']:.2%} of the part's AES-GCM ({a['part_gcm_us']:.0f} us); seal GB/s "
+              f"one fixed key {a['seal_fixed_key_GBps']:.2f} | a key per part {a['seal_per_part_key_GBps']:.2f} "
+              f"(ratio {a['per_part_key_ratio']:.3f})")
     if "ssd" not in args.skip:
         s = result["ssd"] = ssd_ab(args, keyring, device)
         print(f"(b) SSD-only reload of {s['chunks']} chunks of {s['chunk_bytes'] / MiB:.0f} MiB ({args.model}), "

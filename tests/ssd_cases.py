@@ -210,8 +210,9 @@ def geometry(slots: int, part_bytes: int = PB) -> Geometry:
 
 # ------------------------------------------------------------------ sealed stores
 
-SEALED_FIELDS = 128  # a version-2 (sealed) header's fields start here, after the version-1 ones
-SEALED_SUMMED = 176  # ... and its blake2b-64 covers bytes 0..176 (version 1: 0..128)
+SEALED_FIELDS = 128  # a sealed header's fields start here (slot versions 3 and 2), after the version-1 ones
+SEALED_SUMMED = 188  # ... and a version-3 header's blake2b-64 covers bytes 0..188 (version 2: 0..176, 1: 0..128)
+_SUMMED = {3: SEALED_SUMMED, 2: 176}
 
 
 def header_block(path: Path, offset: int) -> bytes:
@@ -225,7 +226,7 @@ def put_header(path: Path, offset: int, block: bytes) -> None:
     version (laid out here independently of the encoder): what an attacker with the file can do."""
     block = bytearray(block)
     version = int.from_bytes(block[8:10], "little")
-    summed = SEALED_SUMMED if version == 2 else 128
+    summed = _SUMMED.get(version, 128)
     block[summed:summed + 8] = hashlib.blake2b(bytes(block[:summed]), digest_size=8).digest()
     with open(path, "r+b") as f:
         f.seek(offset)

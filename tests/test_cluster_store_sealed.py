@@ -11,7 +11,10 @@ destinations are memory Mooncake cannot write."""
 
 from __future__ import annotations
 
+import os
 import re
+import struct
+import time
 
 import pytest
 import torch
@@ -24,7 +27,8 @@ from saria.dataplane.cluster.layout import Layout
 from saria.dataplane.cluster.sealed import SealedLayout
 from saria.dataplane.dram.host_pool import HostPool
 from saria.dataplane.ssd.keys import object_key
-from saria.seal import Keyring, Sealer, new_key_file, retire_epoch, rotate_key_file
+from saria.seal import Keyring, PartContext, Sealer, new_key_file, retire_epoch, rotate_key_file
+from seal_cases import Version1Sealer
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason=SKIP_REASON)
 
@@ -223,8 +227,8 @@ class TenantKeySealer(Sealer):
         super().__init__(keyring, "cluster", identity)
         self.forced = tenant
 
-    def _aesgcm(self, epoch, tenant, sealing):
-        return super()._aesgcm(epoch, self.forced, sealing)
+    def _seal_key(self, epoch, tenant):
+        return super()._seal_key(epoch, self.forced)
 
 
 def test_tenant_a_key_under_tenant_b_names(cluster, store, pool, raw, keys):
@@ -406,3 +410,144 @@ def test_sealed_replicas_reload_from_private_staging_and_recompute_what_a_rogue_
         assert c.worker.cluster.counters()["store"]["auth_failures"] == 1 and c.worker.faults.count == 0
     finally:
         close_all(made)
+
+
+# ------------------------------------------------------------------ metadata that cannot amplify or block (issue 43)
+
+
+def planted_claim(parts: int, version: int = 2) -> bytes:
+    """A metadata value a rogue plants: clear fields claiming ``parts`` parts (of metadata format
+    ``version``: 2 as the saria before per-part keys wrote it, 3 now), exactly the size that count
+    implies, a body of junk. Laid out here independently of saria's encoder."""
+    nonce = 12 if version == 2 else 24
+    head = struct.pack(f"<4sHHII8s16s{nonce}s", b"SRCM", version, 0, parts, 1, bytes(8), bytes(16), bytes(nonce))
+    body = 48 + (12 + nonce) * parts + 16
+    return head + bytes(body)
+
+
+def test_a_huge_planted_metadata_value_is_a_bounded_miss(cluster, store, pool, raw, keys):
+    """A 12 MB value claiming 500,000 parts under a live object's metadata key (and under a name
+    never written): the scheduler's lookups and the store's own answer it as a miss, in time
+    bounded whatever the claim (the value is never fetched, no key per claimed part is made), and
+    count it; the object is written again by the next put and loads."""
+    from saria.dataplane.cluster.index import ClusterIndex
+    k12 = keys["k12"]
+    live, fresh = chunk_keys(k12, "amp", [b"amplified live", b"amplified fresh"])
+    assert put(store, pool, {live: (3 * SLOT, 11)}) == [3 * SLOT]
+    layout = store._layout
+    claim = planted_claim(500_000)
+    assert len(claim) > 12_000_000
+    raw_write(raw, {layout.meta_key(live): claim, layout.meta_key(fresh): claim})
+    index = ClusterIndex(cluster.master, 1, timeout_s=30.0)
+    try:
+        index.add_layouts([store.layout_identity])
+        t0 = time.perf_counter()
+        for _ in range(5):
+            assert index.leading([live, fresh]) == 0
+            assert store.exists_many([live, fresh], timeout_s=30.0) == [False, False]
+        took = (time.perf_counter() - t0) / 10
+        # a lookup that built a key per claimed part took 0.2 s and more each; one that does not, about a millisecond
+        assert took < 0.05, f"{took:.3f} s per lookup"
+        assert index.counters()["junk_meta"] == 10 and store.counters()["junk_meta"] == 10
+    finally:
+        index.close()
+    assert store.remove_many([fresh]) == 1  # a removal does not expand the claim either
+    assert put(store, pool, {live: (3 * SLOT, 11)}) == [3 * SLOT]
+    assert get(store, pool, {live: (3 * SLOT, 11)}) == {live: True}
+    assert store.exists_many([live]) == [True]
+    assert store.counters()["rewritten"] == 1
+
+
+def test_junk_metadata_under_a_live_name_does_not_block_the_chunk(cluster, store, pool, raw, keys):
+    """Metadata that does not open (junk of the right size, a claim of many parts, another object's
+    metadata) or whose parts are gone, under a name: the next put writes the object (``rewritten``)
+    and it loads; a sound object is not written again (``present``)."""
+    k12 = keys["k12"]
+    names = chunk_keys(k12, "junk", [b"junk %d" % i for i in range(5)])
+    donor = chunk_keys(k12, "junk", [b"donor"])[0]
+    sizes = {k: (2 * SLOT + 100, 20 + i) for i, k in enumerate(names)}
+    layout = store._layout
+    assert put(store, pool, {**sizes, donor: (2 * SLOT + 100, 30)}) == [2 * SLOT + 100] * 6
+    meta_of = {k: raw_values(raw, [layout.meta_key(k)])[layout.meta_key(k)] for k in names + [donor]}
+    a, b, c, d, sound = names
+    raw_write(raw, {layout.meta_key(a): os.urandom(len(meta_of[a])),  # junk of the right size
+                    layout.meta_key(b): planted_claim(3, version=3),  # a claim that does not open
+                    layout.meta_key(c): meta_of[donor]})  # another object's sealed metadata
+    opened = layout.open_meta(store._sealer, d, meta_of[d])  # d's own metadata, a part removed
+    assert raw.remove(layout.part_keys(d, opened)[1]) == 0
+    assert store.exists_many(names) == [False, False, False, False, True]
+    before = store.counters()
+    assert put(store, pool, sizes) == [2 * SLOT + 100] * 5
+    assert store.exists_many(names) == [True] * 5
+    assert get(store, pool, sizes) == dict.fromkeys(names, True)
+    after = store.counters()
+    assert after["rewritten"] - before["rewritten"] == 4 and after["present"] - before["present"] == 1
+    assert get(store, pool, {donor: (2 * SLOT + 100, 30)}) == {donor: True}
+
+
+def test_an_object_has_at_most_max_parts(store, pool):
+    from saria.dataplane.cluster.layout import MAX_PARTS
+    slot = pool.allocate(1)
+    try:
+        view = pool.views(slot, 64)[0]
+        with pytest.raises(ValueError, match="at most"):
+            store.put_many([object_key(b"\x01" * 48, "kv")], [[view[i:i + 1] for i in range(1)] * (MAX_PARTS + 1)])
+    finally:
+        pool.free(slot)
+
+
+# ------------------------------------------------------------------ objects of the saria before per-part keys
+
+
+def put_version_2_object(raw, store, keyring, key: bytes, data: bytes) -> None:
+    """Write ``key``'s object as the saria before per-part keys wrote it, with a plain client:
+    parts sealed by seal format 1 (12-byte nonces, directly under K_eT), metadata of format
+    version 2 (laid out here independently of saria's encoder: 52 clear bytes, 48 + 24 n sealed)."""
+    old = Version1Sealer(keyring, "cluster", IDENTITY)
+    layout = store._layout
+    chunks = [data[i:i + SLOT] for i in range(0, len(data), SLOT)]
+    write_id = os.urandom(16)
+    values, rows = {}, []
+    for j, chunk in enumerate(chunks):
+        out = bytearray(len(chunk) + 16)
+        sealed = old.seal_into(PartContext(key, j, len(chunks), len(data), len(chunk)), chunk, out)
+        values[f"{layout.prefix(key)}{j}.{write_id.hex()}"] = bytes(out)
+        rows.append(struct.pack("<QI12s", len(chunk), sealed.epoch, sealed.nonce))
+    body = struct.pack("<IIQ16s16s", len(chunks), 0, len(data), layout.digest, write_id) + b"".join(rows)
+    sealed_body = bytearray(len(body) + 16)
+    meta = old.seal_into(PartContext(key, 0, 1, (1 << 62) + len(body), len(body)), body, sealed_body)
+    head = struct.pack("<4sHHII8s16s12s", b"SRCM", 2, 0, len(chunks), meta.epoch, keyring.key_id, write_id,
+                       meta.nonce)
+    values[layout.meta_key(key)] = head + bytes(sealed_body)
+    assert len(values[layout.meta_key(key)]) == 116 + 24 * len(chunks)
+    raw_write(raw, values)
+
+
+def test_objects_of_the_saria_before_per_part_keys_still_load(cluster, store, pool, raw, keys):
+    """Objects an older saria put (metadata version 2, parts of seal format 1) are found, load
+    exactly, and are not written again; a bit flipped in one of their parts is a miss as before.
+    New objects are written as version 3 beside them."""
+    k12 = keys["k12"]
+    old_keys = chunk_keys(k12, "old", [b"old %d" % i for i in range(3)])
+    objects = {k: (n, 40 + i) for i, (k, n) in enumerate(zip(old_keys, [100, 2 * SLOT, 3 * SLOT + 5]))}
+    for k, (n, seed) in objects.items():
+        put_version_2_object(raw, store, k12, k, pattern(n, seed).numpy().tobytes())
+    assert store.exists_many(old_keys) == [True] * 3
+    assert get(store, pool, objects) == dict.fromkeys(old_keys, True)
+    before = store.counters()
+    assert put(store, pool, objects) == [n for n, _ in objects.values()]  # sound: not written again
+    after = store.counters()
+    assert after["present"] - before["present"] == 3 and after["rewritten"] == before["rewritten"]
+    victim = old_keys[2]
+    part = f"{store._layout.prefix(victim)}1."
+    (name,) = [n for n in mooncake_keys(cluster) if n.startswith(part)]
+    value = bytearray(raw_values(raw, [name])[name])
+    value[7] ^= 1
+    raw_write(raw, {name: bytes(value)})
+    got = get(store, pool, objects)
+    assert got[old_keys[0]] is True and got[old_keys[1]] is True and isinstance(got[victim], ObjectUnauthentic)
+    new = chunk_keys(k12, "old", [b"new"])[0]
+    assert put(store, pool, {new: (SLOT + 1, 49)}) == [SLOT + 1]
+    meta = raw_values(raw, [store._layout.meta_key(new)])[store._layout.meta_key(new)]
+    assert meta[4:6] == (3).to_bytes(2, "little") and len(meta) == 128 + 36 * 2
+    assert get(store, pool, {new: (SLOT + 1, 49), old_keys[0]: (100, 40)}) == {new: True, old_keys[0]: True}

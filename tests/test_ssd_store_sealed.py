@@ -26,6 +26,7 @@ from saria.dataplane.ssd import (ObjectCorrupt, ObjectEpochUnknown, ObjectNotFou
 from saria.dataplane.ssd.format import SEALED_SLOT_VERSION, SLOT_VERSION, Geometry
 from saria.kernels import PageTable
 from saria.seal import Keyring, PartContext, Unauthentic, retire_epoch, rotate_key_file
+from seal_cases import Version1Sealer
 from ssd_cases import (SEALED_FIELDS, Fault, FaultyOps, capacity, drive_file, drives, flip_byte, header_block,
                        make_sealer, patch_header, payload, put_header, read_back)
 
@@ -117,6 +118,47 @@ def test_sealed_objects_round_trip_on_several_drives(tmp_path):
     assert sorted(store.keys()) == sorted(objs)
     assert all(torch.equal(read_back(store, k, v.numel()), v) for k, v in objs.items())
     store.close()
+
+
+def test_restart_over_a_store_sealed_by_version_1_opens_its_objects(tmp_path, caplog):
+    """A drive file written with seal format version 1 (12-byte nonces, slot headers of version 2):
+    a restart of this saria indexes and opens every object, writes new ones as version 3, and a
+    version-1 header tampered with is a miss as before."""
+    kf = tmp_path / "keys"
+    make_sealer(kf, IDENTITY)
+    old_sealer = Version1Sealer(Keyring.load(kf), "ssd", IDENTITY)
+    store = SSDStore(drives(tmp_path, 1), capacity(SLOTS, PB), PB, identity=IDENTITY, sealer=old_sealer,
+                     read_threads=2, durable=False)
+    old = names(old_sealer.keyring, "t", 4)
+    lengths = [1, PB, 2 * PB + 7, 3 * PB]
+    for i, (k, n) in enumerate(zip(old, lengths)):
+        store.write(k, payload(n, i)).result(timeout=30)
+    path, offset = header_at(store, old[3])
+    store.close()
+    assert int.from_bytes(header_block(path, offset)[8:10], "little") == 2  # the old slot version
+    patch_header(path, offset, SEALED_FIELDS + 8, bytes([header_block(path, offset)[SEALED_FIELDS + 8] ^ 1]))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        store = open_store(tmp_path, kf)  # this saria: seals version 2, opens both
+    assert sorted(store.keys()) == sorted(old)
+    assert all(p.seal.version == 1 for k in old for p in store.info(k).parts)
+    for i, (k, n) in enumerate(zip(old[:3], lengths)):
+        assert torch.equal(read_back(store, k, n), payload(n, i))
+    assert isinstance(read_error(store, old[3], 3 * PB), ObjectUnauthentic)  # its nonce flipped
+    new = names(store._sealing.sealer.keyring, "t", 2, first=10)
+    for i, k in enumerate(new):
+        info = store.write(k, payload(PB + i, 10 + i)).result(timeout=30)
+        assert info.parts[0].seal.version == 2 and len(info.parts[0].seal.nonce) == 24
+        path, offset = header_at(store, k)
+        assert int.from_bytes(header_block(path, offset)[8:10], "little") == SEALED_SLOT_VERSION == 3
+    c = store.counters()
+    assert c["corrupt_headers"] == 0 and c["auth_failures"] == 1 and c["other_key_dropped_at_open"] == 0
+    store.close()
+    with open_store(tmp_path, kf) as store:  # and once more: both versions side by side
+        assert sorted(store.keys()) == sorted(old[:3] + new)
+        for i, (k, n) in enumerate(zip(old[:3], lengths)):
+            assert torch.equal(read_back(store, k, n), payload(n, i))
+        for i, k in enumerate(new):
+            assert torch.equal(read_back(store, k, PB + i), payload(PB + i, 10 + i))
 
 
 def test_unsealed_store_writes_slot_version_1_as_before(tmp_path):
@@ -280,11 +322,11 @@ def test_every_byte_of_the_sealed_header_fields_is_refused(tmp_path):
     attacker with the file can): a corrupt header, another key's object, an unknown epoch or a failed
     tag, each counted, never bytes."""
     fields = {"checksum": range(56, 64), "flags": range(128, 132), "epoch": range(132, 136),
-              "nonce": range(136, 148), "tag": range(148, 164), "key id": range(164, 172),
-              "reserved": range(172, 176)}
+              "random value": range(136, 160), "tag": range(160, 176), "key id": range(176, 184),
+              "reserved": range(184, 188)}
     positions = [(name, at) for name, span in fields.items() for at in span]
     kf = tmp_path / "keys"
-    with open_store(tmp_path, kf) as store:
+    with open_store(tmp_path, kf, slots=2 * SLOTS) as store:
         keys = names(store._sealing.sealer.keyring, "t", len(positions))
         where = {}
         for i, k in enumerate(keys):
@@ -294,7 +336,7 @@ def test_every_byte_of_the_sealed_header_fields_is_refused(tmp_path):
         path, offset = where[k]
         block = header_block(path, offset)
         patch_header(path, offset, at, bytes([block[at] ^ (0x01 if at % 2 else 0x80)]))
-    with open_store(tmp_path, kf) as store:
+    with open_store(tmp_path, kf, slots=2 * SLOTS) as store:
         errors = {k: read_error(store, k, 2000) if store.contains(k) else None for k in keys}
         c = store.counters()
     by_field = {}
@@ -302,10 +344,10 @@ def test_every_byte_of_the_sealed_header_fields_is_refused(tmp_path):
         e = errors[k]
         by_field.setdefault(name, set()).add(type(e).__name__ if e is not None else "not served")
     assert by_field == {"checksum": {"not served"}, "flags": {"not served"}, "reserved": {"not served"},
-                        "epoch": {"ObjectEpochUnknown"}, "nonce": {"ObjectUnauthentic"},
+                        "epoch": {"ObjectEpochUnknown"}, "random value": {"ObjectUnauthentic"},
                         "tag": {"ObjectUnauthentic"}, "key id": {"not served"}}
     assert c["corrupt_headers"] == 16 and c["other_key_dropped_at_open"] == 8
-    assert c["unknown_epoch"] == 4 and c["auth_failures"] == 28 and c["reads"] == 0
+    assert c["unknown_epoch"] == 4 and c["auth_failures"] == 40 and c["reads"] == 0
 
 
 def test_truncated_or_extended_objects_are_refused(tmp_path):

@@ -27,6 +27,8 @@ class ClusterCounters:
     auth_failures: int = 0  # sealed objects that failed authentication (also in misses["unauthentic"])
     unknown_epoch: int = 0  # sealed objects of a key epoch the key file lacks (also in misses["unknown_epoch"])
     present: int = 0  # objects a sealed put found in the cluster already and did not write again
+    rewritten: int = 0  # objects a sealed put found with metadata that did not open, or parts gone, and wrote again
+    junk_meta: int = 0  # metadata values a lookup found junk (larger than any object's, or not parsing): misses
     off_calls: int = 0  # calls answered at once because the tier was off
     dropped: int = 0  # objects removed from Mooncake after evidence against them
     went_off: int = 0  # times the tier was turned off (master unreachable)

@@ -93,7 +93,7 @@ class ClusterIndex:
             return 0
         self.lookups += 1
         objects = [(layout, key) for key in keys for layout in self._layouts.values()]
-        future = self._pool.submit(queries.exists, self._conn, objects)
+        future = self._pool.submit(queries.exists, self._conn, objects, self._counters)
         try:
             present = future.result(timeout=self._timeout)
         except FutureTimeout:
@@ -112,9 +112,10 @@ class ClusterIndex:
         return n
 
     def counters(self) -> dict[str, Any]:
+        """``junk_meta``: metadata values found junk (larger than any object's, or not parsing): misses."""
         return dict(lookups=self.lookups, lookup_timeouts=self.lookup_timeouts, found_chunks=self.found,
-                    layouts=len(self._layouts), on=self.on, went_off=self._counters.went_off,
-                    came_back=self._counters.came_back)
+                    layouts=len(self._layouts), junk_meta=self._counters.junk_meta, on=self.on,
+                    went_off=self._counters.went_off, came_back=self._counters.came_back)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

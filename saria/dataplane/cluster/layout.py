@@ -18,6 +18,10 @@ object length (u64), the identity digest (16 bytes), a digest of the object key 
 per part its length and checksum (u64, u64), then a CRC-32 of all the bytes before it (u32) and 0
 (u32). A value that fails any check is a corrupt object, never a guess.
 
+An object has at most :data:`MAX_PARTS` parts (a store refuses to write more, a metadata value
+that claims more is junk): what a lookup may expand one metadata value into is bounded, whatever a
+rogue writes (:attr:`Layout.max_meta_bytes`: no lookup fetches a larger value).
+
 A sealed store's objects have a layout of their own (:mod:`.sealed`, format version 2), under
 an identity that ends in :data:`SEALED`: sealed and plain stores of one model never see each
 other's objects. :func:`.sealed.layout_of` gives the layout of an identity either way.
@@ -38,6 +42,7 @@ _PART = struct.Struct("<QQ")
 _TAIL = struct.Struct("<II")
 PREFIX = "saria"
 SEALED = "|sealed"  # the end of a sealed store's layout identity
+MAX_PARTS = 1024  # parts of one object, at most (4 GiB objects of 4 MiB parts)
 
 
 def meta_bytes(parts: int) -> int:
@@ -74,6 +79,16 @@ class Layout:
         """Size of the metadata value of an object of ``parts`` parts."""
         return meta_bytes(parts)
 
+    @property
+    def max_parts(self) -> int:
+        """The most parts an object of this layout has (:data:`MAX_PARTS`)."""
+        return MAX_PARTS
+
+    @property
+    def max_meta_bytes(self) -> int:
+        """The largest metadata value an object of this layout has: a lookup fetches none larger."""
+        return self.meta_bytes(MAX_PARTS)
+
     def peek_part_keys(self, key: bytes, value: bytes | memoryview) -> list[str]:
         """The part keys a metadata value names (``ValueError`` if it does not parse): what a lookup
         checks and a removal removes. For this layout, the checked metadata's."""
@@ -108,6 +123,8 @@ class Layout:
             raise ValueError(f"metadata magic {magic!r} is not {MAGIC!r}")
         if version != VERSION:
             raise ValueError(f"metadata format version {version}, this saria reads {VERSION}")
+        if nparts > MAX_PARTS:
+            raise ValueError(f"metadata claims {nparts} parts, an object has at most {MAX_PARTS}")
         if len(value) != meta_bytes(nparts):
             raise ValueError(f"metadata of {len(value)} bytes for {nparts} parts (expected {meta_bytes(nparts)})")
         crc, _ = _TAIL.unpack_from(value, len(value) - _TAIL.size)

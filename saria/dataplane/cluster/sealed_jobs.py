@@ -5,8 +5,13 @@ Plaintext never enters memory Mooncake can read or write. A sealed store registe
 only its workers' metadata arenas and ciphertext buffers, never the host memory the objects come
 from and go to, so a get's destinations (the connector's staging slots) are private:
 
-* **put**: one ``batch_is_exist`` of the metadata (an object already there is not written again:
-  its parts would be new values, the old ones left behind), then the parts in runs that fill a
+* **put**: one ``batch_is_exist`` of the metadata; an object whose metadata is there is checked
+  before it is skipped (its parts would be new values, the old ones left behind): its metadata is
+  fetched with the size this object's metadata has (``batch_get_into``, as a get does) and opened,
+  and the parts it names must all exist. Only then is it not written again (``present``); metadata
+  that does not open (junk, another key file's, an epoch this key file lacks), names other part
+  lengths or parts that are gone is replaced: the object is written (``rewritten``), so junk under
+  a name never blocks its chunk from being cached. Then the parts in runs that fill a
   ciphertext buffer: a run is sealed (``Sealer.seal_into``, from the source views into the buffer,
   on a verifier thread) while the previous run is on the wire (``batch_put_from`` from the
   buffer), the two buffers alternating; then one ``batch_upsert_from`` of the sealed metadata of
@@ -36,8 +41,8 @@ from typing import Any
 from saria.dataplane.cluster.errors import (ClusterMiss, ClusterOff, ClusterWriteError, ObjectAbsent, ObjectCorrupt,
                                             ObjectUnauthentic, ObjectUnknownEpoch)
 from saria.dataplane.cluster.jobs import BUFFER_OVERFLOW, OBJECT_NOT_FOUND, Batch, Workspace
-from saria.dataplane.cluster.sealed import TAG_BYTES, SealedMeta, new_write_id
-from saria.seal import SealedPart, SealError, Unauthentic, UnknownEpoch
+from saria.dataplane.cluster.sealed import V2, TAG_BYTES, SealedMeta, epoch_of, new_write_id, sealed_meta_bytes
+from saria.seal import SealedPart, SealError, SealFailure, Unauthentic, UnknownEpoch
 
 Run = list[tuple[int, int, int]]  # (object, part, offset in the ciphertext buffer)
 
@@ -93,15 +98,54 @@ class SealedBatch(Batch):
                 failed[i] = ClusterWriteError(f"sealing a part of {self.name(i)} failed: {exc}")
         return sealed, failed
 
+    def _sound(self, client: Any, workspace: Workspace, found: list[int]) -> set[int] | None:
+        """Which of the objects ``found`` (their metadata exists) are sound in the cluster: their
+        metadata, fetched with the size theirs has, opens under this key file and names parts of
+        their lengths that all exist. ``None`` when the master is unreachable."""
+        store, layout = self.store, self.store._layout
+        sizes = [layout.meta_bytes(len(self.views[i])) for i in found]
+        offsets = list(itertools.accumulate(sizes, initial=0))
+        arena = workspace.arena
+        codes = client.batch_get_into([layout.meta_key(self.keys[i]) for i in found],
+                                      [arena.data_ptr() + o for o in offsets[:-1]], sizes)
+        if store._conn.check(codes, "batch_get_into"):
+            return None
+        values = arena.numpy()
+        opened: dict[int, SealedMeta] = {}
+        for n, (i, code) in enumerate(zip(found, codes)):
+            if code not in (sizes[n], sealed_meta_bytes(len(self.views[i]), V2)):
+                continue  # gone since, or junk of another size (a larger one is not even fetched)
+            try:
+                meta = layout.open_meta(store._sealer, self.keys[i], values[offsets[n]:offsets[n] + code])
+            except SealFailure:
+                continue
+            if [p[0] for p in meta.parts] == [v.numel() for v in self.views[i]]:
+                opened[i] = meta
+        parts = [(i, pk) for i, meta in opened.items() for pk in layout.part_keys(self.keys[i], meta)]
+        codes = client.batch_is_exist([pk for _, pk in parts]) if parts else []
+        if store._conn.check(codes, "batch_is_exist"):
+            return None
+        sound = set(opened)
+        for (i, _), code in zip(parts, codes):
+            if code != 1:
+                sound.discard(i)
+        return sound
+
     def _put(self, client: Any, workspace: Workspace) -> None:
         store, layout = self.store, self.store._layout
         t0 = time.perf_counter()
         codes = client.batch_is_exist([layout.meta_key(k) for k in self.keys])
         if store._conn.check(codes, "batch_is_exist"):
             return self.fail_all(ClusterOff, "master unreachable during put", -900)
+        found = [i for i, code in enumerate(codes) if code == 1]
+        sound = self._sound(client, workspace, found) if found else set()
+        if sound is None:
+            return self.fail_all(ClusterOff, "master unreachable during put", -900)
+        if len(sound) < len(found):
+            store._counters.add(rewritten=len(found) - len(sound))
         todo = []
-        for i, code in enumerate(codes):
-            if code == 1:  # there already (a get that finds it wrong drops it; a later put writes it)
+        for i in range(len(self.keys)):
+            if i in sound:  # there already, and sound (a get that finds it wrong drops it)
                 if self.settle(i, sum(v.numel() for v in self.views[i])):
                     store._counters.add(present=1)
             else:
@@ -182,7 +226,7 @@ class SealedBatch(Batch):
         try:
             meta = layout.open_meta(sealer, self.keys[i], value)
         except UnknownEpoch:
-            return self._unknown_epoch(i, int.from_bytes(bytes(value[12:16]), "little"))  # the clear epoch
+            return self._unknown_epoch(i, epoch_of(value))  # the clear epoch
         except Unauthentic as exc:
             return ObjectUnauthentic(f"{self.name(i)}: {exc}")
         if [p[0] for p in meta.parts] != [v.numel() for v in self.views[i]]:
@@ -228,8 +272,8 @@ class SealedBatch(Batch):
         for i, code in enumerate(codes):
             if code == OBJECT_NOT_FOUND:
                 failed[i] = ObjectAbsent(f"no {self.name(i)} in the cluster", code)
-            elif code == msizes[i]:
-                opened = self._open_meta(i, values[offsets[i]:offsets[i + 1]])
+            elif code in (msizes[i], sealed_meta_bytes(len(self.views[i]), V2)):  # version 3, or 2 (older saria's)
+                opened = self._open_meta(i, values[offsets[i]:offsets[i] + code])
                 if isinstance(opened, ClusterMiss):
                     failed[i] = opened
                 else:

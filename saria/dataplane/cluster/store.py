@@ -180,11 +180,13 @@ class ClusterStore:
         parts' ``saria.kernels.checksum`` values if the caller has them (trusted, not recomputed;
         else, or where a part's is ``None``, computed on the worker; a sealed store neither takes
         nor computes any: the tag is its check). The views must stay unchanged until the Future is done (after a timeout: until its
-        ``released`` event is set). A sealed store does not write an object whose metadata is in the
-        cluster already (the Future resolves to its length; ``present`` counts it).
+        ``released`` event is set). A sealed store does not write an object that is in the cluster
+        already, sound (its metadata opens under this key file, every part it names exists: the
+        Future resolves to its length; ``present`` counts it); one whose metadata is junk or whose
+        parts are gone is written again (``rewritten``).
 
         Raises at once, with nothing sent: ``TypeError`` / ``ValueError`` for bad arguments (a key
-        that is not an object key, a view outside the registered memory or too large, a batch
+        that is not an object key, an object of more than :data:`~.layout.MAX_PARTS` parts, a view outside the registered memory or too large, a batch
         whose metadata exceeds ``arena_bytes``), :class:`ClusterClosed`.
         """
         sums = self._check("put", keys, views, checksums)
@@ -220,7 +222,7 @@ class ClusterStore:
             self._counters.add(off_calls=1)
             return [False] * len(keys)
         self._counters.add(exists_calls=1)
-        fut = self._lookups.submit(queries.exists, self._conn, [(self._layout, k) for k in keys])
+        fut = self._lookups.submit(queries.exists, self._conn, [(self._layout, k) for k in keys], self._counters)
         try:
             return fut.result(timeout=self._timeout if timeout_s is None else timeout_s)
         except FutureTimeout:
@@ -295,6 +297,8 @@ class ClusterStore:
             parse_object_key(key)
             if isinstance(parts, torch.Tensor) or not len(parts):
                 raise ValueError(f"object {i}: views must be a non-empty list of part views")
+            if len(parts) > self._layout.max_parts:
+                raise ValueError(f"object {i}: {len(parts)} parts, an object has at most {self._layout.max_parts}")
             for j, v in enumerate(parts):
                 self._registered.check(v, f"object {i} part {j}", self._max_part)
             total += self._layout.meta_bytes(len(parts))

@@ -39,13 +39,18 @@ header never reads as valid::
 The header's own checksum is blake2b (stdlib): headers are host-side metadata parsed on the CPU at
 open, while payload checksums use the kernels' device checksum so reads verify where they land.
 
-A sealed store (docs/ssd.md, "Sealed objects") writes slot format version 2: bytes 0..128 as in
+A sealed store (docs/ssd.md, "Sealed objects") writes slot format version 3: bytes 0..128 as in
 version 1 with the payload checksum 0 (the part's AES-GCM tag replaces it), then::
 
-    128 B   flags (1 = sealed; the only value)       148 16s GCM tag of the part
-    129 3s  reserved (0)                              164 8s  key id of the key file it was sealed under
-    132 I   key epoch                                 172 I   reserved (0)
-    136 12s nonce                                     176 Q   blake2b-64 of bytes 0..176
+    128 B   flags (1 = sealed; the only value)       160 16s GCM tag of the part
+    129 3s  reserved (0)                              176 8s  key id of the key file it was sealed under
+    132 I   key epoch                                 184 I   reserved (0)
+    136 24s the part's random value (seal format 2)   188 Q   blake2b-64 of bytes 0..188
+
+The random value salts the part's own key and gives its nonce (saria/seal/aead.py, seal format
+version 2). Slot format version 2 (saria before per-part keys) had a 12-byte nonce (seal format
+version 1) at 136, the tag at 148, the key id at 164, reserved at 172 and its checksum of bytes
+0..176 at 176; such headers are still read and their parts opened, none is written any more.
 
 The payload of a sealed part is its ciphertext (as long as the plaintext). Unsealed stores write
 version 1, exactly as before.
@@ -64,7 +69,8 @@ HEADER_BYTES = 4096
 SUPERBLOCK_BYTES = 4096
 FORMAT_VERSION = 2  # of the superblock written; version 1 superblocks are read too
 SLOT_VERSION = 1  # of unsealed slot headers (unchanged since format version 1)
-SEALED_SLOT_VERSION = 2  # of sealed slot headers
+SEALED_SLOT_VERSION = 3  # of sealed slot headers (a part's 24-byte random value: seal format version 2)
+V1_SEALED_SLOT_VERSION = 2  # sealed slot headers of seal format version 1 (a 12-byte nonce): read, not written
 MAX_IDENTITY_BYTES = 3000  # UTF-8 bytes of a superblock's identity
 MAX_KEY_BYTES = 64
 FILE_NAME = "saria-ssd-store.bin"
@@ -79,9 +85,12 @@ _SUPER_SUMMED = SUPERBLOCK_BYTES - 8  # version 2: the checksum covers the block
 _SLOT = struct.Struct("<8sHBBIIIQQQQQ64s")  # 128 bytes, then the checksum
 _CSUM = struct.Struct("<Q")
 _SLOT_USED = _SLOT.size + _CSUM.size
-_SEAL = struct.Struct("<B3sI12s16s8sI")  # version 2, at _SLOT.size: flags .. reserved (48 bytes)
+_SEALS = {  # sealed slot version: its fields at _SLOT.size, flags .. reserved (60 and 48 bytes)
+    SEALED_SLOT_VERSION: struct.Struct("<B3sI24s16s8sI"),
+    V1_SEALED_SLOT_VERSION: struct.Struct("<B3sI12s16s8sI"),
+}
 SEALED_FLAG = 1
-_SEALED_SUMMED = _SLOT.size + _SEAL.size  # version 2: its checksum covers bytes 0..176
+_SEAL_NONCE = {24: SEALED_SLOT_VERSION, 12: V1_SEALED_SLOT_VERSION}  # a random value's length: its slot version
 
 
 def _digest(data: bytes) -> int:
@@ -201,13 +210,15 @@ class SuperBlock:
 class SealFields(SealedPart):
     """What a sealed part's header keeps beside its ciphertext: its epoch, nonce and tag (a
     :class:`~saria.seal.SealedPart`, as :meth:`~saria.seal.Sealer.open_into` takes it) and the
-    key id of the key file it was sealed under. ``repr`` shows the epoch only."""
+    key id of the key file it was sealed under. The random value is 24 bytes (seal format version
+    2, slot version 3), or 12 (a version-1 part's nonce, read from a slot of version 2). ``repr``
+    shows the epoch only."""
 
     key_id: bytes = b""
 
     def __post_init__(self) -> None:
-        if len(self.nonce) != 12 or len(self.tag) != 16 or len(self.key_id) != 8:
-            raise ValueError("sealed fields: a nonce is 12 bytes, a tag 16 and a key id 8")
+        if len(self.nonce) not in _SEAL_NONCE or len(self.tag) != 16 or len(self.key_id) != 8:
+            raise ValueError("sealed fields: a random value is 24 bytes (12 for version 1), a tag 16 and a key id 8")
 
     def __repr__(self) -> str:
         return f"SealFields(epoch={self.epoch})"
@@ -216,7 +227,8 @@ class SealFields(SealedPart):
 @dataclass(frozen=True)
 class SlotHeader:
     """A committed slot header: part ``part_index`` of ``part_count`` of object ``key``;
-    ``seal``: its sealed fields (slot version 2), ``None`` for an unsealed part (version 1)."""
+    ``seal``: its sealed fields (slot version 3, or 2 for a version-1 part's), ``None`` for an
+    unsealed part (version 1)."""
 
     key: bytes
     generation: int
@@ -229,12 +241,12 @@ class SlotHeader:
     seal: SealFields | None = None
 
     def encode(self) -> bytes:
-        version = SLOT_VERSION if self.seal is None else SEALED_SLOT_VERSION
+        version = SLOT_VERSION if self.seal is None else _SEAL_NONCE[len(self.seal.nonce)]
         body = _SLOT.pack(SLOT_MAGIC, version, STATE_COMMITTED, len(self.key), self.part_index,
                           self.part_count, 0, self.generation, self.object_length, self.part_length,
                           self.part_capacity, self.checksum, self.key)
         if self.seal is not None:
-            body += _SEAL.pack(SEALED_FLAG, bytes(3), self.seal.epoch, self.seal.nonce, self.seal.tag,
+            body += _SEALS[version].pack(SEALED_FLAG, bytes(3), self.seal.epoch, self.seal.nonce, self.seal.tag,
                                self.seal.key_id, 0)
         return (body + _CSUM.pack(_digest(body))).ljust(HEADER_BYTES, b"\0")
 
@@ -255,17 +267,17 @@ def decode_header(block: bytes) -> SlotHeader | None:
      part_length, part_capacity, checksum, key) = _SLOT.unpack_from(block)
     if magic != SLOT_MAGIC:
         raise ValueError(f"bad header magic {magic!r}")
-    summed = _SEALED_SUMMED if version == SEALED_SLOT_VERSION else _SLOT.size
+    summed = _SLOT.size + (_SEALS[version].size if version in _SEALS else 0)
     if len(block) < summed + _CSUM.size:
         raise ValueError(f"header cut short ({len(block)} bytes)")
     (stored,) = _CSUM.unpack_from(block, summed)
     if stored != _digest(block[:summed]):
         raise ValueError("header checksum mismatch (torn or corrupt header)")
-    if version not in (SLOT_VERSION, SEALED_SLOT_VERSION):
+    if version != SLOT_VERSION and version not in _SEALS:
         raise ValueError(f"header format version {version}")
     seal = None
-    if version == SEALED_SLOT_VERSION:
-        flags, pad, epoch, nonce, tag, key_id, pad2 = _SEAL.unpack_from(block, _SLOT.size)
+    if version in _SEALS:
+        flags, pad, epoch, nonce, tag, key_id, pad2 = _SEALS[version].unpack_from(block, _SLOT.size)
         if flags != SEALED_FLAG or any(pad) or pad2 or checksum:
             raise ValueError("malformed sealed fields")
         seal = SealFields(epoch, nonce, tag, key_id)

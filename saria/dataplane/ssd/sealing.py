@@ -5,8 +5,10 @@ A part is sealed with AES-256-GCM (:meth:`Sealer.seal_into`, associated data bin
 identity, the object's name and tenant, the key id and epoch, the part's index and count and the
 object's and part's lengths) from its source into a private page-aligned bounce buffer, and that
 ciphertext is the payload written (O_DIRECT-safe: the buffer and the rounded-up length are 4 KiB
-aligned, the padding zeros). The epoch, nonce, tag and key id go to the slot header (format
-version 2). The GCM tag replaces the payload checksum: one pass over the bytes.
+aligned, the padding zeros). The epoch, the part's random value (its key is derived from it:
+seal format 2), the tag and the key id go to the slot header (slot format version 3; headers of
+version 2, with a format-1 part's 12-byte nonce, are still read and opened). The GCM tag replaces the payload checksum: one pass over the
+bytes.
 
 A read brings the ciphertext into a private bounce buffer (never straight into the destination),
 puts the header's tag after it, and opens it (:meth:`Sealer.open_into`) into the destination when
