@@ -37,7 +37,8 @@ from saria.seal.keys import LABEL_PREFIX
 from saria.dataplane.ssd.counters import SSDCounters
 from saria.dataplane.ssd.errors import StoreConfigError
 from saria.dataplane.ssd.files import O_DIRECT, DirectoryLock, DriveFile, IoOps, probe_direct_io
-from saria.dataplane.ssd.format import FILE_NAME, SUPER_MAGIC, SUPERBLOCK_BYTES, Geometry, SlotHeader, SuperBlock, decode_header
+from saria.dataplane.ssd.format import (FILE_NAME, SUPER_MAGIC, SUPERBLOCK_BYTES, Geometry, SlotHeader, SuperBlock,
+                                        decode_header)
 from saria.dataplane.ssd.index import IndexEntry, assemble
 from saria.safe_files import O_NOFOLLOW, O_NONBLOCK, file_problem, shown
 
