@@ -125,14 +125,16 @@ class FaultyOps(IoOps):
         if f.error is not None:
             raise OSError(f.error, f"injected {errno_mod.errorcode[f.error]}: {os.strerror(f.error)}", call.path)
 
-    def open(self, path, flags, mode=0o644):
-        call = Call("open", str(path), flags=flags)
+    def open(self, path, flags, mode=0o600, *, dir_fd=None):
+        shown = str(path) if dir_fd is None else os.path.normpath(os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"),
+                                                                               str(path)))
+        call = Call("open", shown, flags=flags)
         f = self._match(call)
         if f:
             self._raise(f, call)
-        fd = super().open(path, flags, mode)
+        fd = super().open(path, flags, mode, dir_fd=dir_fd)
         with self._lock:
-            self.paths[fd] = str(path)
+            self.paths[fd] = shown
             if flags & getattr(os, "O_DIRECT", 0):
                 self.direct.add(fd)
         if f and f.then:

@@ -483,7 +483,7 @@ def served(tmp_path_factory):
     new_key_file(secret)  # a sealed server: every SSD object sealed, named by chunk ids (docs/security.md)
     saria_args = [model, "--secret-file", str(secret), "--dram-gb", "0.002", "--ssd-path", str(root / "ssd"), "--ssd-gb", "0.05",
                   "--chunk-tokens", str(CHUNK), "--log-interval-s", "1", "--saria-option", "theta_E=1",
-                  "--saria-option", "audit_kv=true", *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-log-requests",
+                  "--saria-option", "audit_kv=true", "--saria-option", "audit_kv_with_key=true", *VLLM_ARGS, "--no-enable-prefix-caching", "--enable-log-requests",
                   "--enable-prompt-tokens-details", *SNAPSHOT_ARGS]
     result = {"model": model, "ssd": root / "ssd"}
     with Server(saria_args, root / "saria.log", root / "cache", env=SNAPSHOT_ENV) as server:  # one cache: the second starts faster

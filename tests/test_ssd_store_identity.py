@@ -295,11 +295,13 @@ def test_corrupt_superblock_is_wiped_when_an_identity_is_given(tmp_path, caplog)
     assert "nvme1" in line and "unusable superblock: superblock checksum mismatch" in line
     assert "an unknown number of objects dropped" in line
     assert superblock(tmp_path / "nvme1") == SuperBlock(PB, SLOTS, A)
+    # a file that is not a saria store at all (no saria superblock) is refused, never wiped
+    # (docs/security.md, "Files on the box")
     drive_file(tmp_path / "nvme1").write_bytes(b"some other file" * 1000)
-    with open_store(tmp_path, 2, identity=A) as store:
-        assert store.counters()["wiped_files"] == 1
-    assert "no saria superblock" in wipe_lines(caplog)[-1]
-    assert drive_file(tmp_path / "nvme1").stat().st_size == capacity(SLOTS)
+    with pytest.raises(StoreConfigError, match="nvme1.*is not a saria SSD store file.*not wiped"):
+        open_store(tmp_path, 2, identity=A)
+    assert drive_file(tmp_path / "nvme1").read_bytes() == b"some other file" * 1000
+    assert len(wipe_lines(caplog)) == 1  # the first one's only
 
 
 def test_blank_superblock_over_objects(tmp_path, caplog):

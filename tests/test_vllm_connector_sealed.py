@@ -63,8 +63,8 @@ def run(session: dict, ssd: Path, tenants: list, key: Path | None) -> dict:
     prompt = session["prompts"][0]
     config = {"chunk_tokens": CHUNK, "dram_bytes": 32 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(ssd)],
               "ssd_bytes": 64 << 20, "policy": "full-duplicate", "log_interval_s": 0.5, "audit_kv": True}
-    if key is not None:
-        config["secret_file"] = str(key)
+    if key is not None:  # the audit checks every reload; with a key only as the testing aid it is
+        config.update(secret_file=str(key), audit_kv_with_key=True)
     spec = dict(session["spec"], prompts=[prompt] * len(tenants), extra_config=config,
                 cache_salts=[SALTS[t] for t in tenants], record_block_hashes=True)
     return run_in_subprocess(spec, keep_log=True)

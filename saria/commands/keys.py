@@ -29,7 +29,8 @@ EPILOG = """Key management:
   Every server that shares a tier (an SSD directory, a Mooncake master) must hold the same key
   file: objects sealed under another key file are misses, never bytes. Copy it as you would a TLS
   private key (scp, a secrets manager), keep it mode 0400: a key file that group or other can read
-  or write is refused when saria loads it.
+  or write, that another user owns, that has a second hard link, or whose directory group or
+  other can write is refused when saria loads it.
 
   Rotation: `saria keys rotate` adds an epoch and makes it current; objects sealed under older
   epochs stay readable, new ones are sealed under the new epoch. Give the rotated file to every

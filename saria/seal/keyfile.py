@@ -13,18 +13,21 @@ removes an old epoch (its objects become misses). The naming root is kept across
 object's name does not change with the epoch it is sealed under. ``saria keys rekey PATH`` is the
 recovery from a leaked key file: a new naming root and a new master key, every older epoch
 dropped, so every name, store label and key id changes and every object sealed under the old file
-is a clean miss. Every secret comes from
-``os.urandom``. A file that group or other can read or write is refused when loaded.
+is a clean miss. Every secret comes from ``os.urandom``. A file that group or other can read or
+write, one that another user owns or that has a second hard link, and one in a directory that
+group or other can write is refused when loaded (docs/security.md, "Files on the box").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from saria.safe_files import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, O_NONBLOCK, file_problem
 from saria.seal.errors import KeyFileError
 
 FORMAT = 1
@@ -55,13 +58,22 @@ class KeyFile:
         missing, not a regular file, readable or writable by group or other, or malformed."""
         path = Path(path)
         try:
-            # O_NONBLOCK: a FIFO at the path must be refused below, not block the open for a writer
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+            dir_fd = _open_parent(path)
+        except FileNotFoundError:
+            dir_fd = -1
+        try:
+            # O_NONBLOCK: a FIFO at the path must be refused below, not block the open for a writer;
+            # relative to the directory just checked, so the file is the one in that directory
+            fd = os.open(path.name if dir_fd >= 0 else path, os.O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC,
+                         dir_fd=dir_fd if dir_fd >= 0 else None)
         except FileNotFoundError:
             raise KeyFileError(f"key file {_shown(path)} does not exist "
                                f"(make one with: saria keys new {_shown(path)})") from None
         except OSError as exc:
             raise KeyFileError(f"key file {_shown(path)} cannot be opened: {exc.strerror}") from None
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -69,6 +81,10 @@ class KeyFile:
             if st.st_mode & 0o077:
                 raise KeyFileError(f"key file {_shown(path)} has mode {stat.S_IMODE(st.st_mode):04o}: group and "
                                    f"other must have no access (chmod 0400 {_shown(path)})")
+            problem = file_problem(st)  # owned by the user running saria, one link
+            if problem:
+                raise KeyFileError(f"key file {_shown(path)} {problem}: refused (whoever owns or links it can "
+                                   "rewrite the keys)")
             if st.st_size > MAX_FILE_BYTES:
                 raise KeyFileError(f"key file {_shown(path)} is {st.st_size} bytes: not a saria key file")
             data = os.read(fd, MAX_FILE_BYTES + 1)
@@ -121,42 +137,70 @@ def _secret(value, what: str, bad) -> bytes:
         raise bad(f"{what} is not {KEY_BYTES} bytes of hex") from None
 
 
-def _write_new(path: Path, data: bytes) -> None:
-    """Create ``path`` (mode 0400, never over an existing file) holding ``data``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o400)
+def _open_parent(path: Path) -> int:
+    """A descriptor of the directory holding the key file ``path``, checked: group and other must
+    not be able to write it (they could replace the key file), else :class:`KeyFileError`.
+    ``FileNotFoundError`` when it does not exist."""
+    parent = path.parent
     try:
-        os.fchmod(fd, 0o400)  # whatever the umask
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
+        fd = os.open(parent, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    except FileNotFoundError:
         raise
-    os.close(fd)
+    except OSError as exc:
+        raise KeyFileError(f"key file {_shown(path)}: its directory cannot be opened: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if st.st_mode & 0o022:
+        os.close(fd)
+        raise KeyFileError(f"key file {_shown(path)}: its directory {_shown(parent)} is writable by group or other "
+                           f"(mode {stat.S_IMODE(st.st_mode):04o}): another user could replace the key file "
+                           f"(chmod go-w {_shown(parent)}): refused")
+    return fd
+
+
+def _write_new(path: Path, data: bytes, parent_fd: int | None = None) -> None:
+    """Create ``path`` (mode 0400, never over an existing file nor through a link, in a directory
+    that group and other cannot write: ``parent_fd`` when the caller has it open) holding ``data``."""
+    dir_fd = _open_parent(path) if parent_fd is None else os.dup(parent_fd)
+    try:
+        fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o400, dir_fd=dir_fd)
+        try:
+            os.fchmod(fd, 0o400)  # whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path.name, dir_fd=dir_fd)  # made here (O_EXCL) in a directory no one else writes
+            raise
+        os.close(fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _replace(path: Path, keys: KeyFile) -> None:
-    """Write ``keys`` to a new file beside ``path`` and rename it over ``path`` (atomic);
-    :class:`KeyFileError` if it cannot (the new file is then removed, ``path`` left as it was)."""
-    tmp = path.with_name(f".{path.name}.new")
+    """Write ``keys`` to a new file beside ``path`` (a random name, created exclusively) and rename
+    it over ``path`` (atomic); :class:`KeyFileError` if it cannot (the new file is then removed,
+    ``path`` left as it was)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.new")
     written = False
     try:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        _write_new(tmp, keys.encode())
-        written = True
-        os.replace(tmp, path)
-    except OSError as exc:
-        if written:
-            tmp.unlink(missing_ok=True)
-        raise KeyFileError(f"cannot replace key file {_shown(path)} (by way of {_shown(tmp.name)} beside it): "
-                           f"{exc.strerror}") from None
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+        dir_fd = _open_parent(path)
+    except FileNotFoundError:
+        raise KeyFileError(f"cannot replace key file {_shown(path)}: its directory does not exist") from None
     try:
+        try:
+            _write_new(tmp, keys.encode(), dir_fd)
+            written = True
+            os.replace(tmp.name, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as exc:
+            if written:
+                try:
+                    os.unlink(tmp.name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+            raise KeyFileError(f"cannot replace key file {_shown(path)} (by way of a new file beside it): "
+                               f"{exc.strerror}") from None
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)

@@ -11,6 +11,8 @@ them by process id.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import signal
@@ -21,6 +23,8 @@ import time
 import urllib.request
 from collections.abc import Collection
 from pathlib import Path
+
+from saria.safe_files import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK, file_problem, shown
 
 
 def find_binary(name: str) -> str | None:
@@ -74,6 +78,24 @@ def _last_error(log: Path, levels: str = "EF") -> str:
 
 _WHAT = {"master": "mooncake master", "node": "mooncake storage node"}
 
+
+
+def open_log(path: Path):
+    """``path`` opened to write a process's log from its start: created 0600, or an earlier run's
+    log emptied, never through a symbolic link, never a FIFO, a file of another user or one with
+    another link (a ``--logdir`` may be shared: nothing else there is truncated); ``OSError``
+    naming the path otherwise (docs/security.md, "Files on the box")."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0o600)
+    try:
+        problem = file_problem(os.fstat(fd))
+        if problem:
+            raise OSError(errno.EPERM, f"{problem}: refused, left as it is")
+        os.ftruncate(fd, 0)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_NONBLOCK)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 class LocalCluster:
     """One ``mooncake_master`` and one storage node (``mooncake_client`` holding ``node_bytes``),
@@ -131,7 +153,12 @@ class LocalCluster:
     def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
         self._starts += 1
         self._logs[name] = self.logdir / f"{name}-{self._starts}.log"
-        with open(self._logs[name], "wb") as log:
+        try:
+            log_file = open_log(self._logs[name])
+        except OSError as exc:  # a start that cannot be told from the outside: one line, as a child's failure
+            why = "is a symbolic link: refused, left as it is" if exc.errno == errno.ELOOP else exc.strerror or exc
+            raise RuntimeError(f"the {name}'s log {shown(self._logs[name])}: {why}") from None
+        with log_file as log:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     process_group=0 if self._own_group else None)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Protocol
@@ -116,7 +117,7 @@ class KvikioPayloadIO:
     name = "kvikio"
 
     def __init__(self, paths: list[Path], posix: PosixPayloadIO, counters: SSDCounters, *,
-                 status: KvikioStatus | None = None):
+                 status: KvikioStatus | None = None, expect: list[tuple[int, int]] | None = None):
         self.status = status if status is not None else kvikio_status()
         if not self.status.usable:
             raise RuntimeError(f"kvikio is not usable here: {self.status.reason}")
@@ -131,8 +132,15 @@ class KvikioPayloadIO:
         self._paths = [str(p) for p in paths]
         self._files = []
         try:
-            for p in self._paths:
+            for i, p in enumerate(self._paths):
                 self._files.append(kvikio.CuFile(p, "r+"))  # "r+": read/write, no truncation
+                # kvikio opens by name: it must have the very file the store checked and has open
+                # (its directory is the store's own, so no one else can swap it; this says so)
+                fd = getattr(self._files[-1], "fd", None)
+                if expect is not None and callable(fd):
+                    st = os.fstat(fd())
+                    if (st.st_dev, st.st_ino) != expect[i]:
+                        raise OSError(errno.ESTALE, f"{p} is no longer the file the SSD store opened and checked")
         except BaseException:
             self.close()
             raise
@@ -187,7 +195,8 @@ def open_payload_io(backend: str, files: list[DriveFile], part_bytes: int, count
         log.log(level, "SSD store uses POSIX: %s", choice.reason)
         return posix
     try:
-        return KvikioPayloadIO([f.path for f in files], posix, counters, status=status)
+        return KvikioPayloadIO([f.path for f in files], posix, counters, status=status,
+                               expect=[f.identity for f in files])
     except Exception as exc:
         if backend == "kvikio":
             raise StoreConfigError(f"kvikio ({choice.name}) could not open the drive files: "

@@ -22,7 +22,7 @@ import errno
 import fcntl
 import mmap
 import os
-import tempfile
+import secrets
 import threading
 import weakref
 import time
@@ -36,6 +36,7 @@ from saria.dataplane.dram.host_pool import REGISTRY
 from saria.dataplane.ssd.counters import SSDCounters
 from saria.dataplane.ssd.errors import StoreConfigError
 from saria.dataplane.ssd.format import BLOCK
+from saria.safe_files import UnsafePath, dir_problem, open_dir, shown
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -43,8 +44,9 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 class IoOps:
     """The syscalls of the POSIX path, one method each (the real ``os`` functions)."""
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        return os.open(path, flags, mode)
+    def open(self, path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+        """``os.open``; ``path`` relative to the directory ``dir_fd`` when given."""
+        return os.open(path, flags, mode, dir_fd=dir_fd)
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -164,14 +166,27 @@ class DirectoryLock:
     release it, so a second store on the directory (in this process or another; flock locks belong
     to open file descriptions) is refused with :class:`StoreConfigError` naming the directory and,
     where ``/proc/locks`` tells, the pid holding it.
+
+    The directory is opened without following a symbolic link and checked on its descriptor
+    (:func:`saria.safe_files.dir_problem`: a real directory, owned by the user running saria, that
+    group and other cannot write), and :attr:`fd` is what the drive file and the direct-I/O probe
+    are opened relative to, so a directory renamed or swapped after the check is never used.
     """
 
     def __init__(self, directory: Path):
         self.directory = directory
         try:
-            self._fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._fd = open_dir(directory)
+        except UnsafePath as exc:
+            raise StoreConfigError(f"SSD path {exc}: refused") from exc
+        try:
+            problem = dir_problem(os.fstat(self._fd))
         except OSError as exc:
-            raise StoreConfigError(f"SSD path {directory} is not usable: {exc.strerror or exc}") from exc
+            problem = f"cannot be checked: {exc.strerror or exc}"
+        if problem:
+            os.close(self._fd)
+            raise StoreConfigError(f"SSD path {shown(directory)} {problem}: refused (saria keeps its store only in "
+                                   "a directory of its own user that no one else can write)")
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -184,6 +199,11 @@ class DirectoryLock:
                    else f"held by process {pid}")
             raise StoreConfigError(f"SSD path {directory} is in use by another SSD store ({who}); "
                                    "close that store first") from exc
+
+    @property
+    def fd(self) -> int:
+        """The directory's descriptor (``-1`` once released)."""
+        return self._fd
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -214,6 +234,11 @@ class DriveFile:
         self._identity = (st.st_dev, st.st_ino)
         self._abs_path = os.path.abspath(path)  # stat()ed by vanished(), whatever the working directory
 
+    @property
+    def identity(self) -> tuple[int, int]:
+        """``(st_dev, st_ino)`` of the file this object has open."""
+        return self._identity
+
     def vanished(self) -> str | None:
         """Why the file at :attr:`path` is no longer the file this object has open (``"was deleted"``,
         ``"was replaced by another file ..."``), or ``None`` while it still is. One ``stat`` of the
@@ -232,6 +257,24 @@ class DriveFile:
 
     def write_exact(self, buf: memoryview, offset: int) -> None:
         self._transfer(self._ops.pwrite, buf, offset, "write")
+
+    def read_head(self) -> bytes:
+        """The file's first block, or all of a file shorter than a block (one read)."""
+        with self._blocks.acquire() as b:
+            n = self._call(self._ops.pread, self.fd, b.view, 0)
+            return bytes(b.view[:n])
+
+    def remove(self) -> None:
+        """Remove the file's name, relative to its locked directory, if the name still reaches this
+        file (nothing else is ever removed; without a directory lock, nothing is)."""
+        if self._lock is None or self._lock.fd < 0:
+            return
+        try:
+            st = os.stat(self.path.name, dir_fd=self._lock.fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == self._identity:
+                os.unlink(self.path.name, dir_fd=self._lock.fd)
+        except FileNotFoundError:
+            pass
 
     def read_block(self, offset: int) -> bytes:
         """The 4 KiB block at ``offset`` (through an aligned buffer, so O_DIRECT accepts it)."""
@@ -300,37 +343,93 @@ class DriveFile:
         self._counters.add_io(str(self.path), kind, n, time.perf_counter() - start)
 
 
-def probe_direct_io(path: str | os.PathLike, ops: IoOps | None = None) -> bool:
+PROBE_PREFIX = ".saria-odirect-probe-"
+O_TMPFILE = getattr(os, "O_TMPFILE", 0)
+
+
+def probe_direct_io(path: str | os.PathLike, ops: IoOps | None = None, *, dir_fd: int | None = None) -> bool:
     """Can the filesystem holding directory ``path`` do O_DIRECT I/O?
 
-    Writes one aligned 4 KiB block with O_DIRECT to a temporary file in ``path``, reads it back and
-    removes the file. ``False`` when the filesystem refuses O_DIRECT (EINVAL at open or on I/O);
-    ``OSError`` when ``path`` is not a usable directory (missing, not a directory, not writable).
+    Writes one aligned 4 KiB block with O_DIRECT to a file of its own in ``path`` and reads it back,
+    always through the descriptor it created, never by a name (docs/security.md, "Files on the
+    box"): an unnamed ``O_TMPFILE`` where the filesystem has them, else a file of a random name
+    created exclusively (``O_EXCL``, ``O_NOFOLLOW``, 0600) and unlinked at once, O_DIRECT then
+    turned on for its descriptor. ``dir_fd``: the directory, already opened (and checked) by the
+    caller; without it ``path`` is opened here. ``False`` when the filesystem refuses O_DIRECT
+    (EINVAL); ``OSError`` when ``path`` is not a usable directory (missing, not a directory, not
+    writable).
     """
     ops = ops or IoOps()
     directory = Path(path)
-    if not directory.is_dir():
+    if dir_fd is None and not directory.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "not a directory" if directory.exists() else "no such directory",
                                  str(directory))
     if not O_DIRECT:
         return False
-    fd_tmp, name = tempfile.mkstemp(prefix=".saria-odirect-probe-", dir=directory)
-    os.close(fd_tmp)
+    own_dir = dir_fd is None
+    if own_dir:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fd = -1
     try:
-        try:
-            fd = ops.open(name, os.O_RDWR | O_DIRECT | os.O_CLOEXEC)
-            buf = AlignedBuffer(BLOCK)
-            buf.view[:] = bytes(range(256)) * (BLOCK // 256)
-            if ops.pwrite(fd, buf.view, 0) != BLOCK:
-                return False
-            back = AlignedBuffer(BLOCK)
-            return ops.pread(fd, back.view, 0) == BLOCK and back.view == buf.view
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
-            raise
+        fd = _probe_file(ops, dir_fd)
+        if fd < 0:
+            return False
+        buf = AlignedBuffer(BLOCK)
+        buf.view[:] = bytes(range(256)) * (BLOCK // 256)
+        if ops.pwrite(fd, buf.view, 0) != BLOCK:
+            return False
+        back = AlignedBuffer(BLOCK)
+        return ops.pread(fd, back.view, 0) == BLOCK and back.view == buf.view
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
     finally:
         if fd >= 0:
             ops.close(fd)
-        os.unlink(name)
+        if own_dir:
+            os.close(dir_fd)
+
+
+def _probe_file(ops: IoOps, dir_fd: int) -> int:
+    """A descriptor of a new file no name reaches, opened O_DIRECT in directory ``dir_fd``;
+    ``-1`` when the filesystem refuses O_DIRECT."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if O_TMPFILE:
+        try:
+            return ops.open(".", flags | O_TMPFILE | O_DIRECT, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EISDIR):
+                raise
+            if exc.errno == errno.EINVAL:  # O_DIRECT refused, or O_TMPFILE unknown here: tell which
+                try:
+                    ops.close(ops.open(".", flags | O_TMPFILE, 0o600, dir_fd=dir_fd))
+                    return -1  # an O_TMPFILE without O_DIRECT opens: O_DIRECT is what is refused
+                except OSError as again:
+                    if again.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.EISDIR):
+                        raise
+    name = PROBE_PREFIX + secrets.token_hex(8)  # random, so no one can plant it in advance
+    fd = ops.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+    try:
+        mine = os.fstat(fd)
+        try:  # the name goes at once; and only while it still reaches the file made here
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                ops.close(fd)
+                return -1
+            raise
+    except BaseException:
+        if fd >= 0:
+            try:
+                ops.close(fd)
+            except OSError:
+                pass
+        raise
+    return fd

@@ -7,7 +7,13 @@ everything else (half-committed writes, torn or flipped headers, parts beyond th
 truncated file, older generations) is erased and counted. A drive file whose superblock says it
 was written for another identity (or, with an identity given, another ``part_bytes``, or a damaged
 or blank superblock over committed headers) is wiped: truncated to nothing, then preallocated and
-formatted like a new file, with one warning line.
+formatted like a new file, with one warning line. A file with no saria superblock at all is not
+saria's: the start is refused and the file left as it is, never wiped.
+
+Files on the box (docs/security.md): each directory is opened without following a link and checked
+on its descriptor (:class:`~saria.dataplane.ssd.files.DirectoryLock`); the drive file is opened
+relative to it with ``O_NOFOLLOW | O_NONBLOCK``, created 0600, and must be a regular file of this
+user with one link (checked on its descriptor); anything else is refused in one line.
 
 Sealing (docs/ssd.md, "Sealed objects"): a sealed store (``key_id`` given) serves only parts sealed
 under its key file; unsealed parts (a plaintext object must never be served by a sealed store) and
@@ -31,8 +37,10 @@ from saria.seal.keys import LABEL_PREFIX
 from saria.dataplane.ssd.counters import SSDCounters
 from saria.dataplane.ssd.errors import StoreConfigError
 from saria.dataplane.ssd.files import O_DIRECT, DirectoryLock, DriveFile, IoOps, probe_direct_io
-from saria.dataplane.ssd.format import FILE_NAME, SUPERBLOCK_BYTES, Geometry, SlotHeader, SuperBlock, decode_header
+from saria.dataplane.ssd.format import (FILE_NAME, SUPER_MAGIC, SUPERBLOCK_BYTES, Geometry, SlotHeader, SuperBlock,
+                                        decode_header)
 from saria.dataplane.ssd.index import IndexEntry, assemble
+from saria.safe_files import O_NOFOLLOW, O_NONBLOCK, file_problem, shown
 
 log = logging.getLogger("saria.dataplane.ssd")
 
@@ -108,24 +116,33 @@ class Startup:
         use_direct = False
         if direct is not False:
             try:
-                use_direct = probe_direct_io(directory, self._ops)
+                use_direct = probe_direct_io(directory, self._ops, dir_fd=lock.fd)
             except OSError as exc:
                 raise StoreConfigError(f"SSD path {directory} is not usable: {exc.strerror or exc}") from exc
             if direct is True and not use_direct:
                 raise StoreConfigError(f"direct=True but the filesystem of {directory} refuses O_DIRECT "
                                        "(use direct='auto' to fall back to buffered I/O)")
-        existed = path.exists()
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (O_DIRECT if use_direct else 0)
+        try:  # the name, not what it points to: a link there is refused at the open below
+            os.stat(FILE_NAME, dir_fd=lock.fd, follow_symlinks=False)
+            existed = True
+        except FileNotFoundError:
+            existed = False
+        except OSError as exc:
+            raise StoreConfigError(f"cannot open {path}: {exc.strerror or exc}") from exc
+        # relative to the locked directory's descriptor, never through a link, never blocking on a FIFO
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (O_DIRECT if use_direct else 0)
         try:
-            fd = self._ops.open(str(path), flags, 0o644)
+            fd = self._open(path, flags, lock)
         except OSError as exc:
             if use_direct and exc.errno == errno.EINVAL and direct == "auto":
                 use_direct = False
-                fd = self._open_plain(path, flags & ~O_DIRECT)
+                fd = self._open_plain(path, flags & ~O_DIRECT, lock)
             else:
-                raise StoreConfigError(f"cannot open {path}: {exc.strerror or exc}") from exc
+                raise self._open_error(path, exc) from exc
         try:
-            f = DriveFile(path, fd, use_direct, self._ops, self._counters, created=not existed, lock=lock)
+            st = self._check_own_file(path, fd)
+            f = DriveFile(path, fd, use_direct, self._ops, self._counters, created=not existed and st.st_size == 0,
+                          lock=lock)
         except BaseException:
             self._ops.close(fd)
             raise
@@ -137,11 +154,36 @@ class Startup:
         log.info("SSD drive %s: %s I/O", path, "O_DIRECT" if use_direct else "buffered")
         return f
 
-    def _open_plain(self, path: Path, flags: int) -> int:
+    def _open(self, path: Path, flags: int, lock: DirectoryLock) -> int:
+        return self._ops.open(FILE_NAME, flags, 0o600, dir_fd=lock.fd)
+
+    def _open_plain(self, path: Path, flags: int, lock: DirectoryLock) -> int:
         try:
-            return self._ops.open(str(path), flags, 0o644)
+            return self._open(path, flags, lock)
         except OSError as exc:
-            raise StoreConfigError(f"cannot open {path}: {exc.strerror or exc}") from exc
+            raise self._open_error(path, exc) from exc
+
+    @staticmethod
+    def _open_error(path: Path, exc: OSError) -> StoreConfigError:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW: the name is a symbolic link (followed by nothing)
+            return StoreConfigError(f"SSD drive file {shown(path)} is a symbolic link, not a regular file: refused, "
+                                    "left as it is (saria opens only its own files)")
+        return StoreConfigError(f"cannot open {path}: {exc.strerror or exc}")
+
+    @staticmethod
+    def _check_own_file(path: Path, fd: int) -> os.stat_result:
+        """The drive file just opened, checked on its descriptor (a regular file of this user with
+        one link, :func:`~saria.safe_files.file_problem`), made 0600 (saria's own file: without a
+        key it holds KV in the clear) and blocking again; :class:`StoreConfigError` otherwise."""
+        st = os.fstat(fd)
+        problem = file_problem(st)
+        if problem:
+            raise StoreConfigError(f"SSD drive file {shown(path)} {problem}: refused, left as it is "
+                                   "(saria opens only its own files)")
+        if st.st_mode & 0o177:
+            os.fchmod(fd, 0o600)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_NONBLOCK)
+        return st
 
     def recover(self, files: list[DriveFile], pool: Executor, erase: Callable[[int, int], bool]) -> Started:
         """Scan every drive's headers (on ``pool``), rebuild the index, erase what is not served
@@ -208,10 +250,15 @@ class Startup:
         ``f``; or, when its content is not this store's to serve, what it was written for."""
         g = self._geometry
         size = f.size()
+        head = f.read_head() if size < SUPERBLOCK_BYTES else f.read_block(0)
+        if any(head) and not head.startswith(SUPER_MAGIC):
+            # not saria's (never formatted by it, or not saria's at all): never wiped, whatever the identity
+            raise StoreConfigError(f"SSD drive file {shown(f.path)} is not a saria SSD store file (no saria "
+                                   "superblock): refused, not wiped (move it away to start an empty store)")
         if size < SUPERBLOCK_BYTES:
             return DriveScan()
         try:
-            sb = SuperBlock.decode(f.read_block(0))
+            sb = SuperBlock.decode(head)
         except ValueError as exc:
             if not self._identity:
                 raise StoreConfigError(f"{f.path} is not a usable saria SSD store file: {exc} "
@@ -251,14 +298,14 @@ class Startup:
             f.truncate(want)
         missing = want - f.allocated_bytes()
         try:
-            st = os.statvfs(f.path.parent)
+            st = os.fstatvfs(f.fd)
             free = st.f_bavail * st.f_frsize
             if missing > free:
                 raise OSError(errno.ENOSPC, f"needs {missing} more bytes, {free} free")
             f.fallocate(want)
         except OSError as exc:
-            if f.created:
-                f.path.unlink(missing_ok=True)
+            if f.created:  # the file this start made, and only while its name still reaches it
+                f.remove()
             raise StoreConfigError(f"cannot preallocate {want} bytes for {f.path}: "
                                    f"{exc.strerror or exc} (errno {exc.errno})") from exc
 

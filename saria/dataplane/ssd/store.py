@@ -60,9 +60,11 @@ class SSDStore:
     """Objects on NVMe drives, one preallocated file per drive path (docs/ssd.md).
 
     Args:
-        paths: one existing, writable directory per drive; the store keeps ``saria-ssd-store.bin``
-            in each (created and preallocated when missing); each directory is locked while the
-            store is open (a second store on it fails with :class:`StoreConfigError`).
+        paths: one existing, writable directory per drive, a real directory (not a symbolic
+            link) of the user running saria that group and other cannot write; the store keeps
+            ``saria-ssd-store.bin`` in each (created 0600 and preallocated when missing; never
+            followed through a link: docs/security.md, "Files on the box"); each directory is
+            locked while the store is open (a second store on it fails with :class:`StoreConfigError`).
         capacity_bytes_per_drive: size of each drive file; it holds
             ``(capacity - 4096) // (4096 + part_bytes)`` slots.
         part_bytes: payload bytes per slot, the striping unit (a multiple of 4096).

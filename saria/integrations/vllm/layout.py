@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from saria.safe_files import UnsafePath, open_private_dir
+
 IDENTITY_VERSION = 1
 
 
@@ -82,15 +84,23 @@ class ParallelLayout:
 
 
 def rank_directories(ssd_paths: tuple[str, ...], layout: ParallelLayout) -> list[str]:
-    """This rank's store directory under each of the user's drive directories, created if missing
-    (the drive directory itself must exist: a missing drive is an error, not a new folder)."""
+    """This rank's store directory under each of the user's drive directories, created 0700 if
+    missing (the drive directory itself must exist: a missing drive is an error, not a new folder).
+    One that exists must be saria's own (docs/security.md, "Files on the box"): a real directory,
+    not a symbolic link, owned by the user running saria, that group and other cannot write
+    (another user may have made it first on a shared mount); it is made 0700 if group or other
+    could read it. A ``ValueError`` of one line otherwise."""
     out = []
     for path in ssd_paths:
         drive = Path(path)
         if not drive.is_dir():
             raise ValueError(f"saria: SSD path {path} is not an existing directory")
         directory = drive / layout.directory_name
-        directory.mkdir(exist_ok=True)
+        try:
+            os.close(open_private_dir(directory, create=True, tighten=True))
+        except UnsafePath as exc:
+            raise ValueError(f"saria: SSD rank directory {exc}: refused (saria keeps its store only in a "
+                             "directory of its own user that no one else can write)") from None
         out.append(str(directory))
     return out
 

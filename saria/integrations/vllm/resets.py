@@ -43,11 +43,14 @@ after a restart neither. vLLM tells the connector in two ways:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from concurrent.futures import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from saria.safe_files import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK, file_problem, shown
 
 if TYPE_CHECKING:
     from .guard import SchedulerGuard
@@ -118,13 +121,17 @@ def mark_updated(directories: Iterable[Path | str]) -> None:
         path = Path(directory) / MARKER
         if path.exists():
             continue
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # saria's own file in its own rank directory: never through a link, never a FIFO or another's file
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0o600)
         try:
+            problem = file_problem(os.fstat(fd))
+            if problem:
+                raise OSError(errno.EPERM, f"{shown(path)} {problem}: refused, left as it is")
             os.write(fd, b"objects written after a reset of the connector: deleted at the next start\n")
             os.fsync(fd)
         finally:
             os.close(fd)
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC)
         try:
             os.fsync(dir_fd)
         finally:

@@ -33,7 +33,12 @@ key                           meaning (default)
 ``log_interval_s``            seconds between one-line summaries in the log; 0 turns them off (60)
 ``audit_kv``                  check every reloaded page bit for bit against the KV vLLM computed
                               (:mod:`~saria.integrations.vllm.audit`; a copy and a hash per page:
-                              tests, the demo, debugging) (``false``)
+                              tests, the demo, debugging) (``false``). With ``secret_file`` it is refused:
+                              it keeps vLLM's block hashes of reloaded chunks in the workers and names
+                              the digests it served by them, which a shared deployment must not
+                              (docs/security.md), unless ``audit_kv_with_key``
+``audit_kv_with_key``         a testing aid: allow ``audit_kv`` with ``secret_file`` (tests of sealed
+                              tiers; never in a shared deployment) (``false``)
 ``cluster``                   the Mooncake master (``host:port``) of a cluster tier shared by every replica
                               (docs/cluster.md); empty: none (``""``). Dense (attention-only) models
 ``cluster_host``              this host's address as the Mooncake storage nodes reach it (``127.0.0.1``)
@@ -86,7 +91,7 @@ DEFAULT_CHECKPOINT_TOKENS = 16_384
 _POLICY_FIELDS = {f.name for f in dataclasses.fields(Policy)} - {"name"}
 _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", "chunk_tokens",
          "checkpoint_tokens", "b_gpu_gbps", "b_disk_gbps", "b_dram_gbps", "coordinator", "durable",
-         "log_interval_s", "on_load_failure", "audit_kv", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
+         "log_interval_s", "on_load_failure", "audit_kv", "audit_kv_with_key", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
          "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes",
          "cluster_insecure", "secret_file", "layerwise", "layerwise_max_programs", "kv_events_max_chunks"} | _POLICY_FIELDS
 CLUSTER_ADMISSIONS = ("all", "evicted")
@@ -208,6 +213,7 @@ class ConnectorSettings:
     log_interval_s: float = 60.0
     on_load_failure: str = "recompute"
     audit_kv: bool = False
+    audit_kv_with_key: bool = False  # a testing aid: audit_kv allowed with secret_file
     cluster: str = ""  # the Mooncake master, host:port; "" for no cluster tier
     cluster_host: str = "127.0.0.1"
     cluster_admission: str = "all"
@@ -263,6 +269,9 @@ class ConnectorSettings:
         audit_kv = extra.get("audit_kv", False)
         if not isinstance(audit_kv, bool):
             raise ValueError(f"audit_kv must be true or false, got {audit_kv!r:.60}")
+        audit_kv_with_key = extra.get("audit_kv_with_key", False)
+        if not isinstance(audit_kv_with_key, bool):
+            raise ValueError(f"audit_kv_with_key must be true or false, got {audit_kv_with_key!r:.60}")
         layerwise = extra.get("layerwise", "auto")
         if layerwise not in (True, False, "auto") or isinstance(layerwise, int) and not isinstance(layerwise, bool):
             raise ValueError(f"layerwise must be true, false or \"auto\", got {layerwise!r:.60}")
@@ -279,6 +288,10 @@ class ConnectorSettings:
                              "(saria, paper, ...) or evaluate the oracle with saria replay --policy oracle")
         cluster = _cluster_options(extra)
         secret_file = _secret_file(extra, cluster["cluster"], cluster["cluster_insecure"])
+        if audit_kv and secret_file and not audit_kv_with_key:
+            raise ValueError("audit_kv with secret_file: the audit keeps vLLM's block hashes of reloaded chunks in "
+                             "the workers and names what it served by them, not for a shared deployment; drop "
+                             "audit_kv, or set audit_kv_with_key (a testing aid) to allow it in a test")
         return cls(policy=policy, policy_overrides=overrides, dram_bytes=_size(extra, "dram", 8 * GiB),
                    ssd_paths=tuple(paths), ssd_bytes=_size(extra, "ssd", 64 * GiB if paths else 0),
                    ssd_dtype=_choice(extra, "ssd_dtype", "auto", SSD_DTYPES),
@@ -287,7 +300,7 @@ class ConnectorSettings:
                    bandwidth=bandwidth, coordinator=coordinator, durable=durable,
                    log_interval_s=_number(extra, "log_interval_s", 60.0, 0.0, 365 * 86_400.0),
                    on_load_failure=_choice(extra, "on_load_failure", "recompute", ("recompute", "fail")),
-                   audit_kv=audit_kv, secret_file=secret_file, layerwise=None if layerwise == "auto" else layerwise,
+                   audit_kv=audit_kv, audit_kv_with_key=audit_kv_with_key, secret_file=secret_file, layerwise=None if layerwise == "auto" else layerwise,
                    layerwise_max_programs=None if max_programs == "auto" else max_programs,
                    kv_events_max_chunks=_positive_int(extra, "kv_events_max_chunks") or 65_536, **cluster)
 
