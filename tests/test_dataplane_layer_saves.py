@@ -141,6 +141,27 @@ def test_layers_saved_out_of_order_and_one_never_saved(tmp_path):
         assert counters["layer_saves"] == 4 and counters["layer_saves_late"] == 1
 
 
+def test_a_step_handed_to_the_retire_thread_ends_once_for_every_waiter(tmp_path):
+    """end() hands the step over and returns at once; finish() then waits for the retire thread
+    (from any thread, before or after it ran), and every order's released and completion are set."""
+    import threading
+
+    caches = caches_of(4, 2, 8, layers=2)
+    with rig(tmp_path, caches, 4096, ssd=False) as eng:
+        blocks = sources(["x", "y"])
+        orders = [StoreOrder(1, ("x",), (), 0), StoreOrder(2, ("y",), (), 0)]
+        step = eng.store_layers(orders, blocks)
+        forward(eng, step, [0, 1])
+        finished = []
+        waiter = threading.Thread(target=lambda: finished.append(step.finish(timeout=10)))
+        assert step.end() is step.runs  # never waits
+        waiter.start()
+        waiter.join()
+        assert finished == [step.runs] and step.finish(timeout=0) is step.runs
+        assert all(r.released.is_set() and r.completion.result().ok for r in step.runs)
+        assert all(same(dram_bytes(eng, c), packed(eng, blocks[c])) for c in blocks)
+
+
 def test_a_full_host_pool_fails_the_objects_that_do_not_fit_and_leaks_no_slot(tmp_path):
     caches = caches_of(16, 4, 32)  # three slots per object
     with rig(tmp_path, caches, 16384, slots=8, ssd=False) as eng:

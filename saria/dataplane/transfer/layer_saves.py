@@ -94,7 +94,8 @@ class StepSave:
         self._finished = False  # end() or finish() was called
         self._handed = False  # end() handed the step to the retire thread
         self._ended = False  # released, published or freed, completed
-        self._ended_event = threading.Event()  # set once _ended
+        self._ended_done = False  # _end ran to its end (under _lock, with _ended_event)
+        self._ended_event: threading.Event | None = None  # set once _ended (made by the first waiter)
         self._t0: float | None = None
 
     # --- per layer (the forward's thread) --------------------------------------------------------
@@ -210,7 +211,7 @@ class StepSave:
             self._finished = True
             return self.runs
         if self._handed:
-            if not self._ended_event.wait(timeout):
+            if not self._wait_ended(timeout):
                 raise TimeoutError("layer-wise saves not retired in time")
             return self.runs
         self._issue_late()
@@ -287,9 +288,23 @@ class StepSave:
                     failed = [obj.key for obj in mine if obj.error is not None]
                     run.completion.set_result(Completion.of(run.order.order_id, len(mine), failed))
             saves.forget(self)
-            self._ended_event.set()
+            with self._lock:
+                self._ended_done = True
+                ended = self._ended_event
+            if ended is not None:
+                ended.set()
         seconds = time.perf_counter() - self._t0 if self._t0 is not None and published else 0.0
         saves.counters.add(gpu_to_dram_bytes=published, gpu_to_dram_seconds=seconds)
+
+    def _wait_ended(self, timeout: float | None) -> bool:
+        """Wait until :meth:`_end` ran to its end (the retire thread); whether it did in ``timeout``."""
+        with self._lock:
+            if self._ended_done:
+                return True
+            if self._ended_event is None:
+                self._ended_event = threading.Event()
+            ended = self._ended_event
+        return ended.wait(timeout)
 
     def abort(self, error: BaseException) -> None:
         """Fail the step (the engine is closing): wait for the copies handed over, free the slots,
@@ -298,7 +313,7 @@ class StepSave:
             return
         self._fault(error)
         if self._handed:  # the retire thread ends it once its copies ran
-            self._ended_event.wait()
+            self._wait_ended(None)
             return
         for layer in range(self.layers):
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
@@ -345,24 +360,28 @@ class LayerSaves:
         objects: list[_Object] = []
         checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
                                                if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
+        capable, get, vouched = self.loads.capable, kv_blocks.get, checked.get
         for o, order in enumerate(orders):
-            if not isinstance(order, (StoreOrder, PromoteOrder)):
-                raise ValueError(f"store_layers() takes StoreOrders or PromoteOrders, got {type(order).__name__}")
-            if isinstance(order, PromoteOrder) and order.source is not Tier.GPU:
-                raise ValueError(f"store_layers() copies from HBM; a PromoteOrder from {order.source} is a prewarm "
-                                 "(execute())")
-            if not self.ok(order):
+            kind = type(order)
+            if kind is not StoreOrder:  # the common case needs none of these checks but the last
+                if not isinstance(order, (StoreOrder, PromoteOrder)):
+                    raise ValueError(f"store_layers() takes StoreOrders or PromoteOrders, got {kind.__name__}")
+                if isinstance(order, PromoteOrder) and order.source is not Tier.GPU:
+                    raise ValueError(f"store_layers() copies from HBM; a PromoteOrder from {order.source} is a "
+                                     "prewarm (execute())")
+            if order.state or not capable or (kind is not StoreOrder and not self.ok(order)):
                 raise ValueError(f"order {order.order_id} cannot be stored layer by layer (a GDN state, or pages "
                                  "that straddle host slots): store it whole with store()")
             for n, chunk in enumerate(order.kv):
-                what = f"kv object {n} of order {order.order_id}"  # by place: never its chunk hash
-                blocks = kv_blocks.get(chunk)
-                ids = checked.get(blocks)
-                objects.append(_Object(ObjectKey(chunk, KV), o, ids if ids is not None else
-                                       self.tables.ids(KV, what, blocks)))
+                blocks = get(chunk)
+                ids = vouched(blocks)
+                if ids is None:  # by place: never its chunk hash
+                    ids = self.tables.ids(KV, f"kv object {n} of order {order.order_id}", blocks)
+                objects.append(_Object(ObjectKey(chunk, KV), o, ids))
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
-        runs = [OrderRun(order, _running(), threading.Event()) for order in orders]
+        released = threading.Event()  # one for the step's orders: StepSave._end sets them all at once
+        runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
         self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))
         with self._lock:

@@ -85,7 +85,9 @@ class WorkerSaves:
                     or (batch.share and worker.settings.cluster_admission == "evicted"):
                 break
             for order in batch.orders:
-                if isinstance(order, DropOrder):
+                if type(order) is DropOrder:
+                    self._run_drop(order, batch)
+                elif isinstance(order, DropOrder):
                     self._run_order(order, batch, {})
                 else:
                     stores.append((order, batch))
@@ -147,7 +149,31 @@ class WorkerSaves:
             states = self.captured.pop(batch.req_id, {}) if batch.req_id is not None else {}
             prepacked = {ObjectKey(chunk, STATE): staging for chunk, staging in states.items()}
             for order in batch.orders:
-                self._run_order(order, batch, prepacked)
+                if type(order) is DropOrder:
+                    self._run_drop(order, batch)
+                else:
+                    self._run_order(order, batch, prepacked)
+
+    def _run_drop(self, order: DropOrder, batch: RequestOrders) -> None:
+        """:meth:`_run_order` of a drop (the same steps, its keys made once): its slots are free
+        when it returns; it reads no pages and completes nothing."""
+        worker = self.worker
+        if worker.off:
+            return
+        keys = order.keys()
+        dram = order.tier is Tier.DRAM
+        cluster = worker.cluster
+        if dram and cluster is not None:
+            if batch.share and worker.settings.cluster_admission == "evicted":
+                cluster.share_now([k for k in keys if k.chunk in batch.share])
+            cluster.before_drop(keys)  # no put reads the slots the drop frees
+        try:
+            worker.engine.drop(order, keys=keys)
+        except Exception as exc:  # the engine dropped what it could
+            worker._fault("drop", exc)
+            return
+        if dram:
+            self.dram_keys.difference_update(keys)
 
     def _run_order(self, order: Order, batch: RequestOrders, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
         """Start one order (:meth:`TransferEngine.execute`); while it reads the request's blocks,
