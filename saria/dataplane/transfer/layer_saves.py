@@ -53,7 +53,7 @@ from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
-from saria.dataplane.transfer.flags import LayerFlags
+from saria.dataplane.transfer.flags import LayerFlags, LazyEvent
 from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
 from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
 from saria.dataplane.transfer.streams import Event
@@ -94,8 +94,7 @@ class StepSave:
         self._finished = False  # end() or finish() was called
         self._handed = False  # end() handed the step to the retire thread
         self._ended = False  # released, published or freed, completed
-        self._ended_done = False  # _end ran to its end (under _lock, with _ended_event)
-        self._ended_event: threading.Event | None = None  # set once _ended (made by the first waiter)
+        self._ended_event = LazyEvent()  # set once _ended
         self._t0: float | None = None
 
     # --- per layer (the forward's thread) --------------------------------------------------------
@@ -211,7 +210,7 @@ class StepSave:
             self._finished = True
             return self.runs
         if self._handed:
-            if not self._wait_ended(timeout):
+            if not self._ended_event.wait(timeout):
                 raise TimeoutError("layer-wise saves not retired in time")
             return self.runs
         self._issue_late()
@@ -288,23 +287,9 @@ class StepSave:
                     failed = [obj.key for obj in mine if obj.error is not None]
                     run.completion.set_result(Completion.of(run.order.order_id, len(mine), failed))
             saves.forget(self)
-            with self._lock:
-                self._ended_done = True
-                ended = self._ended_event
-            if ended is not None:
-                ended.set()
+            self._ended_event.set()
         seconds = time.perf_counter() - self._t0 if self._t0 is not None and published else 0.0
         saves.counters.add(gpu_to_dram_bytes=published, gpu_to_dram_seconds=seconds)
-
-    def _wait_ended(self, timeout: float | None) -> bool:
-        """Wait until :meth:`_end` ran to its end (the retire thread); whether it did in ``timeout``."""
-        with self._lock:
-            if self._ended_done:
-                return True
-            if self._ended_event is None:
-                self._ended_event = threading.Event()
-            ended = self._ended_event
-        return ended.wait(timeout)
 
     def abort(self, error: BaseException) -> None:
         """Fail the step (the engine is closing): wait for the copies handed over, free the slots,
@@ -313,7 +298,7 @@ class StepSave:
             return
         self._fault(error)
         if self._handed:  # the retire thread ends it once its copies ran
-            self._wait_ended(None)
+            self._ended_event.wait()
             return
         for layer in range(self.layers):
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
@@ -380,7 +365,7 @@ class LayerSaves:
                 objects.append(_Object(ObjectKey(chunk, KV), o, ids))
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
-        released = threading.Event()  # one for the step's orders: StepSave._end sets them all at once
+        released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
         runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
         self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))

@@ -54,7 +54,7 @@ from saria.dataplane.dram.store import DramStore
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
-from saria.dataplane.transfer.flags import LayerFlags
+from saria.dataplane.transfer.flags import LayerFlags, LazyEvent
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
 from saria.dataplane.transfer.results import TransferCounters
 from saria.dataplane.transfer.retire import Retirer
@@ -73,7 +73,7 @@ class _Path:
         self.items = items
         self.issued = LayerFlags(layers)
         self.events: list[Event | None] = [None] * layers
-        self.done = threading.Event()  # every layer issued and every item finished on its job
+        self.done = LazyEvent()  # every layer issued and every item finished on its job
         self.finished: set[int] = set()  # ids of the items finished on their jobs (a failure fails the rest)
 
     def layer_done(self, layer: int, event: Event | None) -> None:
@@ -113,7 +113,7 @@ class StepLoad:
         self._keep: list[object] = []  # host buffers the device reads until the step's copies ran
         self._give: list[tuple] = []  # (pool, handle) of staging to give back then
         self._lock = threading.Lock()
-        self._released = threading.Event()  # the staging is given back (every copy ran)
+        self._released = LazyEvent()  # the staging is given back (every copy ran)
         self._ended = False
         self.waited = [False] * layers
 

@@ -18,6 +18,8 @@ from typing import Callable, Iterable
 from saria.kernels import BlockIds, PageTable
 from saria.orders import STATE, ObjectKey, ReloadPlan, Tier
 
+from saria.dataplane.transfer.flags import LazyEvent
+
 
 @dataclass(frozen=True)
 class LoadResult:
@@ -76,10 +78,7 @@ class LoadJob:
         self.items = tuple(items)
         self._pending = len(items)
         self._lock = threading.Lock()
-        # every object issued (or failed): ``_done``, and an event made only for a caller that has
-        # to wait for it (``_wait_issued``; set under ``_lock`` with ``_done``)
-        self._done = not items
-        self._issued: threading.Event | None = None
+        self._issued = LazyEvent()  # made per plan and step, seldom waited on before it is set
         self._events: list = []
         self._failed: list[LoadItem] = []
         self._start = time.perf_counter()
@@ -90,6 +89,8 @@ class LoadJob:
         self._deferred: list[tuple[Callable, list[LoadItem]]] = []
         self.dram_bytes = sum(i.nbytes for i in items if i.tier is Tier.DRAM)
         self.ssd_bytes = sum(i.nbytes for i in items if i.tier is Tier.SSD)
+        if not items:
+            self._issued.set()
 
     # --- reported by the engine ------------------------------------------------------------------
 
@@ -108,12 +109,9 @@ class LoadJob:
             if error is not None:
                 self._failed.extend(items)
             self._pending -= len(items)
-            issued = None
-            if self._pending == 0:
-                self._done = True
-                issued = self._issued
-        if issued is not None:
-            issued.set()
+            last = self._pending == 0
+        if last:
+            self._issued.set()
 
     @property
     def timed(self) -> bool:
@@ -151,28 +149,16 @@ class LoadJob:
 
     # --- for the caller --------------------------------------------------------------------------
 
-    def _wait_issued(self, timeout: float | None) -> bool:
-        """Wait until every object is issued or failed; whether it is (``False``: ``timeout``)."""
-        if self._done:
-            return True
-        with self._lock:
-            if self._done:
-                return True
-            if self._issued is None:
-                self._issued = threading.Event()
-            issued = self._issued
-        return issued.wait(timeout)
-
     def done(self) -> bool:
         """All objects issued (and, on CPU, copied). On CUDA the copies may still be running."""
-        return self._done
+        return self._issued.is_set()
 
     def ready(self) -> bool:
         """Every object is in its pages (or failed): issued, and every CUDA event reached. Never blocks."""
-        return self._done and all(event.query() for event in self._events)
+        return self._issued.is_set() and all(event.query() for event in self._events)
 
     def wait(self, timeout: float | None = None) -> LoadResult:
-        if not self._wait_issued(timeout):
+        if not self._issued.wait(timeout):
             raise TimeoutError(f"reload of plan {self.plan.plan_id} not done after {timeout} s")
         for event in self._events:
             event.synchronize()
@@ -190,7 +176,7 @@ class LoadJob:
         """The result once every object is issued or failed, without waiting for the device: for a
         caller whose stream already waits for the copies (:meth:`wait_on`, a layer-wise step's
         waits). Which objects failed is known on the host; the copies may still be running."""
-        if not self._wait_issued(timeout):
+        if not self._issued.wait(timeout):
             raise TimeoutError(f"reload of plan {self.plan.plan_id} not issued after {timeout} s")
         return self.result()
 
@@ -204,12 +190,12 @@ class LoadJob:
         """Make a stream of ``streams`` (a :class:`~saria.dataplane.transfer.streams.Streams`; ``name``
         ``None``: the caller's current stream) wait for every copy and unpack of this reload, without
         blocking the host once everything is issued (on the CPU the work is done by then)."""
-        self._wait_issued(None)
+        self._issued.wait()
         for event in self._events:
             streams.wait(name, event)
 
     def result(self) -> LoadResult:
-        if not self._done:
+        if not self._issued.is_set():
             raise RuntimeError("reload still in flight: call wait() first")
         failed = sorted(self._failed, key=lambda i: (i.index, i.key.kind))
         valid = self.plan.num_chunks

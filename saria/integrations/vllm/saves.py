@@ -32,7 +32,7 @@ and fault handling; this object only keeps the orders' state.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, Hashable, Iterable
 
 import torch
@@ -254,21 +254,27 @@ class WorkerSaves:
         out += self.completions
         self.completions = []
         orders, self.orders = self.orders, []
+        off = self.worker.off
         for order, future in orders:
-            if future.done() or self.worker.off:  # off: the data plane closed, nothing more will finish
-                out.append(self._completion(order.order_id, future))
+            if future.done():
+                out.append(self._completion(order.order_id, future, True))
+            elif off:  # the data plane closed, nothing more will finish
+                out.append(CompletionReport(order.order_id, False))
             else:
                 self.orders.append((order, future))
 
-    def _completion(self, order_id: int, future: Future) -> CompletionReport:
-        if not future.done():  # the data plane closed before it finished
+    def _completion(self, order_id: int, future: Future, done: bool = False) -> CompletionReport:
+        """``done``: the caller saw ``future.done()``."""
+        if not (done or future.done()):  # the data plane closed before it finished
             return CompletionReport(order_id, False)
-        error = future.exception()
-        if error is not None:
+        try:
+            result = future.result()  # done: never waits
+        except CancelledError:  # as future.exception() raises it
+            raise
+        except BaseException as error:  # noqa: BLE001 - what future.exception() would have returned
             self.worker._fault("order", error)
             return CompletionReport(order_id, False)
-        done = future.result()
-        return CompletionReport(order_id, done.ok, done.failed)
+        return CompletionReport(order_id, result.ok, result.failed)
 
     def in_flight(self) -> list[Future]:
         return [future for _, future in self.orders]
