@@ -87,8 +87,13 @@ class LoadJob:
         self._start_event = start_event  # CUDA: device time base for timeline points
         self._marks: list[tuple[str, object, int]] = []
         self._deferred: list[tuple[Callable, list[LoadItem]]] = []
-        self.dram_bytes = sum(i.nbytes for i in items if i.tier is Tier.DRAM)
-        self.ssd_bytes = sum(i.nbytes for i in items if i.tier is Tier.SSD)
+        dram_bytes = ssd_bytes = 0
+        for i in items:
+            if i.tier is Tier.DRAM:
+                dram_bytes += i.nbytes
+            elif i.tier is Tier.SSD:
+                ssd_bytes += i.nbytes
+        self.dram_bytes, self.ssd_bytes = dram_bytes, ssd_bytes
         if not items:
             self._issued.set()
 
