@@ -202,9 +202,13 @@ class LoadJob:
     def result(self) -> LoadResult:
         if not self._issued.is_set():
             raise RuntimeError("reload still in flight: call wait() first")
+        plan = self.plan
+        if not self._failed:  # the common case: everything arrived
+            return LoadResult(plan.plan_id, (), len(plan.chunk_hashes), self.dram_bytes, self.ssd_bytes,
+                              (self._end or time.perf_counter()) - self._start)
         failed = sorted(self._failed, key=lambda i: (i.index, i.key.kind))
-        valid = self.plan.num_chunks
+        valid = plan.num_chunks
         for item in failed:
             valid = 0 if item.key.kind == STATE else min(valid, item.index)
-        return LoadResult(self.plan.plan_id, tuple(i.key for i in failed), valid, self.dram_bytes, self.ssd_bytes,
+        return LoadResult(plan.plan_id, tuple(i.key for i in failed), valid, self.dram_bytes, self.ssd_bytes,
                           (self._end or time.perf_counter()) - self._start)

@@ -230,9 +230,12 @@ class WorkerSaves:
     def take_sent(self) -> set[str]:
         """Held requests whose orders no longer read their blocks (all of them once off: the data
         plane closed, and its close waited for every order)."""
-        off = self.worker.off
-        sent = {req_id for req_id in self.held
-                if off or all(event.is_set() for event in self.reading.get(req_id, ()))}
+        off, reading = self.worker.off, self.reading
+        sent = set()
+        for req_id in self.held:
+            events = reading.get(req_id)
+            if off or not events or all([event.is_set() for event in events]):
+                sent.add(req_id)
         for req_id in sent:
             self.held.discard(req_id)
             self.reading.pop(req_id, None)
