@@ -115,6 +115,7 @@ class StepLoad:
         self._lock = threading.Lock()
         self._released = LazyEvent()  # the staging is given back (every copy ran)
         self._ended = False
+        self._left = len(paths)  # paths whose thread has not ended its work on the step
         self.waited = [False] * layers
 
     def wait_layer(self, layer: int) -> None:
@@ -146,12 +147,23 @@ class StepLoad:
             if not path.done.wait(timeout):
                 raise TimeoutError(f"layer-wise {path.name} reloads not done after {timeout} s")
         results = [job.outcome(timeout) for job in self.jobs]
+        if not self._paths:  # nothing to copy: no path thread hands the step to the retire thread
+            with self._lock:
+                ended, self._ended = self._ended, True
+            if not ended:
+                self._retirer.after((), self._release)
+        return results
+
+    def _path_ended(self) -> None:
+        """A path thread ended its work on the step (every layer issued or given up): the last one
+        hands the step to the retire thread, which gives the staging back once the device ran every
+        layer's copies (not this hook's thread: a hand-off wakes the retire thread)."""
         with self._lock:
-            ended, self._ended = self._ended, True
-        if not ended:
+            self._left -= 1
+            last = self._left == 0
+        if last:
             events = [event for path in self._paths for event in path.events if event is not None]
             self._retirer.after(events, self._release)
-        return results
 
     def finish(self, timeout: float | None = None) -> list:
         """:meth:`end`, then wait until every copy of the step ran (host and device): the blocking
@@ -281,6 +293,7 @@ class LayerwiseLoads:
             finally:  # the failed items are failed first: a waiter wakes to them
                 path.give_up()
                 path.done.set()
+                step._path_ended()
 
     def _run_dram(self, step: StepLoad, path: _Path, work: list[tuple[LoadJob, LoadItem]]) -> None:
         present = []
