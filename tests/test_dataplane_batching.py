@@ -247,6 +247,32 @@ def test_load_job_finishes_marks_and_defers():
         job.finish(items[0])
 
 
+def test_load_job_waiters_before_and_after_the_last_finish():
+    """The job's "issued" event is made only for a caller that waits before the last object is
+    finished: waiters that came before wake, those after never block, a timeout still times out."""
+    import threading
+
+    items = [_item(0), _item(1)]
+    job = LoadJob(ReloadPlan(1, ("c0", "c1"), (Tier.DRAM, Tier.DRAM), None, None, 16, 0, 0, False), items, None)
+    with pytest.raises(TimeoutError):
+        job.outcome(timeout=0.01)
+    with pytest.raises(RuntimeError, match="in flight"):
+        job.result()
+    got = []
+    waiters = [threading.Thread(target=lambda: got.append(job.wait(timeout=5))) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    job.finish(items[0])
+    assert not job.done() and not job.ready()
+    job.finish(items[1], error=RuntimeError("x"))
+    for w in waiters:
+        w.join()
+    assert job.done() and job.ready() and len(got) == 3 and all(r.valid_chunks == 1 for r in got)
+    assert job.outcome(timeout=0).failed == (ObjectKey("c1", "kv"),)
+    empty = LoadJob(ReloadPlan(2, (), (), None, None, 0, 0, 0, False), [], None)
+    assert empty.done() and empty.wait(timeout=0).ok
+
+
 def test_staging_pool_reuses_aligned_buffers():
     pool = StagingPool(torch.device("cpu"), keep=2)
     handle, t = pool.take(5000)

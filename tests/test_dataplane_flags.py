@@ -38,3 +38,25 @@ def test_waiters_wake_on_their_flag_and_on_set_all():
     for t in threads:
         t.join(5)
     assert sorted(woke) == [0, 1, 2] and flags.wait_all(timeout=0)
+
+
+def test_lazy_event_behaves_as_an_event_for_waiters_before_and_after_the_set():
+    import threading
+
+    from saria.dataplane.transfer.flags import LazyEvent
+
+    event = LazyEvent()
+    assert not event.is_set() and event.wait(0.01) is False and event.wait(0) is False
+    woke = []
+    waiters = [threading.Thread(target=lambda: woke.append(event.wait(10))) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    event.set()
+    for w in waiters:
+        w.join()
+    assert woke == [True] * 4 and event.is_set() and event.wait() is True and event.wait(0) is True
+    event.set()  # again: stays set
+    assert event.is_set()
+    never = LazyEvent()
+    never.set()  # set before anyone waited: no event is ever made
+    assert never._event is None and never.wait() is True

@@ -75,3 +75,26 @@ def test_a_bad_list_anywhere_leaves_every_entry_to_ids():
     short = TABLES.ids_batch(KV, [good, (0, 1, 2), torch.tensor(good)])  # only the lists of the right length
     assert short[0] is not None and short[1:] == [None, None]
     assert TABLES.checked_ids(KV, lambda: 1 / 0).get(good) is None  # nothing gathered: nothing vouched
+
+
+def test_batch_makes_its_tensor_on_first_read_from_what_was_checked():
+    """No torch op on the checking (hook) thread: the batch's one tensor is made by the first
+    reader, from the values as they were checked (a list changed afterwards changes nothing), and
+    every row of the batch shares it; slices and stacks of such ids work as of any BlockIds."""
+    import threading
+
+    a, b = [0, 1, 2, 3], [7, 6, 5, 11]
+    first, second = TABLES.ids_batch(KV, [a, b])
+    assert first._h is None and second._h is None and (first.end, second.end) == (4, 12)
+    a[0] = 99  # the caller's list changes after the check: the ids are what was checked
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(second.on(cpu)))  # a path thread reads it first
+    reader.start()
+    reader.join()
+    assert torch.equal(seen[0], torch.tensor([7, 6, 5, 11]))
+    assert torch.equal(first.on(cpu), torch.tensor([0, 1, 2, 3]))
+    assert first._host.untyped_storage().data_ptr() == second._host.untyped_storage().data_ptr()  # one tensor
+    assert torch.equal(first[1:].on(cpu), torch.tensor([1, 2, 3])) and first[1:].end == 4
+    stacked = type(first).stack([first, second])
+    assert stacked.shape == (2, PAGES) and stacked.end == 12
+    assert torch.equal(TABLES.ids(KV, "x", [0, 1, 2, 3]).on(cpu), first.on(cpu))

@@ -141,6 +141,62 @@ def test_layers_saved_out_of_order_and_one_never_saved(tmp_path):
         assert counters["layer_saves"] == 4 and counters["layer_saves_late"] == 1
 
 
+def test_a_step_handed_to_the_retire_thread_ends_once_for_every_waiter(tmp_path):
+    """end() hands the step over and returns at once; finish() then waits for the retire thread
+    (from any thread, before or after it ran), and every order's released and completion are set."""
+    import threading
+
+    caches = caches_of(4, 2, 8, layers=2)
+    with rig(tmp_path, caches, 4096, ssd=False) as eng:
+        blocks = sources(["x", "y"])
+        orders = [StoreOrder(1, ("x",), (), 0), StoreOrder(2, ("y",), (), 0)]
+        step = eng.store_layers(orders, blocks)
+        forward(eng, step, [0, 1])
+        finished = []
+        waiter = threading.Thread(target=lambda: finished.append(step.finish(timeout=10)))
+        assert step.end() is step.runs  # never waits
+        waiter.start()
+        waiter.join()
+        assert finished == [step.runs] and step.finish(timeout=0) is step.runs
+        assert all(r.released.is_set() and r.completion.result().ok for r in step.runs)
+        assert all(same(dram_bytes(eng, c), packed(eng, blocks[c])) for c in blocks)
+
+
+def test_a_steps_start_makes_no_torch_op_on_the_callers_thread(tmp_path):
+    """What the bind and start_load_kv hooks call (store_layers, load_layers, with block ids as
+    vLLM gives them, lists of ints) runs no torch function on the caller's thread: each releases
+    the GIL, and the hook then waits for saria's own threads to hand it back. The ids become a
+    tensor on the save and path threads (the step's copies are still exact)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):  # the mode stack is per thread: only the caller's ops
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", repr(func)))
+            return func(*args, **(kwargs or {}))
+
+    caches = caches_of(4, 2, 8, layers=2)
+    with rig(tmp_path, caches, 4096, ssd=False) as eng:
+        blocks = sources(["x", "y"])
+        eng.store(StoreOrder(1, ("x", "y"), (), 0), blocks).result()
+        eng.load_layers([(plan(["x"], Tier.DRAM), [[20, 21]], 0)]).finish()  # warm: threads started
+        eng.store_layers([StoreOrder(2, ("w",), (), 0)], {"w": [40, 41]}).finish()
+        with Record() as mode:
+            load = eng.load_layers([(plan(["x", "y"], Tier.DRAM, 3), [[30, 31], (32, 33)], 0)])
+            step = eng.store_layers([StoreOrder(4, ("z",), (), 0)], {"z": [50, 51]})
+        assert mode.calls == []
+        load.wait_all()
+        assert load.finish()[0].ok
+        for t in eng.kv_table.tensors:  # the stored objects came from pages 0-3, unchanged since
+            assert same(t[30], t[0]) and same(t[31], t[1]) and same(t[32], t[2]) and same(t[33], t[3])
+        forward(eng, step, [0, 1])
+        assert step.finish()[0].completion.result().ok
+        assert same(dram_bytes(eng, "z"), packed(eng, [50, 51]))
+
+
 def test_a_full_host_pool_fails_the_objects_that_do_not_fit_and_leaks_no_slot(tmp_path):
     caches = caches_of(16, 4, 32)  # three slots per object
     with rig(tmp_path, caches, 16384, slots=8, ssd=False) as eng:

@@ -6,6 +6,7 @@ a tensor compares their bound with its table and does not look at every id again
 
 from __future__ import annotations
 
+import array
 from typing import Sequence
 
 import torch
@@ -21,9 +22,14 @@ class BlockIds:
     state ops) in place of a tensor: the op then checks only that ``end`` fits its table (and, for an
     unpack of ids not yet checked for duplicates, that none repeats), not every id again. Slices
     (``ids[skip:]``, ``ids[c]``) and :meth:`stack` keep what was checked. Made only by
-    ``check_block_ids``, so it always holds checked values."""
+    ``check_block_ids``, so it always holds checked values.
 
-    __slots__ = ("_host", "end", "unique", "chunks", "per_chunk")
+    Ids checked in a batch (:meth:`_rows`, ``Tables.ids_batch``) keep their values as Python ints
+    until something reads them: the batch becomes one tensor on the first read, on whichever thread
+    reads it (a path or save thread), so that the hook that checked them makes no torch op (each
+    releases the GIL, and a hook's thread may then wait for saria's own threads to give it back)."""
+
+    __slots__ = ("_h", "_lazy", "end", "unique", "chunks", "per_chunk")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("BlockIds are made by check_block_ids(table, block_ids)")
@@ -32,7 +38,8 @@ class BlockIds:
     def _new(cls, host: torch.Tensor, end: int, unique: bool, pages: int | None = None) -> "BlockIds":
         """``pages``: for 1-D ``host`` whose length the caller knows, that length."""
         self = object.__new__(cls)
-        _set_host(self, host)
+        _set_h(self, host)
+        _set_lazy(self, None)
         _set_end(self, end)
         _set_unique(self, unique)
         # How many chunks (1 for 1-D ids) and page ids per chunk: read on every op, so kept.
@@ -44,6 +51,35 @@ class BlockIds:
             _set_chunks(self, 1)
             _set_per_chunk(self, pages)
         return self
+
+    @classmethod
+    def _rows(cls, flat: list[int], ends: list[int], pages: int) -> list["BlockIds"]:
+        """``len(ends)`` 1-D ids of ``pages`` each, row ``i`` being ``flat[i * pages:(i + 1) *
+        pages]`` (Python ints the caller checked: in range, ``ends[i]`` 1 + the row's largest), as
+        :meth:`_new` would make them from one ``[rows, pages]`` int64 tensor, which is built only
+        when one of them is first read (:class:`_Rows`)."""
+        batch = _Rows(flat, len(ends), pages)
+        out = []
+        for row, end in enumerate(ends):
+            self = object.__new__(cls)
+            _set_h(self, None)
+            _set_lazy(self, (batch, row))
+            _set_end(self, end)
+            _set_unique(self, False)
+            _set_chunks(self, 1)
+            _set_per_chunk(self, pages)
+            out.append(self)
+        return out
+
+    @property
+    def _host(self) -> torch.Tensor:
+        """The ids' tensor (for ids of a batch: built with the batch's on first read)."""
+        host = self._h
+        if host is None:
+            batch, row = self._lazy
+            host = batch.row(row)
+            _set_h(self, host)
+        return host
 
     def __setattr__(self, name, value):
         raise AttributeError(f"BlockIds are immutable (tried to set {name!r})")
@@ -101,6 +137,24 @@ class BlockIds:
         return flat.pin_memory().to(device, non_blocking=True)
 
 
+class _Rows:
+    """A batch of checked ids held as Python ints (:meth:`BlockIds._rows`): one ``[rows, pages]``
+    int64 tensor (a private copy: an ``array`` only it holds) and its rows, made on the first read
+    of any row. Two threads reading at once may each make it: equal values, either one is kept."""
+
+    __slots__ = ("flat", "count", "pages", "rows")
+
+    def __init__(self, flat: list[int], count: int, pages: int):
+        self.flat, self.count, self.pages, self.rows = flat, count, pages, None
+
+    def row(self, i: int) -> torch.Tensor:
+        rows = self.rows
+        if rows is None:
+            host = torch.frombuffer(array.array("q", self.flat), dtype=torch.int64).view(self.count, self.pages)
+            rows = self.rows = host.unbind(0)
+        return rows[i]
+
+
 # The slots' own setters: BlockIds.__setattr__ refuses every assignment (immutable).
-_set_host, _set_end, _set_unique, _set_chunks, _set_per_chunk = (
+_set_h, _set_lazy, _set_end, _set_unique, _set_chunks, _set_per_chunk = (
     getattr(BlockIds, name).__set__ for name in BlockIds.__slots__)

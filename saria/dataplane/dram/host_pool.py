@@ -354,6 +354,13 @@ class HostPool:
         """Return slots to the pool. Freeing a slot that is not allocated is an error (and frees nothing)."""
         with self._lock:
             used, num_slots = self._used, self.num_slots
+            if slots and min(slots) >= 0 and max(slots) < num_slots and all(map(used.__getitem__, slots)) \
+                    and len(set(slots)) == len(slots):  # the common case, checked at C speed: all good
+                for s in slots:
+                    used[s] = 0
+                self._free.extend(slots)
+                self.counters.slots_freed += len(slots)
+                return
             for s in slots:
                 if not 0 <= s < num_slots:
                     raise ValueError(f"slot {s} is not in this pool (0..{num_slots - 1})")

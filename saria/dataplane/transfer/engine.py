@@ -281,12 +281,13 @@ class TransferEngine:
         jobs = []
         after = self._streams.caller_event()  # the copies follow the caller's queued work
         checked = self._tables.checked_ids(KV, lambda: [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks])
+        capable, fp8, no_ssd = paths.capable, self._tables.quantized(KV), self.ssd is None
         for plan, kv_blocks, skip_pages in loads:
-            if not self.layerwise_ok(plan):
+            if plan.state_chunk is not None or not capable or (fp8 and Tier.SSD in plan.kv_sources):  # layerwise_ok
                 raise ValueError(f"plan {plan.plan_id} cannot be reloaded layer by layer (a GDN state, an FP8 SSD "
                                  "object, or pages that straddle host slots): reload it whole with load()")
             items = self._kv_items(plan, kv_blocks, skip_pages, checked)
-            if any(i.tier is Tier.SSD for i in items) and self.ssd is None:
+            if no_ssd and any(i.tier is Tier.SSD for i in items):
                 raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
             jobs.append(LoadJob(plan, items, None, after=after))
         self._counters.add(loads=len(jobs), load_objects=sum(len(j.items) for j in jobs))
@@ -384,17 +385,20 @@ class TransferEngine:
         return self._writes.write(order, kv_blocks or {}, state_blocks or {}, prepacked or {},
                                    packed if packed is not None else threading.Event())
 
-    def drop(self, order: DropOrder) -> None:
-        """Free the order's objects in its tier (DRAM slots, or the SSD copy)."""
+    def drop(self, order: DropOrder, *, keys: Sequence[ObjectKey] | None = None) -> None:
+        """Free the order's objects in its tier (DRAM slots, or the SSD copy). ``keys``:
+        ``order.keys()``, where the caller made them already."""
         self._check_open()
         if not isinstance(order, DropOrder):
             raise ValueError(f"drop() takes a DropOrder, got {type(order).__name__}")
-        keys = order.keys()
+        if keys is None:
+            keys = order.keys()
         if order.tier is Tier.DRAM:
             dropped = 0
+            drop = self.dram.drop
             try:
                 for key in keys:
-                    dropped += self.dram.drop(key) is not None
+                    dropped += drop(key) is not None
             finally:  # counted once per order (a drop that raises still counts those before it)
                 if dropped:
                     self._counters.add(dram_drops=dropped)

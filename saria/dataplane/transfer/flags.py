@@ -65,3 +65,39 @@ class LayerFlags:
             if not flag:
                 return i
         return None
+
+
+class LazyEvent:
+    """A ``threading.Event`` for the hot path (``set``, ``is_set``, ``wait``, the same guarantees):
+    a flag and a lock, the event itself (a condition and its lock, ~3 us to build) made only for a
+    caller that has to wait before it is set. A step makes several that nobody waits on (the
+    waiter usually comes after the set, or never)."""
+
+    __slots__ = ("_flag", "_event", "_lock")
+
+    def __init__(self):
+        self._flag = False
+        self._event: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        with self._lock:
+            self._flag = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until set; whether it is (``False``: ``timeout`` seconds passed)."""
+        if self._flag:
+            return True
+        with self._lock:
+            if self._flag:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)

@@ -53,7 +53,7 @@ from saria.orders import KV, ObjectKey, Order, PromoteOrder, StoreOrder, Tier
 from saria.dataplane.devices import bind_thread
 from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
-from saria.dataplane.transfer.flags import LayerFlags
+from saria.dataplane.transfer.flags import LayerFlags, LazyEvent
 from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
 from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
 from saria.dataplane.transfer.streams import Event
@@ -94,7 +94,7 @@ class StepSave:
         self._finished = False  # end() or finish() was called
         self._handed = False  # end() handed the step to the retire thread
         self._ended = False  # released, published or freed, completed
-        self._ended_event = threading.Event()  # set once _ended
+        self._ended_event = LazyEvent()  # set once _ended
         self._t0: float | None = None
 
     # --- per layer (the forward's thread) --------------------------------------------------------
@@ -345,24 +345,28 @@ class LayerSaves:
         objects: list[_Object] = []
         checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
                                                if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
+        capable, get, vouched = self.loads.capable, kv_blocks.get, checked.get
         for o, order in enumerate(orders):
-            if not isinstance(order, (StoreOrder, PromoteOrder)):
-                raise ValueError(f"store_layers() takes StoreOrders or PromoteOrders, got {type(order).__name__}")
-            if isinstance(order, PromoteOrder) and order.source is not Tier.GPU:
-                raise ValueError(f"store_layers() copies from HBM; a PromoteOrder from {order.source} is a prewarm "
-                                 "(execute())")
-            if not self.ok(order):
+            kind = type(order)
+            if kind is not StoreOrder:  # the common case needs none of these checks but the last
+                if not isinstance(order, (StoreOrder, PromoteOrder)):
+                    raise ValueError(f"store_layers() takes StoreOrders or PromoteOrders, got {kind.__name__}")
+                if isinstance(order, PromoteOrder) and order.source is not Tier.GPU:
+                    raise ValueError(f"store_layers() copies from HBM; a PromoteOrder from {order.source} is a "
+                                     "prewarm (execute())")
+            if order.state or not capable or (kind is not StoreOrder and not self.ok(order)):
                 raise ValueError(f"order {order.order_id} cannot be stored layer by layer (a GDN state, or pages "
                                  "that straddle host slots): store it whole with store()")
             for n, chunk in enumerate(order.kv):
-                what = f"kv object {n} of order {order.order_id}"  # by place: never its chunk hash
-                blocks = kv_blocks.get(chunk)
-                ids = checked.get(blocks)
-                objects.append(_Object(ObjectKey(chunk, KV), o, ids if ids is not None else
-                                       self.tables.ids(KV, what, blocks)))
+                blocks = get(chunk)
+                ids = vouched(blocks)
+                if ids is None:  # by place: never its chunk hash
+                    ids = self.tables.ids(KV, f"kv object {n} of order {order.order_id}", blocks)
+                objects.append(_Object(ObjectKey(chunk, KV), o, ids))
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
-        runs = [OrderRun(order, _running(), threading.Event()) for order in orders]
+        released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
+        runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
         self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))
         with self._lock:

@@ -54,7 +54,7 @@ from saria.dataplane.dram.store import DramStore
 from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
-from saria.dataplane.transfer.flags import LayerFlags
+from saria.dataplane.transfer.flags import LayerFlags, LazyEvent
 from saria.dataplane.transfer.load_job import LoadItem, LoadJob
 from saria.dataplane.transfer.results import TransferCounters
 from saria.dataplane.transfer.retire import Retirer
@@ -73,7 +73,7 @@ class _Path:
         self.items = items
         self.issued = LayerFlags(layers)
         self.events: list[Event | None] = [None] * layers
-        self.done = threading.Event()  # every layer issued and every item finished on its job
+        self.done = LazyEvent()  # every layer issued and every item finished on its job
         self.finished: set[int] = set()  # ids of the items finished on their jobs (a failure fails the rest)
 
     def layer_done(self, layer: int, event: Event | None) -> None:
@@ -113,8 +113,9 @@ class StepLoad:
         self._keep: list[object] = []  # host buffers the device reads until the step's copies ran
         self._give: list[tuple] = []  # (pool, handle) of staging to give back then
         self._lock = threading.Lock()
-        self._released = threading.Event()  # the staging is given back (every copy ran)
+        self._released = LazyEvent()  # the staging is given back (every copy ran)
         self._ended = False
+        self._left = len(paths)  # paths whose thread has not ended its work on the step
         self.waited = [False] * layers
 
     def wait_layer(self, layer: int) -> None:
@@ -146,12 +147,23 @@ class StepLoad:
             if not path.done.wait(timeout):
                 raise TimeoutError(f"layer-wise {path.name} reloads not done after {timeout} s")
         results = [job.outcome(timeout) for job in self.jobs]
+        if not self._paths:  # nothing to copy: no path thread hands the step to the retire thread
+            with self._lock:
+                ended, self._ended = self._ended, True
+            if not ended:
+                self._retirer.after((), self._release)
+        return results
+
+    def _path_ended(self) -> None:
+        """A path thread ended its work on the step (every layer issued or given up): the last one
+        hands the step to the retire thread, which gives the staging back once the device ran every
+        layer's copies (not this hook's thread: a hand-off wakes the retire thread)."""
         with self._lock:
-            ended, self._ended = self._ended, True
-        if not ended:
+            self._left -= 1
+            last = self._left == 0
+        if last:
             events = [event for path in self._paths for event in path.events if event is not None]
             self._retirer.after(events, self._release)
-        return results
 
     def finish(self, timeout: float | None = None) -> list:
         """:meth:`end`, then wait until every copy of the step ran (host and device): the blocking
@@ -281,6 +293,7 @@ class LayerwiseLoads:
             finally:  # the failed items are failed first: a waiter wakes to them
                 path.give_up()
                 path.done.set()
+                step._path_ended()
 
     def _run_dram(self, step: StepLoad, path: _Path, work: list[tuple[LoadJob, LoadItem]]) -> None:
         present = []

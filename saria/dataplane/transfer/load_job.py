@@ -18,6 +18,8 @@ from typing import Callable, Iterable
 from saria.kernels import BlockIds, PageTable
 from saria.orders import STATE, ObjectKey, ReloadPlan, Tier
 
+from saria.dataplane.transfer.flags import LazyEvent
+
 
 @dataclass(frozen=True)
 class LoadResult:
@@ -76,7 +78,7 @@ class LoadJob:
         self.items = tuple(items)
         self._pending = len(items)
         self._lock = threading.Lock()
-        self._issued = threading.Event()
+        self._issued = LazyEvent()  # made per plan and step, seldom waited on before it is set
         self._events: list = []
         self._failed: list[LoadItem] = []
         self._start = time.perf_counter()
@@ -85,8 +87,13 @@ class LoadJob:
         self._start_event = start_event  # CUDA: device time base for timeline points
         self._marks: list[tuple[str, object, int]] = []
         self._deferred: list[tuple[Callable, list[LoadItem]]] = []
-        self.dram_bytes = sum(i.nbytes for i in items if i.tier is Tier.DRAM)
-        self.ssd_bytes = sum(i.nbytes for i in items if i.tier is Tier.SSD)
+        dram_bytes = ssd_bytes = 0
+        for i in items:
+            if i.tier is Tier.DRAM:
+                dram_bytes += i.nbytes
+            elif i.tier is Tier.SSD:
+                ssd_bytes += i.nbytes
+        self.dram_bytes, self.ssd_bytes = dram_bytes, ssd_bytes
         if not items:
             self._issued.set()
 
@@ -195,9 +202,13 @@ class LoadJob:
     def result(self) -> LoadResult:
         if not self._issued.is_set():
             raise RuntimeError("reload still in flight: call wait() first")
+        plan = self.plan
+        if not self._failed:  # the common case: everything arrived
+            return LoadResult(plan.plan_id, (), len(plan.chunk_hashes), self.dram_bytes, self.ssd_bytes,
+                              (self._end or time.perf_counter()) - self._start)
         failed = sorted(self._failed, key=lambda i: (i.index, i.key.kind))
-        valid = self.plan.num_chunks
+        valid = plan.num_chunks
         for item in failed:
             valid = 0 if item.key.kind == STATE else min(valid, item.index)
-        return LoadResult(self.plan.plan_id, tuple(i.key for i in failed), valid, self.dram_bytes, self.ssd_bytes,
+        return LoadResult(plan.plan_id, tuple(i.key for i in failed), valid, self.dram_bytes, self.ssd_bytes,
                           (self._end or time.perf_counter()) - self._start)

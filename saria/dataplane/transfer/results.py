@@ -10,6 +10,8 @@ from typing import Sequence
 
 from saria.orders import ObjectKey, Order
 
+from saria.dataplane.transfer.flags import LazyEvent
+
 @dataclass(frozen=True)
 class Completion:
     """How an order ended, for ``ControlPlane.complete(order_id, ok, now, failed=failed)``."""
@@ -38,7 +40,7 @@ class OrderRun:
 
     order: Order
     completion: "Future[Completion] | None"
-    released: threading.Event
+    released: "threading.Event | LazyEvent"  # a layer-wise step's orders share one LazyEvent
 
 
 @dataclass

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import array
 import logging
 from typing import Sequence
 
@@ -93,9 +92,10 @@ class Tables:
         the place it always did, so a bad object is refused with the same error, in the same
         order, as without the batch.
 
-        Pure Python up to one ``torch.frombuffer``: a torch op that releases the GIL (as
-        ``torch.tensor`` does) lets saria's own threads take it, and the hook's thread may then
-        wait a whole switch interval to get it back."""
+        Pure Python, no torch op: a torch op releases the GIL (as ``torch.tensor`` does), which
+        lets saria's own threads take it, and the hook's thread may then wait for them to give it
+        back. The ids' tensor is made on first read (:meth:`BlockIds._rows`), by the path or save
+        thread that prepares the copies."""
         out: list[BlockIds | None] = [None] * len(blocks)
         try:
             table, pages, _ = self.table(kind)
@@ -110,12 +110,12 @@ class Tables:
             ends = [max(blocks[i]) for i in rows]
             if max(ends) >= table.num_pages:
                 return out
-            # int64 as ids() makes them (a value past int64 would raise: in range, none is)
-            host = torch.frombuffer(array.array("q", flat), dtype=torch.int64).view(len(rows), pages)
         except Exception:  # ids() says which and why
             return out
-        for i, row, end in zip(rows, host.unbind(0), ends):  # one op for every row's view
-            out[i] = BlockIds._new(row, end + 1, False)
+        # int64 as ids() makes them (a value past int64 would raise: in range, none is); the tensor
+        # is made by the first thread that reads the ids (BlockIds._rows), not by this hook's
+        for i, ids in zip(rows, BlockIds._rows(flat, [end + 1 for end in ends], pages)):
+            out[i] = ids
         return out
 
     def checked_ids(self, kind: str, gather) -> "CheckedIds":

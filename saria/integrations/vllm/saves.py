@@ -32,7 +32,7 @@ and fault handling; this object only keeps the orders' state.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, Hashable, Iterable
 
 import torch
@@ -85,7 +85,9 @@ class WorkerSaves:
                     or (batch.share and worker.settings.cluster_admission == "evicted"):
                 break
             for order in batch.orders:
-                if isinstance(order, DropOrder):
+                if type(order) is DropOrder:
+                    self._run_drop(order, batch)
+                elif isinstance(order, DropOrder):
                     self._run_order(order, batch, {})
                 else:
                     stores.append((order, batch))
@@ -147,7 +149,31 @@ class WorkerSaves:
             states = self.captured.pop(batch.req_id, {}) if batch.req_id is not None else {}
             prepacked = {ObjectKey(chunk, STATE): staging for chunk, staging in states.items()}
             for order in batch.orders:
-                self._run_order(order, batch, prepacked)
+                if type(order) is DropOrder:
+                    self._run_drop(order, batch)
+                else:
+                    self._run_order(order, batch, prepacked)
+
+    def _run_drop(self, order: DropOrder, batch: RequestOrders) -> None:
+        """:meth:`_run_order` of a drop (the same steps, its keys made once): its slots are free
+        when it returns; it reads no pages and completes nothing."""
+        worker = self.worker
+        if worker.off:
+            return
+        keys = order.keys()
+        dram = order.tier is Tier.DRAM
+        cluster = worker.cluster
+        if dram and cluster is not None:
+            if batch.share and worker.settings.cluster_admission == "evicted":
+                cluster.share_now([k for k in keys if k.chunk in batch.share])
+            cluster.before_drop(keys)  # no put reads the slots the drop frees
+        try:
+            worker.engine.drop(order, keys=keys)
+        except Exception as exc:  # the engine dropped what it could
+            worker._fault("drop", exc)
+            return
+        if dram:
+            self.dram_keys.difference_update(keys)
 
     def _run_order(self, order: Order, batch: RequestOrders, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
         """Start one order (:meth:`TransferEngine.execute`); while it reads the request's blocks,
@@ -204,9 +230,12 @@ class WorkerSaves:
     def take_sent(self) -> set[str]:
         """Held requests whose orders no longer read their blocks (all of them once off: the data
         plane closed, and its close waited for every order)."""
-        off = self.worker.off
-        sent = {req_id for req_id in self.held
-                if off or all(event.is_set() for event in self.reading.get(req_id, ()))}
+        off, reading = self.worker.off, self.reading
+        sent = set()
+        for req_id in self.held:
+            events = reading.get(req_id)
+            if off or not events or all([event.is_set() for event in events]):
+                sent.add(req_id)
         for req_id in sent:
             self.held.discard(req_id)
             self.reading.pop(req_id, None)
@@ -228,21 +257,27 @@ class WorkerSaves:
         out += self.completions
         self.completions = []
         orders, self.orders = self.orders, []
+        off = self.worker.off
         for order, future in orders:
-            if future.done() or self.worker.off:  # off: the data plane closed, nothing more will finish
-                out.append(self._completion(order.order_id, future))
+            if future.done():
+                out.append(self._completion(order.order_id, future, True))
+            elif off:  # the data plane closed, nothing more will finish
+                out.append(CompletionReport(order.order_id, False))
             else:
                 self.orders.append((order, future))
 
-    def _completion(self, order_id: int, future: Future) -> CompletionReport:
-        if not future.done():  # the data plane closed before it finished
+    def _completion(self, order_id: int, future: Future, done: bool = False) -> CompletionReport:
+        """``done``: the caller saw ``future.done()``."""
+        if not (done or future.done()):  # the data plane closed before it finished
             return CompletionReport(order_id, False)
-        error = future.exception()
-        if error is not None:
+        try:
+            result = future.result()  # done: never waits
+        except CancelledError:  # as future.exception() raises it
+            raise
+        except BaseException as error:  # noqa: BLE001 - what future.exception() would have returned
             self.worker._fault("order", error)
             return CompletionReport(order_id, False)
-        done = future.result()
-        return CompletionReport(order_id, done.ok, done.failed)
+        return CompletionReport(order_id, result.ok, result.failed)
 
     def in_flight(self) -> list[Future]:
         return [future for _, future in self.orders]
