@@ -91,7 +91,7 @@ READS: dict[str, tuple[str, ...]] = {
     "FullAttentionSpec": ("block_size", "page_size_bytes", "dtype", "sliding_window"),
     "MambaSpec": ("block_size", "shapes", "dtypes"),
     "VllmConfig": ("model_config", "cache_config", "parallel_config", "device_config", "kv_events_config",
-                   "speculative_config"),
+                   "speculative_config", "load_config"),  # load_config: its download_dir, read with a default
     "SpeculativeConfig": ("draft_model_config",),
     "ParallelConfig": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel_rank",
                        "prefill_context_parallel_size", "decode_context_parallel_size", "enable_dbo", "ubatch_size"),
