@@ -250,6 +250,7 @@ class HintBook:
         self.lead_s = prewarm_lead_s
         self.pins: dict[Hashable, dict[Hashable, _Pin]] = {}  # tenant -> chunk key -> pin
         self.pinned: dict[Hashable, int] = {}  # tenant -> bytes
+        self.pinned_keys: dict[Hashable, set] = {}  # chunk key -> the tenants pinning it
         self._expiry: list[tuple[float, int, Hashable, Hashable]] = []  # (until, seq, tenant, key)
         self._seq = 0
         self.sessions: OrderedDict[tuple, _Session] = OrderedDict()
@@ -273,6 +274,16 @@ class HintBook:
                 if mark.owner != owner:
                     mark.owner = _SHARED
                 mark.done = False
+        if self.pins:  # a pinned chunk whose node was reclaimed (it held nothing) and is back: pinned again
+            for node in nodes:
+                tenants = self.pinned_keys.get(node.key)
+                if tenants is not None and (node.hint is None or node.hint.pins is None):
+                    mark = self._mark(node)
+                    mark.pins = {}
+                    for tenant_ in tenants:
+                        record = self.pins[tenant_][node.key]
+                        record.node = node
+                        mark.pins[tenant_] = record.until
         if owner is not _SHARED:
             session = self._session(owner)
             if session.due is not None:  # its next turn came: the prewarm is no longer due
@@ -311,6 +322,7 @@ class HintBook:
             record = mine.get(node.key)
             if record is None:
                 record = mine[node.key] = _Pin(until, _charge(node), node)
+                self.pinned_keys.setdefault(node.key, set()).add(tenant)
             elif until > record.until:
                 record.until = until
             record.node = node
@@ -341,11 +353,15 @@ class HintBook:
         mine = self.pins[tenant]
         record = mine.pop(key)
         self.pinned[tenant] -= record.charge
+        tenants = self.pinned_keys[key]
+        tenants.discard(tenant)
+        if not tenants:
+            del self.pinned_keys[key]
         if not mine:
             del self.pins[tenant]
             del self.pinned[tenant]
         mark = record.node.hint
-        if mark is not None and mark.pins is not None:
+        if mark is not None and mark.pins is not None and record.node.node is not None:
             mark.pins.pop(tenant, None)
             if not mark.pins:
                 mark.pins = None

@@ -179,6 +179,7 @@ class ControlPlane:
             now = check_now(now, self._now)
             hashes = check_hashes(chunk_hashes)
             states = check_states(states, len(hashes))
+            check_hint_args(hints, tenant)
             failed = check_names(failed)
             record = None if plan is None else self._plans.live(plan)
             if record is None and failed:

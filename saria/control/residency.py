@@ -168,6 +168,10 @@ class Residency:
             return False
         if obj.ssd != ABSENT:
             return True
+        if self.hints.active:  # a retained or pinned chunk is written at its eviction, a done one never
+            hinted = self.hints.at_dram_eviction(obj, self._tree.clock)
+            if hinted is not None:
+                return not hinted
         return not self._admission.admits(obj, earlier + obj.eviction_step)
 
     def idle_candidates(self, idle_before: float, need: int) -> list[CacheObject]:
