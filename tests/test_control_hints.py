@@ -384,3 +384,12 @@ def test_the_next_turn_cancels_its_prewarm():
     cp.turn_ended(hashes, 1.0, Hints(session="s", next_turn_s=30.0), tenant="A")
     drive(cp, hashes + [("c", 1)], 5.0, hints=Hints(session="s"), tenant="A")  # the turn came early
     assert cp.next_hinted_prewarm() is None and cp.hint_counters().prewarms_cancelled == 1
+
+
+def test_done_leaves_chunks_another_request_saw_first():
+    cp = make_plane()
+    drive(cp, [("w", 0), ("w", 1)], 0.0)  # a request of no session
+    drive(cp, [("w", 0), ("w", 1), ("w", 2)], 1.0, hints=Hints(session="s"), tenant="A")
+    drive(cp, [("w", 0), ("w", 1), ("w", 2), ("w", 3)], 2.0, hints=Hints(session="s", done=True), tenant="A")
+    assert [cp.chunk_info(("w", j)).R_b for j in range(4)] == [2, 2, 0, 0]  # only the session's own lose it
+    assert cp.hint_counters().done_chunks == 2

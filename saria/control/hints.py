@@ -19,8 +19,8 @@ here runs and every decision is Eq. 1's (and the policy's other rules').
 * ``session`` + ``next_turn_s``: when the request ends, a prewarm of its chunks (SSD -> free DRAM,
   :meth:`ControlPlane.prewarm`) is due ``Policy.prewarm_lead_s`` before the announced next turn;
   the session's next request cancels it.
-* ``done``: the session ended. Its *private* chunks (referenced by no request of another session,
-  nor one without a session, since the control plane first saw them with a session) lose their
+* ``done``: the session ended. Its *private* chunks (made by a request of the session and
+  referenced by no request of another session, nor one without a session, since) lose their
   evidence (E_b = R_b = 0), are never written to SSD afterwards (no eviction, reuse or prewrite
   admission), go first at eviction (their DRAM and SSD copies move to the LRU ends), and the
   done request's new chunks are not stored in DRAM. A chunk referenced again is alive again.
@@ -257,19 +257,21 @@ class HintBook:
         self._due: list[tuple[float, int, tuple, int]] = []  # (due, seq, session key, generation)
 
     # ------------------------------------------------------------------------------- at commit
-    def referenced(self, nodes: list[Node], tenant: Hashable, hints: Hints | None) -> None:
-        """A committed request referenced ``nodes`` (with ``hints``, or None): ownership of the
-        chunks the book follows, and a done mark cleared (the chunk is alive again)."""
+    def referenced(self, nodes: list[Node], tenant: Hashable, hints: Hints | None, fresh_from: int = 0) -> None:
+        """A committed request referenced ``nodes`` (with ``hints``, or None; the chunks from
+        ``fresh_from`` on are new, made by this request): ownership of the chunks the book follows,
+        and a done mark cleared (the chunk is alive again). A chunk the book did not follow that
+        existed before this request was referenced by requests of no session: it is shared."""
         owner = (tenant, hints.session) if hints is not None and hints.session is not None else _SHARED
         if hints is None and not self.active:
             return
         self.active = True
-        for node in nodes:
+        for i, node in enumerate(nodes):
             mark = node.hint
             if mark is None:
                 if owner is _SHARED:
                     continue  # a chunk no session claims: nothing to follow
-                node.hint = _Mark(owner)
+                node.hint = _Mark(owner if i >= fresh_from else _SHARED)
             else:
                 if mark.owner != owner:
                     mark.owner = _SHARED

@@ -200,9 +200,12 @@ class ControlPlane:
             changes = PendingChanges()
             usable = planned if first_bad >= planned else (0 if self._hybrid else first_bad)
             # Touch first: a node the request uses is then awake, so no drop below reclaims it.
+            hinted = hints is not None or self._hints.active
+            if hinted:  # the chunks this request makes begin at the first the tree does not know
+                fresh_from = next((i for i, node in enumerate(nodes) if node is None), len(nodes))
             self._account(hashes, nodes, record, usable, now)
-            if hints is not None or self._hints.active:
-                self._apply_hints(nodes, hints, tenant, now)
+            if hinted:
+                self._apply_hints(nodes, hints, tenant, now, fresh_from)
             if record is not None:
                 self._plans.remove(record)
                 finish_reads(record, bad, True, self._tiers, self._counters, changes)
@@ -400,12 +403,13 @@ class ControlPlane:
                 state.evidence.R_b += 1
                 state.evidence.last_reuse = now
 
-    def _apply_hints(self, nodes: list[Node], hints: Hints | None, tenant: Hashable, now: float) -> None:
+    def _apply_hints(self, nodes: list[Node], hints: Hints | None, tenant: Hashable, now: float,
+                     fresh_from: int) -> None:
         """A committed request's hints (module saria.control.hints): ownership of its chunks, then
         its retain, pin and unpin hints, then done."""
         book = self._hints
         book.expire(now)
-        book.referenced(nodes, tenant, hints)
+        book.referenced(nodes, tenant, hints, fresh_from)
         if hints is None:
             return
         book.apply(nodes, tenant, hints, now)
