@@ -234,7 +234,7 @@ class Model:
                 if cp.pins(t).get(h, -math.inf) <= now and not self.pinned(h):
                     self.seen_on_ssd.discard(h)
         counters, hinted = cp.counters(), cp.hint_counters()
-        room_ran_out = counters.writes_skipped or hinted.retained_evicted or counters.stores_skipped
+        room_ran_out = counters.writes_skipped or hinted.retained_evicted
         for h, until in self.retained.items():
             info = cp.chunk_info(h)
             if until > now and info is not None and info.kv.dram == "absent" and info.kv.ssd == "absent":

@@ -9,8 +9,8 @@ here runs and every decision is Eq. 1's (and the policy's other rules').
 
 * ``retain_s``: keep the request's chunks reachable for at least that long: a chunk reaching DRAM
   eviction inside its retention is written to SSD even when admission would not (a *hinted
-  admission*), and SSD eviction takes chunks whose retention has passed first (a retained chunk
-  goes only when nothing else can).
+  admission*; a new chunk that finds no DRAM room is written from HBM instead), and SSD eviction
+  takes chunks whose retention has passed first (a retained chunk goes only when nothing else can).
 * ``pin`` (a TTL in seconds, or until unpinned): the request's chunks are written to SSD at their
   DRAM eviction and never evicted from SSD while pinned. Each tenant's pinned bytes (SSD charges)
   are capped (``pin_bytes_per_tenant``), and all tenants' together at half the SSD tier: a pin

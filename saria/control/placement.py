@@ -79,6 +79,11 @@ class Placement:
             counters.stores += len(stored)
             counters.store_bytes += sum([obj.nbytes for obj in stored]) if self._hybrid else len(stored) * self._kv_bytes
             counters.stores_skipped += len(absent) - len(stored)
+            if hints.active and len(stored) < len(absent):  # no DRAM room: a retained or pinned chunk goes to SSD
+                now = tiers.clock
+                for obj in absent:
+                    if obj.dram == ABSENT and obj.ssd == ABSENT and hints.at_dram_eviction(obj, now):
+                        tiers.write(obj, GPU, "write-through", changes, hinted=True)
         if self._write_through:
             for obj in computed:
                 if obj.ssd == ABSENT:

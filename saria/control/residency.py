@@ -95,6 +95,11 @@ class Residency:
         # the application's hints (saria.control.hints): looked at only once a hint was seen (hints.active)
         self.hints = hints if hints is not None else HintBook(0, 0, 0.0)
 
+    @property
+    def clock(self) -> float:
+        """The current call's time."""
+        return self._tree.clock
+
     # ---------------------------------------------------------------------------------------- DRAM
     def reserve_dram(self, objs: list[CacheObject], changes: PendingChanges) -> list[CacheObject]:
         """Give each of ``objs`` a DRAM slot (``FILLING``), in order, evicting from the LRU end as
