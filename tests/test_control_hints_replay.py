@@ -68,3 +68,38 @@ def test_a_replay_with_hints_plumbed_but_none_given_is_the_replay_without(policy
     assert SessionHintedPlane.commits == plain["counters"]["requests"] > 600
     assert plain["counters"]["dram_evictions"] > 0 and plain["counters"]["ssd_writes"] > 0  # the tiers are busy
     assert hinted == plain
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared traces are not here")
+def test_a_replay_with_an_agents_hints_prewarms_and_ends_its_sessions():
+    from saria.replay.hints import derive_hints
+
+    trace = load_trace(TRACE)
+    chunk = ChunkSpec.for_model("qwen3-8b", chunk_tokens=64)
+    chunks = [chunk_keys(r, trace.block_tokens, chunk.chunk_tokens) for r in trace.requests]
+    schedule = make_schedule(trace, "auto", window_hours=0.2, seed=3)
+    config = SariaConfig(dram=Capacity(tokens=8_000), ssd=Capacity(tokens=40_000), chunk=chunk,
+                         policy=Policy.preset("saria"))
+    hints = derive_hints(schedule, chunks, accuracy=1.0)
+    sessions = schedule.sessions
+    assert sum(h.done for h in hints if h is not None) == len(sessions)
+    for s in sessions:  # the next turn's gap, exactly, at accuracy 1
+        assert [hints[r].next_turn_s for r in s.requests[:-1]] == list(s.gaps_s)
+    wrong = derive_hints(schedule, chunks, accuracy=0.5, seed=1)
+    differ = sum(a.next_turn_s != b.next_turn_s for a, b in zip(hints, wrong) if a.next_turn_s is not None)
+    assert 0 < differ < len(trace.requests)
+    run = replay("saria+hints", trace, chunks, schedule, config, hints=hints, audit=True)
+    assert run.audit == []
+    assert run.hints["sessions_done"] == len(sessions) and run.hints["prewarms_hinted"] > 0
+    assert run.hints["hinted_requests"] == len(trace.requests)
+
+
+def test_a_chat_platform_pins_the_prefixes_shared_across_sessions():
+    from saria.replay.arrivals import Schedule, SessionPlan
+    from saria.replay.hints import derive_hints
+
+    chunks = [("sys", "a1"), ("sys", "b1"), ("sys", "c1", "c2"), ("own",)]
+    schedule = Schedule("recorded", tuple(SessionPlan(float(i), (i,), ()) for i in range(4)))
+    hints = derive_hints(schedule, chunks)
+    assert [h.pin_chunks if h else None for h in hints] == [1, 1, 1, None]
+    assert all(h.session is None and h.next_turn_s is None for h in hints if h)

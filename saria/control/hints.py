@@ -60,7 +60,9 @@ _KNOWN = ("retain_s", "pin", "session", "next_turn_s", "done", "prompt_cache_ret
 @dataclass(frozen=True, slots=True)
 class Hints:
     """A request's hints, checked. ``pin``: a TTL in seconds (``math.inf``: until unpinned), None
-    for no pin; ``unpin``: ``pin: false``; ``session``: the session key (a string, never logged)."""
+    for no pin; ``unpin``: ``pin: false``; ``session``: the session key (a string, never logged);
+    ``pin_chunks``: the pin covers the request's first that many chunks (None: all; not read from a
+    request: a replay's platform pins, :mod:`saria.replay.hints`)."""
 
     retain_s: float | None = None
     pin: float | None = None
@@ -68,6 +70,7 @@ class Hints:
     session: str | None = None
     next_turn_s: float | None = None
     done: bool = False
+    pin_chunks: int | None = None  # pin only the request's first this many chunks (a replay's platform pins)
 
     @property
     def empty(self) -> bool:
@@ -306,7 +309,7 @@ class HintBook:
         if hints.unpin:
             self.unpin(nodes, tenant)
         if hints.pin is not None:
-            self.pin(nodes, tenant, now + hints.pin)
+            self.pin(nodes if hints.pin_chunks is None else nodes[:hints.pin_chunks], tenant, now + hints.pin)
 
     def pin(self, nodes: list[Node], tenant: Hashable, until: float) -> bool:
         """Pin ``nodes`` for ``tenant`` until ``until``, all or none: refused (False) past a cap."""
