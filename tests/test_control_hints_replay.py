@@ -103,3 +103,18 @@ def test_a_chat_platform_pins_the_prefixes_shared_across_sessions():
     hints = derive_hints(schedule, chunks)
     assert [h.pin_chunks if h else None for h in hints] == [1, 1, 1, None]
     assert all(h.session is None and h.next_turn_s is None for h in hints if h)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared traces are not here")
+def test_saria_replay_hints_adds_each_policy_with_hints(capsys):
+    from saria.commands.cli import main
+
+    assert main(["replay", str(TRACE), "--chunk-tokens", "64", "--dram-tokens", "8000", "--ssd-tokens", "40000",
+                 "--policy", "saria", "--hints", "trace", "--hint-accuracy", "0.8", "--jobs", "1",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "saria+hints" in out and "accuracy 0.8" in out
+    hits = next(line for line in out.splitlines() if line.startswith("prewarm hit tokens")).split()
+    assert hits[-1] != "0"  # saria+hints, last column: its next_turn_s prewarms were read
+    with pytest.raises(SystemExit):
+        main(["replay", str(TRACE), "--hints", "trace", "--hint-accuracy", "1.5"])

@@ -51,6 +51,7 @@ class Point:
     label: str
     policy: PolicySpec | SariaConfig
     window_hours: float | None = None
+    hint_accuracy: float | None = None  # replayed with an application's hints of this accuracy (saria.replay.hints)
 
 
 class Experiment:
@@ -114,7 +115,8 @@ class Experiment:
             self.schedule(point.window_hours)
             if key not in keys:
                 keys.append(key)
-            jobs.append(Job(point.label, self.config_for(point.policy), keys.index(key)))
+            jobs.append(Job(point.label, self.config_for(point.policy), keys.index(key), point.hint_accuracy,
+                            self.seed))
         schedules = [self._schedules[k] for k in keys]
         return run_jobs(self.trace, self.chunks, schedules, jobs, self.settings, workers=self.workers,
                         progress=self.progress, desc=desc)
