@@ -305,7 +305,8 @@ class ControlPlane:
                 new = self.prewarm(hashes, now, cap)
             except ControlPlaneError:
                 continue
-            self._hints.counters.prewarms_hinted += len(new)
+            with self._lock:
+                self._hints.counters.prewarms_hinted += len(new)
             orders += new
         return orders
 
