@@ -118,3 +118,20 @@ def test_saria_replay_hints_adds_each_policy_with_hints(capsys):
     assert hits[-1] != "0"  # saria+hints, last column: its next_turn_s prewarms were read
     with pytest.raises(SystemExit):
         main(["replay", str(TRACE), "--hints", "trace", "--hint-accuracy", "1.5"])
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the shared traces are not here")
+def test_saria_sweep_hints_replays_its_points_with_hints_and_its_references_without(capsys, monkeypatch):
+    from saria.commands.cli import main
+    from saria.replay import runner
+
+    seen = []
+    real = runner.job_hints
+    monkeypatch.setattr(runner, "job_hints", lambda job, *a: seen.append((job.name, job.hint_accuracy)) or real(job, *a))
+    assert main(["sweep", str(TRACE), "--chunk-tokens", "64", "--dram-tokens", "8000", "--ssd-tokens", "40000",
+                 "--theta-e", "2", "--hints", "trace", "--hint-accuracy", "0.9", "--jobs", "1", "--no-progress"]) == 0
+    assert "cache hints derived from the trace (accuracy 0.9" in capsys.readouterr().out
+    hinted = {name for name, accuracy in seen if accuracy == 0.9}
+    plain = {name for name, accuracy in seen if accuracy is None}
+    assert hinted == {"saria E2"} and {"full-duplicate", "dram-only (reference)"} <= plain
+    assert len(hinted) + len(plain) == len(set(seen))
