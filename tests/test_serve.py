@@ -403,7 +403,7 @@ def test_prometheus_counters_per_engine_with_docs():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     from saria.integrations.vllm.connector import SariaConnector
-    from saria.integrations.vllm.metrics import METRICS
+    from saria.integrations.vllm.metrics import GAUGES, METRICS
 
     registry = CollectorRegistry()
     types = {t: functools.partial(t, registry=registry) for t in (Counter, Gauge, Histogram)}
@@ -420,8 +420,9 @@ def test_prometheus_counters_per_engine_with_docs():
     assert metric(samples, "vllm:saria_faults_total", half="worker") == 1
     assert metric(samples, "vllm:saria_transfer_seconds_total", path="dram_to_gpu") == 0.5
     exposition = generate_latest(registry).decode()
-    for m in METRICS:
-        assert f"# HELP {m.name}_total {m.documentation}" in exposition
+    for m in METRICS:  # counters are exposed with _total, gauges (pinned_bytes) as named
+        suffix = "" if any(key in GAUGES for key in m.keys) else "_total"
+        assert f"# HELP {m.name}{suffix} {m.documentation}" in exposition
 
 
 # --- the small model's tokenizer ------------------------------------------------------------------
@@ -574,9 +575,13 @@ def test_hits_from_dram_and_ssd_in_prometheus(served):
 
 
 def test_every_saria_counter_is_served_at_metrics(served):
-    from saria.integrations.vllm.metrics import METRICS
+    from saria.integrations.vllm.metrics import GAUGES, METRICS
 
     for m in METRICS:
+        if any(key in GAUGES for key in m.keys):  # vllm:saria_pinned_bytes
+            assert f"# HELP {m.name} " in served["metrics"], m.name
+            assert f"# TYPE {m.name} gauge" in served["metrics"], m.name
+            continue
         assert f"# HELP {m.name}_total " in served["metrics"], m.name
         assert f"# TYPE {m.name}_total counter" in served["metrics"], m.name
     assert "vllm:saria_" not in served["plain_metrics"]

@@ -50,6 +50,11 @@ Request lifecycle::
   SSD copies pinned until ``complete``. Counts nothing as a reference; ``Counters.prewarm_*``:
   orders, chunks, bytes (issued / read), failed, hits (chunks a committed plan first read from
   DRAM after a prewarm brought them), wasted (prewarmed chunks evicted unread).
+* Cache hints from the application (:mod:`saria.control.hints`): ``commit_prefill(..., hints=Hints(...),
+  tenant=...)`` applies a request's ``retain_s``, ``pin`` / unpin and ``done`` to its chunks;
+  ``turn_ended(chunk_hashes, now, hints, tenant)`` schedules a ``next_turn_s`` prewarm, which
+  ``hinted_prewarms(now)`` issues when due (``next_hinted_prewarm()`` says when);
+  ``hint_counters()``, ``pins(tenant)``, ``pinned_bytes(tenant)``. Without hints nothing changes.
 * ``counters() -> Counters``, ``usage() -> Usage``, ``chunk_info(hash) -> ChunkInfo | None``,
   ``audit() -> list[str]`` (every internal invariant, for tests).
 * ``governor -> EnduranceGovernor | None``: with ``config.write_budget.auto`` the control plane
@@ -87,7 +92,8 @@ learned return rates of evicted chunks), ``residency`` (tier capacity, LRU, evic
 states; what a call decided, as ``PendingChanges``), ``planner`` (reload prefix and sources, a
 plan's totals), ``plans`` (live plans, their failed reads, ending them), ``placement`` (store,
 writes, promotion and prewrite after prefill), ``promotion`` (Eqs. 2-3 and the chunks promoted),
-``prewarm`` (the next-turn predictor and the chunks a prewarm reads), ``recovery`` (a previous
+``prewarm`` (the next-turn predictor and the chunks a prewarm reads), ``hints`` (the
+application's cache hints), ``recovery`` (a previous
 run's SSD objects), ``emission`` (ids, decisions into orders, orders in flight), ``governor``
 (theta_E against a write budget), ``counters`` (and a request's hit accounting), ``checks``
 (argument checks), ``snapshots`` (``ChunkInfo``, ``Usage``), ``audit``, and ``plane`` (the

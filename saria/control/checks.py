@@ -18,6 +18,7 @@ import reprlib
 from collections import abc
 from typing import TYPE_CHECKING, Hashable, Iterable, Sequence
 
+from saria.control.hints import Hints
 from saria.orders import KV, STATE, ControlPlaneError, ObjectKey
 
 _INF = math.inf
@@ -71,6 +72,17 @@ def check_key(key: object) -> Hashable:
     except TypeError:
         raise ControlPlaneError(f"a chunk hash must be hashable, got a {type(key).__name__}") from None
     return key  # type: ignore[return-value]
+
+
+def check_hint_args(hints: object, tenant: object) -> None:
+    """``hints``: a :class:`~saria.control.hints.Hints` or None; ``tenant``: hashable (named by its
+    type only: a tenant is a salt's digest or a key's tag)."""
+    if hints is not None and type(hints) is not Hints:
+        raise ControlPlaneError(f"hints must be a saria.control.hints.Hints or None, got a {type(hints).__name__}")
+    try:
+        hash(tenant)
+    except TypeError:
+        raise ControlPlaneError(f"a tenant must be hashable, got a {type(tenant).__name__}") from None
 
 
 def check_names(failed: object) -> tuple:

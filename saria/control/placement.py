@@ -66,6 +66,11 @@ class Placement:
                         if obj is node.kv or states is None or i in states]
         else:
             computed = nodes[usable:]  # a node is its kv object, and has no other
+        hints = tiers.hints
+        if hints.active:  # a done session's new chunks: never stored, never written (saria.control.hints)
+            kept = [obj for obj in computed if not hints.never_written(obj)]
+            hints.counters.done_stores_skipped += len(computed) - len(kept)
+            computed = kept
         if self._store_new:
             absent = [obj for obj in computed if obj.dram == ABSENT]
             stored = tiers.reserve_dram(absent, changes)
@@ -74,6 +79,11 @@ class Placement:
             counters.stores += len(stored)
             counters.store_bytes += sum([obj.nbytes for obj in stored]) if self._hybrid else len(stored) * self._kv_bytes
             counters.stores_skipped += len(absent) - len(stored)
+            if hints.active and len(stored) < len(absent):  # no DRAM room: a retained or pinned chunk goes to SSD
+                now = tiers.clock
+                for obj in absent:
+                    if obj.dram == ABSENT and obj.ssd == ABSENT and hints.at_dram_eviction(obj, now):
+                        tiers.write(obj, GPU, "write-through", changes, hinted=True)
         if self._write_through:
             for obj in computed:
                 if obj.ssd == ABSENT:
@@ -89,6 +99,8 @@ class Placement:
             node = nodes[i]
             for obj in node.objects:
                 if obj.ssd != ABSENT or not admission.by_reuse(obj.evidence):
+                    continue
+                if hints.active and hints.never_written(obj):
                     continue
                 if obj.dram == READY or obj.dram == DRAINING:
                     tiers.write(obj, DRAM, "reuse", changes)
@@ -117,7 +129,10 @@ class Placement:
         if not self._admission.enabled:  # no SSD tier: nothing is admitted (at_next_eviction is empty)
             return
         tiers = self._tiers
+        hints = tiers.hints
         for obj in self._admission.at_next_eviction(tiers.unpersisted_lru_end(self._prewrite_depth)):
+            if hints.active and hints.never_written(obj):
+                continue
             if obj.ssd == ABSENT:  # a write issued in this loop may have evicted nothing, but be sure
                 tiers.write(obj, DRAM, "prewrite", changes)
 

@@ -19,11 +19,13 @@ from saria.config import SariaConfig
 from saria.control.accounting import count_request
 from saria.control.admission import Admission, FutureUses
 from saria.control.audit import audit
-from saria.control.checks import (brief_index, check_hashes, check_id, check_key, check_max_bytes, check_names,
-                                  check_now, check_ok, check_recovered, check_states, first_difference, objects_named)
+from saria.control.checks import (brief_index, check_hashes, check_hint_args, check_id, check_key, check_max_bytes,
+                                  check_names, check_now, check_ok, check_recovered, check_states, first_difference,
+                                  objects_named)
 from saria.control.counters import Counters
 from saria.control.emission import OrderEmitter
 from saria.control.governor import EnduranceGovernor
+from saria.control.hints import HintBook, HintCounters, Hints
 from saria.control.placement import Placement
 from saria.control.planner import find_prefix, reload_plan
 from saria.control.plans import LivePlans, PlanRecord, finish_reads
@@ -47,7 +49,7 @@ class ControlPlane:
     """
 
     def __init__(self, config: SariaConfig | None = None, *, future: FutureUses | None = None,
-                 sizing: TierSizing | None = None, observer=None) -> None:
+                 sizing: TierSizing | None = None, observer=None, pin_bytes_per_tenant: int | None = None) -> None:
         """``future``: every chunk's next use, for ``admission=oracle`` (a replay's knowledge).
         ``observer(node, features, now, ssd_retention)``: called at every DRAM eviction of a kv
         object with its learned-rule features and the SSD's retention age (:mod:`saria.control.learned`; a replay's labeler).
@@ -55,7 +57,8 @@ class ControlPlane:
         (:func:`saria.sizing.size_tiers` of the same config): each object is then charged its whole
         host slots and SSD parts against what the host pool and the drive files really hold, so
         whatever it admits fits them. None (a replay): objects charge their sizes against the
-        configured capacities."""
+        configured capacities. ``pin_bytes_per_tenant``: the most bytes (SSD charges) one tenant's
+        ``pin`` hints may hold (None: a tenth of the SSD tier; :mod:`saria.control.hints`)."""
         self.config = config = config if config is not None else SariaConfig()
         if not isinstance(config, SariaConfig):
             raise ValueError(f"ControlPlane needs a SariaConfig, got {config!r}")
@@ -75,8 +78,13 @@ class ControlPlane:
                                     counters=self._counters, observer=observer)
         self._sessions = self._admission.sessions
         self._tracker = self._admission.tracker
+        if pin_bytes_per_tenant is not None and (isinstance(pin_bytes_per_tenant, bool)
+                                                 or not isinstance(pin_bytes_per_tenant, int) or pin_bytes_per_tenant < 0):
+            raise ValueError(f"pin_bytes_per_tenant must be an int >= 0 or None, got {pin_bytes_per_tenant!r}")
+        self._hints = HintBook(sizing.ssd.capacity if config.ssd_bytes > 0 else 0, pin_bytes_per_tenant,
+                               policy.prewarm_lead_s)
         self._tiers = Residency(sizing.dram.capacity, sizing.ssd.capacity, self._admission, self._tree,
-                                self._counters)
+                                self._counters, self._hints)
         self._orders = OrderEmitter(hybrid=chunk.hybrid, kv_bytes=chunk.kv_bytes, state_bytes=chunk.state_bytes)
         self._recovery = SsdRecovery(self._tiers, self._tree, self._counters, kv_bytes=tree.kv_charges[1],
                                      state_bytes=tree.state_charges[1] if chunk.hybrid else 0)
@@ -157,8 +165,8 @@ class ControlPlane:
             return self._finish(changes, now)
 
     def commit_prefill(self, chunk_hashes: Sequence[Hashable], now: float, plan: ReloadPlan | int | None = None,
-                       failed: Iterable[Hashable | ObjectKey] = (), states: Iterable[int] | None = None
-                       ) -> list[Order]:
+                       failed: Iterable[Hashable | ObjectKey] = (), states: Iterable[int] | None = None,
+                       hints: Hints | None = None, tenant: Hashable = None) -> list[Order]:
         """After prefill: account the request, store its new KV in DRAM, write what admission and
         the policy call for, promote SSD hits, prewrite; release ``plan`` (which must be a live
         plan whose chunks begin ``chunk_hashes``). ``failed`` as in :meth:`release`; chunks from
@@ -171,6 +179,7 @@ class ControlPlane:
             now = check_now(now, self._now)
             hashes = check_hashes(chunk_hashes)
             states = check_states(states, len(hashes))
+            check_hint_args(hints, tenant)
             failed = check_names(failed)
             record = None if plan is None else self._plans.live(plan)
             if record is None and failed:
@@ -191,7 +200,12 @@ class ControlPlane:
             changes = PendingChanges()
             usable = planned if first_bad >= planned else (0 if self._hybrid else first_bad)
             # Touch first: a node the request uses is then awake, so no drop below reclaims it.
+            hinted = hints is not None or self._hints.active
+            if hinted:  # the chunks this request makes begin at the first the tree does not know
+                fresh_from = next((i for i, node in enumerate(nodes) if node is None), len(nodes))
             self._account(hashes, nodes, record, usable, now)
+            if hinted:
+                self._apply_hints(nodes, hints, tenant, now, fresh_from)
             if record is not None:
                 self._plans.remove(record)
                 finish_reads(record, bad, True, self._tiers, self._counters, changes)
@@ -258,6 +272,63 @@ class ControlPlane:
                 if groups:
                     self._tiers.prewarm(groups, changes)
             return self._finish(changes, now)
+
+    def turn_ended(self, chunk_hashes: Sequence[Hashable], now: float, hints: Hints | None,
+                   tenant: Hashable = None) -> None:
+        """A request ended at ``now`` (its response is complete): with ``session`` and
+        ``next_turn_s`` hints, a prewarm of ``chunk_hashes`` (its prompt's chunks) becomes due
+        ``Policy.prewarm_lead_s`` before ``now + next_turn_s``; :meth:`hinted_prewarms` issues it
+        unless the session's next request commits first. Changes nothing else."""
+        with self._lock:
+            now = check_now(now, self._now)
+            hashes = check_hashes(chunk_hashes)
+            check_hint_args(hints, tenant)
+            if hints is None or hints.next_turn_s is None:
+                return
+            self._now = now
+            self._hints.active = True
+            self._hints.turn_ended(tenant, hints, hashes, now)
+
+    def hinted_prewarms(self, now: float, max_bytes: int | None = None) -> list[Order]:
+        """The prewarms due at ``now`` by ``next_turn_s`` hints (:meth:`turn_ended`), each as
+        :meth:`prewarm` (free DRAM only, at most ``max_bytes``, None: ``config.prewarm_max_bytes``)
+        of the session's latest prompt; counted in ``hint_counters().prewarms_hinted``."""
+        orders: list[Order] = []
+        with self._lock:
+            now = check_now(now, self._now)
+            cap = check_max_bytes(max_bytes, self.config.prewarm_max_bytes)
+            if not self._hints.active:
+                return orders
+            due = self._hints.due(now)
+        for hashes in due:  # a session's chunks the tree no longer agrees with: skip that prewarm
+            try:
+                new = self.prewarm(hashes, now, cap)
+            except ControlPlaneError:
+                continue
+            with self._lock:
+                self._hints.counters.prewarms_hinted += len(new)
+            orders += new
+        return orders
+
+    def next_hinted_prewarm(self) -> float | None:
+        """When the next hinted prewarm is due (None: none is)."""
+        with self._lock:
+            return self._hints.next_due() if self._hints.active else None
+
+    def hint_counters(self) -> HintCounters:
+        """A snapshot of what the hints did (:class:`~saria.control.hints.HintCounters`)."""
+        with self._lock:
+            return replace(self._hints.counters)
+
+    def pins(self, tenant: Hashable = None) -> dict[Hashable, float]:
+        """``tenant``'s pinned chunks: chunk hash -> when the pin ends (``inf``: until unpinned)."""
+        with self._lock:
+            return {key: pin.until for key, pin in self._hints.pins.get(tenant, {}).items()}
+
+    def pinned_bytes(self, tenant: Hashable = None) -> int:
+        """What ``tenant``'s pins hold (SSD charges)."""
+        with self._lock:
+            return self._hints.pinned_of(tenant)
 
     def recover_ssd(self, keys: Iterable[ObjectKey], now: float) -> list[Order]:
         """Take over SSD objects a previous run left on the drives (the data plane found them whole
@@ -333,11 +404,26 @@ class ControlPlane:
                 state.evidence.R_b += 1
                 state.evidence.last_reuse = now
 
+    def _apply_hints(self, nodes: list[Node], hints: Hints | None, tenant: Hashable, now: float,
+                     fresh_from: int) -> None:
+        """A committed request's hints (module saria.control.hints): ownership of its chunks, then
+        its retain, pin and unpin hints, then done."""
+        book = self._hints
+        book.expire(now)
+        book.referenced(nodes, tenant, hints, fresh_from)
+        if hints is None:
+            return
+        book.apply(nodes, tenant, hints, now)
+        if hints.done and hints.session is not None:
+            book.done(tenant, hints.session, self._tiers.dram.lru, self._tiers.ssd.lru)
+
     def _finish(self, changes: PendingChanges | None, now: float) -> list[Order]:
         """End of a mutating call: expire metadata, let the governor (if any) set theta_E and theta_R for the
         next calls, emit the orders (none for ``changes`` None: a call that returns no orders),
         free reclaimed nodes."""
         self._tree.expire(now)
+        if self._hints.active:
+            self._hints.expire(now)
         if self._governor is not None:
             self._admission.theta_E = self._governor.update(now, self._counters.ssd_bytes_written)
             self._admission.theta_R = self._governor.theta_R

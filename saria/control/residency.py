@@ -28,6 +28,7 @@ from itertools import islice
 
 from saria.control.admission import Admission
 from saria.control.counters import Counters
+from saria.control.hints import HintBook
 from saria.orders import DRAM, SSD, ObjectKey, Tier
 from saria.control.tree import ABSENT, BAD, DRAINING, FILLING, READY, CacheObject, ContextTree, Node
 
@@ -81,7 +82,7 @@ class Residency:
     """Copies of objects in DRAM and SSD: reservation, eviction, writes, pins and completions."""
 
     def __init__(self, dram_bytes: int, ssd_bytes: int, admission: Admission, tree: ContextTree,
-                 counters: Counters) -> None:
+                 counters: Counters, hints: HintBook | None = None) -> None:
         self.dram = TierState(DRAM, dram_bytes)
         self.ssd = TierState(SSD, ssd_bytes)
         self.recovered: OrderedDict[ObjectKey, int] = OrderedDict()  # on SSD, not yet in the tree: charges
@@ -91,6 +92,13 @@ class Residency:
         self._admission = admission
         self._tree = tree
         self._counters = counters
+        # the application's hints (saria.control.hints): looked at only once a hint was seen (hints.active)
+        self.hints = hints if hints is not None else HintBook(0, 0, 0.0)
+
+    @property
+    def clock(self) -> float:
+        """The current call's time."""
+        return self._tree.clock
 
     # ---------------------------------------------------------------------------------------- DRAM
     def reserve_dram(self, objs: list[CacheObject], changes: PendingChanges) -> list[CacheObject]:
@@ -136,9 +144,15 @@ class Residency:
             self._counters.prewarm_wasted += 1
         ssd = obj.ssd
         if ssd == ABSENT:
-            if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", changes):
-                obj.dram = DRAINING
-                return
+            hinted = self.hints.at_dram_eviction(obj, self._tree.clock) if self.hints.active else None
+            if hinted is None:
+                if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", changes):
+                    obj.dram = DRAINING
+                    return
+            elif hinted:  # retained or pinned: written whatever admission says (counted apart when only the hint admits)
+                if self.write(obj, DRAM, "eviction", changes, hinted=not self._admission.admits(obj)):
+                    obj.dram = DRAINING
+                    return
         elif ssd == FILLING:  # a write is reading this copy: hold the slot until it ends
             obj.dram = DRAINING
             return
@@ -159,6 +173,10 @@ class Residency:
             return False
         if obj.ssd != ABSENT:
             return True
+        if self.hints.active:  # a retained or pinned chunk is written at its eviction, a done one never
+            hinted = self.hints.at_dram_eviction(obj, self._tree.clock)
+            if hinted is not None:
+                return not hinted
         return not self._admission.admits(obj, earlier + obj.eviction_step)
 
     def idle_candidates(self, idle_before: float, need: int) -> list[CacheObject]:
@@ -233,14 +251,19 @@ class Residency:
                 lru[obj] = None
 
     # ----------------------------------------------------------------------------------------- SSD
-    def write(self, obj: CacheObject, source: Tier, reason: str, changes: PendingChanges) -> bool:
+    def write(self, obj: CacheObject, source: Tier, reason: str, changes: PendingChanges,
+              hinted: bool = False) -> bool:
         """Reserve an SSD slot for ``obj`` (evicting SSD copies as needed) and order the write.
-        The caller has decided admission. False (counted as skipped) if SSD has no room."""
+        The caller has decided admission (``hinted``: a hint alone admitted it, counted in the
+        hint counters instead of by ``reason``). False (counted as skipped) if SSD has no room."""
         if not self.reserve_ssd(obj.ssd_charge, changes):
             self._counters.writes_skipped += 1
             return False
         obj.ssd = FILLING
         changes.write(reason, source, obj)
+        if hinted:
+            self.hints.counters.hinted_admissions += 1
+            return True
         counter = _ADMISSION_COUNTER[reason]
         setattr(self._counters, counter, getattr(self._counters, counter) + 1)
         return True
@@ -252,6 +275,8 @@ class Residency:
         lru, recovered = ssd.lru, self.recovered
         while ssd.capacity - ssd.used < need and recovered:
             self.drop_recovered(next(iter(recovered)), changes)
+        if self.hints.active:
+            return self._reserve_ssd_hinted(need, changes)
         while ssd.capacity - ssd.used < need:
             if not lru:
                 return False
@@ -261,6 +286,36 @@ class Residency:
             self.drop_ssd(victim, changes)
         ssd.used += need
         return True
+
+    def _reserve_ssd_hinted(self, need: int, changes: PendingChanges) -> bool:
+        """:meth:`reserve_ssd`'s LRU eviction under hints: a pinned copy is never evicted, a copy
+        inside its retention only when no other is left (oldest first); the copies passed over go
+        to the most recently used end."""
+        ssd, lru, hints, now = self.ssd, self.ssd.lru, self.hints, self._tree.clock
+        held: list[CacheObject] = []
+        retained: list[CacheObject] = []
+        ok = True
+        while ssd.capacity - ssd.used < need:
+            if lru:
+                victim = lru.popitem(last=False)[0]
+                level = hints.protected(victim, now)
+                if level:
+                    (retained if level == 1 else held).append(victim)
+                    continue
+            elif retained:
+                victim = retained.pop(0)
+                hints.counters.retained_evicted += 1
+            else:
+                ok = False
+                break
+            self._counters.ssd_evictions += 1
+            self._admission.ssd_retention_s = now - victim.node.last_reuse
+            self.drop_ssd(victim, changes)
+        for obj in retained + held:
+            lru[obj] = None
+        if ok:
+            ssd.used += need
+        return ok
 
     def drop_ssd(self, obj: CacheObject, changes: PendingChanges) -> None:
         self.ssd.used -= obj.ssd_charge

@@ -113,7 +113,7 @@ class Node(CacheObject):
     on checkpoint boundaries of hybrid models."""
 
     __slots__ = ("E_b", "R_b", "last_reuse", "key", "parent", "depth", "children", "state", "queued",
-                 "quiet_since", "session", "evicted_as", "sharers", "learn")
+                 "quiet_since", "session", "evicted_as", "sharers", "learn", "hint")
 
     def __init__(self, key: Hashable, parent: Node | None, now: float, kv_bytes: int,
                  ssd_kv_bytes: int | None = None, dram_charge: int | None = None,
@@ -146,6 +146,7 @@ class Node(CacheObject):
         self.evicted_as = None  # the situation of its latest eviction, until it is referenced again
         self.sharers = 0  # times it passed from one session to another (admission rule learned)
         self.learn = None  # the learned rule's history of it (saria.control.learned.FeatureTracker)
+        self.hint = None  # its hint state, once a hinted request referenced it (saria.control.hints)
 
     @property
     def dormant(self) -> bool:

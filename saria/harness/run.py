@@ -48,6 +48,7 @@ class SessionResult:
     baseline: list[TurnResult] = field(default_factory=list)  # a reference's turns computed in full (its job's baseline)
     reference: list[dict[str, int]] = field(default_factory=list)  # a reference's connector counters, per rank
     block_hashes: list[list[str]] = field(default_factory=list)  # record_block_hashes: vLLM's, per request looked up
+    hints: dict[str, int] = field(default_factory=dict)  # the control plane's hint counters (in-process)
 
 
 def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | None = None, max_tokens: int = 8,
@@ -63,7 +64,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 emulate_ssd_fp8: bool | str = False, reference: dict | None = None,
                 cache_salts: list[str | None] | None = None, record_block_hashes: bool = False,
                 engine_args: dict | None = None, sampling: dict | None = None,
-                loras: list[str | None] | None = None) -> SessionResult:
+                loras: list[str | None] | None = None,
+                kv_transfer_params: list[dict | None] | None = None) -> SessionResult:
     """Run ``prompts`` one turn after another through a new ``vllm.LLM`` (greedy, logprobs).
     ``extra_config``: saria's connector options, or None for plain vLLM. vLLM's own prefix cache is
     off, or (``prefix_caching``, which hybrid models need for their GDN checkpoints) emptied before
@@ -109,7 +111,9 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     passes the same ones. ``sampling``: more of vLLM's ``SamplingParams`` for every turn (JSON:
     ``n``, ``seed``, ``temperature``, ``prompt_logprobs``, ...; :func:`~saria.harness.llm.sampling_params`),
     a reference's too. ``loras``: per prompt, a LoRA adapter's directory or None (the base model;
-    the engine needs ``engine_args`` ``enable_lora``)."""
+    the engine needs ``engine_args`` ``enable_lora``). ``kv_transfer_params``: per prompt, what its
+    request carries in ``SamplingParams(extra_args={"kv_transfer_params": ...})`` (saria's cache
+    hints, docs/vllm.md), or None; the control plane's hint counters are in ``SessionResult.hints``."""
     from vllm.inputs import TokensPrompt
 
     if reference is not None:
@@ -165,6 +169,13 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                    **kwargs)
     ranks = (lambda: rank_loads(llm.collective_rpc(rank_snapshot))) if parallel and extra_config is not None else None
     params = sampling_params(max_tokens, sampling)
+    if kv_transfer_params is not None and (len(kv_transfer_params) != len(prompts) or abort_turns or variants):
+        raise ValueError("kv_transfer_params needs one entry (or None) per prompt, and no abort_turns or variants")
+
+    def params_of(i: int) -> Any:
+        kv = kv_transfer_params[i] if kv_transfer_params is not None else None
+        return params if kv is None else sampling_params(max_tokens, sampling, extra_args={"kv_transfer_params": kv})
+
     scheduler_side, worker_side = connectors(llm) if extra_config is not None else (None, None)
     guard = getattr(scheduler_side, "_scheduler", None)  # SchedulerGuard; guard.inner: the current SariaScheduler
     arm, restore = (None, None)
@@ -212,7 +223,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         if turn in abort_turns:
             outs = [generate_and_abort(llm, group[0], params, f"abort-{turn}")]
         else:
-            outs = llm.generate([prompt_of(i) for i in range(turn, turn + size)], params, use_tqdm=False,
+            outs = llm.generate([prompt_of(i) for i in range(turn, turn + size)],
+                                [params_of(i) for i in range(turn, turn + size)], use_tqdm=False,
                                 **({"lora_request": adapters[turn:turn + size]} if loras is not None else {}))
         wall = time.perf_counter() - t0
         dram = ssd = cluster = 0
@@ -252,6 +264,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         restore()
     if guard is not None:
         result.control = asdict(guard.inner.control.counters())
+        result.hints = asdict(guard.inner.control.hint_counters())
         result.totals = guard.totals()
         result.faults["scheduler"] = guard.stats()
     if worker is not None:

@@ -15,7 +15,8 @@ from saria.argtypes import float_range, fraction, int_range, listed, parse_size,
 from saria.config import MAX_DRIVES, MAX_THRESHOLD, POLICY_PRESETS, Bandwidths, WriteBudget
 from saria.models import MODELS
 from saria.replay.arrivals import ARRIVAL_MODES
-from saria.replay.experiment import Experiment, Point, open_trace
+from saria.replay.experiment import REFERENCES, Experiment, Point, open_trace
+from saria.replay.hints import HINT_SOURCES
 from saria.replay.fleet_cli import add_fleet_options, fleet_replay, fleet_wanted
 from saria.replay.layerwise import LAYERWISE_SUFFIX
 from saria.replay.layerwise_cli import add_step_options, describe_step, layerwise_runs, one_reload_model, run_both, \
@@ -206,6 +207,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     labels = [s.label for s in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"a policy is listed twice: {labels}")
+    if fleet_wanted(args) and args.hints:
+        raise ValueError("--hints: a fleet replay (--replicas > 1 or --cluster-gb > 0) replays no hints yet")
     if fleet_wanted(args) and args.plot:
         raise ValueError("--plot: a fleet replay (--replicas > 1 or --cluster-gb > 0) draws no plot; use --json "
                          "or --csv")
@@ -219,6 +222,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         return fleet_replay(args, exp, specs, configs, _describe(exp), layerwise_runs(args))
     description = _describe(exp)
     points = [Point(spec.label, config) for spec, config in zip(specs, configs)]
+    if args.hints:  # each policy (but the references and the oracle) again, with the application's hints
+        points += [Point(f"{spec.label}+hints", config, hint_accuracy=args.hint_accuracy)
+                   for spec, config in zip(specs, configs)
+                   if spec.label not in REFERENCES and config.policy.admission != "oracle"]
+        description += f"; +hints: an application's cache hints derived from the trace (accuracy {args.hint_accuracy:g})"
     if args.layerwise == "both":
         print(description + f"; reloads sequential and layer-wise ({LAYERWISE_SUFFIX})")
         results, runs = run_both(exp, points)
@@ -244,6 +252,23 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_hints(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--hints", choices=HINT_SOURCES, default=None,
+                   help=f"{what} the cache hints an application could send (trace: agent traces send next_turn_s "
+                        "and done, chat traces pin prefixes shared across sessions; docs/replay.md)")
+    p.add_argument("--hint-accuracy", type=fraction, default=1.0, metavar="P",
+                   help="with --hints: the share of next_turn_s hints that are right (the rest drawn at random "
+                        "from the trace's gaps, seeded by --seed)")
+
+
+def _hinted(args: argparse.Namespace, exp: Experiment) -> None:
+    """sweep, tune: every replay but the references' with the hints of --hints."""
+    if args.hints:
+        exp.hint_accuracy = args.hint_accuracy
+        print(f"with an application's cache hints derived from the trace (accuracy {args.hint_accuracy:g}; "
+              f"references without)")
+
+
 # ============================================================================================= sweep
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from saria.replay.sweep import SweepGrid, run_sweep
@@ -257,6 +282,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     _check_outputs(args)
     exp = _experiment(args)
     print(_describe(exp))
+    _hinted(args, exp)
     rows = run_sweep(exp, base, grid, references)
     print(format_table(rows))
     if args.csv:
@@ -281,6 +307,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     _check_outputs(args)
     exp = _experiment(args)
     print(_describe(exp))
+    _hinted(args, exp)
     budget = exp.base.write_budget
     print(f"budget: {budget.dwpd:g} DWPD on {budget.capacity_bytes / 1e12:,.3f} TB = "
           f"{budget.dwpd * budget.capacity_bytes / 86_400 / 1e6:,.1f} MB/s over the replayed duration")
@@ -357,6 +384,7 @@ def add_commands(sub) -> None:
     p.add_argument("--write-budget", choices=("off", "auto"), default="off",
                    help="auto: the endurance governor moves theta_E (and theta_R with it) online to hold writes "
                         "at --dwpd on --ssd-capacity, for every policy with eviction-based admission")
+    _add_hints(p, "also replay each policy as NAME+hints, its requests carrying")
     p.add_argument("--json", metavar="PATH", help="write {trace, config, results} as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per policy")
     p.add_argument("--plot", metavar="PATH", help="draw the comparison (PNG; needs matplotlib: saria[plot])")
@@ -380,6 +408,7 @@ def add_commands(sub) -> None:
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per replay")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="draw the trade-off plot (PNG; needs matplotlib: saria[plot])")
+    _add_hints(p, "replay every point (not the references) with")
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser(
@@ -398,6 +427,7 @@ def add_commands(sub) -> None:
                    help="what 'best' maximizes (default char_mean)")
     p.add_argument("--json", metavar="PATH", help="write the probes and the answer as JSON")
     p.add_argument("--csv", metavar="PATH", help="write one CSV row per probe")
+    _add_hints(p, "replay every probe (not the references) with")
     p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser(

@@ -51,6 +51,7 @@ class Point:
     label: str
     policy: PolicySpec | SariaConfig
     window_hours: float | None = None
+    hint_accuracy: float | None = None  # replayed with an application's hints of this accuracy (saria.replay.hints)
 
 
 class Experiment:
@@ -71,6 +72,9 @@ class Experiment:
         self.seed = seed
         self.workers = workers
         self.progress = progress
+        # replay every point but the references with an application's hints of this accuracy
+        # (saria.replay.hints; sweep and tune --hints); None: points say for themselves (Point.hint_accuracy)
+        self.hint_accuracy: float | None = None
         chunk = base.chunk()
         if chunk.chunk_tokens % trace.block_tokens:
             raise TraceError(f"--chunk-tokens {chunk.chunk_tokens} is not a multiple of the trace's "
@@ -114,7 +118,11 @@ class Experiment:
             self.schedule(point.window_hours)
             if key not in keys:
                 keys.append(key)
-            jobs.append(Job(point.label, self.config_for(point.policy), keys.index(key)))
+            config = self.config_for(point.policy)
+            accuracy = point.hint_accuracy
+            if accuracy is None and config.policy.name not in REFERENCES and point.label not in REFERENCES:
+                accuracy = self.hint_accuracy  # a reference (dram-only, full-duplicate) is replayed without
+            jobs.append(Job(point.label, config, keys.index(key), accuracy, self.seed))
         schedules = [self._schedules[k] for k in keys]
         return run_jobs(self.trace, self.chunks, schedules, jobs, self.settings, workers=self.workers,
                         progress=self.progress, desc=desc)

@@ -40,11 +40,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Hashable, Sequence
 
 from saria.config import SariaConfig
 from saria.control import ControlPlane, Counters, DropOrder, WriteOrder
+from saria.control.hints import Hints
 from saria.control.prewarm import GapPredictor
 from saria.replay.arrivals import Schedule
 from saria.replay.labels import EvictionLabels
@@ -133,6 +134,7 @@ class PolicyRun:
     governor_history: list[tuple[float, float]] | None = None
     audit: list[str] | None = None
     labels: EvictionLabels | None = None  # replay(..., labels=True): the oracle's label of every DRAM eviction
+    hints: dict | None = None  # replay(..., hints=...): what the hints did (saria.control.hints.HintCounters)
 
     @property
     def duration_s(self) -> float:
@@ -154,7 +156,7 @@ class PolicyRun:
 def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
            config: SariaConfig, settings: ReplaySettings = ReplaySettings(),
            progress: Callable[[int], None] | None = None, audit: bool = False, audit_every: int = 0,
-           labels: bool = False) -> PolicyRun:
+           labels: bool = False, hints: Sequence[Hints | None] | None = None) -> PolicyRun:
     """Replay ``trace`` (``chunks[i]``: request i's chunk hashes) on ``schedule`` through a fresh
     control plane built from ``config``. ``progress(n)`` is called as requests complete; ``audit``
     checks the control plane's invariants at the end (``PolicyRun.audit``, O(chunks));
@@ -162,16 +164,23 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
     then stops the replay. An exception of the control plane, or a violation found by
     ``audit_every``, raises :class:`ReplayInternalError` naming the policy and the request.
     ``labels``: label every DRAM eviction of a kv object with what the oracle would do
-    (:mod:`saria.replay.labels`, ``PolicyRun.labels``), for training the ``learned`` rule."""
+    (:mod:`saria.replay.labels`, ``PolicyRun.labels``), for training the ``learned`` rule.
+    ``hints``: per request, the cache hints an application sends with it (:mod:`saria.replay.hints`
+    derives them from a trace): passed at its commit, ``next_turn_s`` prewarms issued when due
+    (``PolicyRun.hints``: what they did); None: none, the replay as before."""
     oracle = config.policy.admission == "oracle"
     future = TraceFuture(chunks, schedule) if oracle or labels else None
     labeler = EvictionLabels(future, config.ssd_kv_bytes) if labels else None
     cp = ControlPlane(config, future=future if oracle else None, observer=labeler)
     current = [-1]  # the request being handled, for an internal error's message
     try:
+        if hints is not None and len(hints) != len(trace.requests):
+            raise ValueError(f"hints: one per request ({len(trace.requests)}), got {len(hints)}")
         run = _replay(cp, name, trace, chunks, schedule, config, settings, progress, audit, audit_every, current,
-                      future)
+                      future, hints)
         run.labels = labeler
+        if hints is not None:
+            run.hints = asdict(cp.hint_counters())
         return run
     except ReplayInternalError:
         raise
@@ -184,7 +193,8 @@ def replay(name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], sche
 
 def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedule: Schedule,
             config: SariaConfig, settings: ReplaySettings, progress: Callable[[int], None] | None, audit: bool,
-            audit_every: int, current: list[int], future: TraceFuture | None = None) -> PolicyRun:
+            audit_every: int, current: list[int], future: TraceFuture | None = None,
+            hints: Sequence[Hints | None] | None = None) -> PolicyRun:
     plan_request, commit, complete = cp.plan, cp.commit_prefill, cp.complete
     requests = trace.requests
     sessions = schedule.sessions
@@ -247,7 +257,14 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
             request_index, plan = a
             current[0] = request_index
             keys = chunks[request_index]
-            orders = commit(keys, now, plan=plan)
+            hint = hints[request_index] if hints is not None else None
+            orders = commit(keys, now, plan=plan) if hint is None else commit(keys, now, plan=plan, hints=hint)
+            if hint is not None and hint.next_turn_s is not None and now < horizon:
+                cp.turn_ended(keys, now, hint)  # the replay's request ends at its commit
+                due = cp.next_hinted_prewarm()
+                if due is not None:
+                    push(events, (due, _PREWARM, seq, -1, 0))  # a = -1: the hinted prewarms due then
+                    seq += 1
             for order in orders:
                 kind_ = type(order)
                 if kind_ is DropOrder:
@@ -283,6 +300,17 @@ def _replay(cp: ControlPlane, name: str, trace: Trace, chunks: Sequence[tuple[Ha
                     raise ReplayInternalError(f"control-plane audit failed after request {request_index} (policy "
                                               f"{name!r}, {done} committed): {'; '.join(problems[:3])}. This is a "
                                               f"bug in saria; please report it")
+        elif kind == _PREWARM and a < 0:  # next_turn_s hints (saria.control.hints)
+            if now < horizon:
+                current[0] = -1
+                for order in cp.hinted_prewarms(now, prewarm_cap):
+                    if type(order) is DropOrder:
+                        continue
+                    read = ssd_bytes_of(len(order.kv), len(order.state))
+                    prewarm_free = max(now, prewarm_free) + read / prewarm_rate
+                    prewarm_orders.add(order.order_id)
+                    push(events, (prewarm_free, _COMPLETE, seq, order.order_id, None))
+                    seq += 1
         elif kind == _PREWARM:
             if arrived_upto[a] < b and now < horizon:  # else the turn came first, or the replay is over
                 current[0] = -1

@@ -17,6 +17,7 @@ from typing import Hashable, Sequence
 
 from saria.config import SariaConfig
 from saria.replay.arrivals import Schedule
+from saria.replay.hints import derive_hints
 from saria.replay.replay import PolicyRun, ReplaySettings, replay
 from saria.replay.traces import Trace
 
@@ -30,6 +31,15 @@ class Job:
     name: str
     config: SariaConfig
     schedule: int = 0
+    hint_accuracy: float | None = None  # replay with an application's hints (saria.replay.hints) of this accuracy
+    hint_seed: int = 0
+
+
+def job_hints(job: Job, schedule: Schedule, chunks: Sequence[tuple[Hashable, ...]]):
+    """The hints a job replays with (:func:`saria.replay.hints.derive_hints`), or None."""
+    if job.hint_accuracy is None:
+        return None
+    return derive_hints(schedule, chunks, accuracy=job.hint_accuracy, seed=job.hint_seed)
 
 
 # Set in each worker (inherited by fork, or passed to the initializer under spawn).
@@ -49,7 +59,9 @@ def _work(index: int) -> PolicyRun:
             counter.value += n
 
     job = jobs[index]
-    return replay(job.name, trace, chunks, schedules[job.schedule], job.config, settings, progress)
+    schedule = schedules[job.schedule]
+    return replay(job.name, trace, chunks, schedule, job.config, settings, progress,
+                  hints=job_hints(job, schedule, chunks))
 
 
 def default_workers(jobs: int) -> int:
@@ -73,7 +85,8 @@ def run_jobs(trace: Trace, chunks: Sequence[tuple[Hashable, ...]], schedules: Se
     try:
         if workers == 1:
             update = bar.update if bar is not None else None
-            return [replay(job.name, trace, chunks, schedules[job.schedule], job.config, settings, update)
+            return [replay(job.name, trace, chunks, schedules[job.schedule], job.config, settings, update,
+                           hints=job_hints(job, schedules[job.schedule], chunks))
                     for job in jobs]
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         ctx = mp.get_context(method)

@@ -75,7 +75,7 @@ READS: dict[str, tuple[str, ...]] = {
     "NewRequestData": ("req_id", "block_ids", "num_computed_tokens"),
     "CachedRequestData": ("req_ids", "new_block_ids", "num_computed_tokens"),
     "Request": ("request_id", "block_hashes", "num_prompt_tokens", "cache_salt", "prefill_stats", "all_token_ids",
-                "lora_request"),
+                "lora_request", "kv_transfer_params", "session_id"),
     "LoRARequest": ("adapter_id", "name"),
     "KVEventsConfig": ("enable_kv_cache_events",),
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",

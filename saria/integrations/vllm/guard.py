@@ -42,6 +42,7 @@ from typing import Any, Callable
 from .events import KVEvents
 from .faults import Faults
 from .metadata import SariaConnectorMetadata, SariaWorkerMetadata, add_counts
+from .metrics import GAUGES
 from .requests import summary_line
 from .scheduler import SariaScheduler, uncount_tokens
 
@@ -210,6 +211,8 @@ class SchedulerGuard:
             log.warning("saria: scheduler counters unavailable: %s", exc)
             current = {}
         out = add_counts(self._retired, current)
+        for name in GAUGES:  # a gauge is the current control plane's, not a sum over rebuilt ones
+            out[name] = current.get(name, 0)
         out["scheduler_faults"] = self.faults.count
         return out
 

@@ -47,9 +47,22 @@ counter                                        what it counts
                                                bytes; each a miss, never served
 ``vllm:saria_unknown_epoch{tier}``             sealed parts of a key epoch the key file no longer
                                                holds (retired): each a miss
+``vllm:saria_hinted_admissions``               objects written to SSD at their DRAM eviction for a
+                                               ``retain_s`` or ``pin`` cache hint that admission
+                                               (Eq. 1) would not have written (docs/vllm.md,
+                                               "Cache hints")
+``vllm:saria_pinned_bytes`` (a gauge)          SSD bytes the ``pin`` hints of every tenant hold now
+``vllm:saria_pins_refused``                    ``pin`` hints refused: over ``pin_bytes_per_tenant``
+                                               or half the SSD tier, or no SSD tier
+``vllm:saria_hinted_prewarms``                 prewarm orders (SSD to DRAM) issued for
+                                               ``next_turn_s`` hints
+``vllm:saria_sessions_done``                   ``done`` hints applied
+``vllm:saria_hints_malformed``                 malformed or unknown hint keys ignored (never a
+                                               failed request)
 =============================================  ===================================================
 
-No label value carries anything of a request: labels are the fixed names above (tiers, paths,
+Every metric is a counter except ``vllm:saria_pinned_bytes``, a gauge (:data:`GAUGES`: its
+stats carry the change of the value, which the gauge adds). No label value carries anything of a request: labels are the fixed names above (tiers, paths,
 reasons) and vLLM's ``model_name`` and ``engine``.
 
 Names begin with ``vllm:`` as vLLM's own: vLLM unregisters every ``vllm:`` collector when it
@@ -119,11 +132,27 @@ METRICS: tuple[Metric, ...] = (
            "summed over worker ranks.", None, {"layerwise_steps": None}),
     Metric("vllm:saria_layer_waits", "Attention layers that waited for their reloaded pages in those steps (one "
            "per layer and step when every hook ran), summed over worker ranks.", None, {"layer_waits": None}),
+    Metric("vllm:saria_hinted_admissions", "Objects written to saria's SSD tier at their DRAM eviction for a "
+           "retain_s or pin cache hint that admission (Eq. 1) would not have written.", None,
+           {"hinted_admissions": None}),
+    Metric("vllm:saria_pinned_bytes", "SSD bytes held by the pin cache hints of every tenant now.", None,
+           {"pinned_bytes": None}),
+    Metric("vllm:saria_pins_refused", "Pin cache hints refused (over pin_bytes_per_tenant or half the SSD tier, or "
+           "no SSD tier); never an error to the request.", None, {"pins_refused": None}),
+    Metric("vllm:saria_hinted_prewarms", "Prewarm orders (SSD to DRAM) issued for next_turn_s cache hints.", None,
+           {"prewarms_hinted": None}),
+    Metric("vllm:saria_sessions_done", "done cache hints applied (the session's private chunks unwritten, evicted "
+           "first).", None, {"sessions_done": None}),
+    Metric("vllm:saria_hints_malformed", "Malformed or unknown cache hint keys ignored (never a failed request).",
+           None, {"hints_malformed": None}),
     Metric("vllm:saria_layerwise_missed_steps", "Steps whose forward skipped some layer's wait: their reloaded "
            "blocks were recomputed (a full CUDA graph?).", None, {"layerwise_missed_steps": None}),
 )
 
 SEAL_COUNTERS = ("auth_failures", "unknown_epoch")
+# stats keys whose totals are values now, not counts: a delta may be negative, a gauge adds it
+GAUGES = frozenset({"pinned_bytes"})
+_GAUGE_METRICS = frozenset({"vllm:saria_pinned_bytes"})
 
 
 def seal_counters(tier: str, counters: Mapping[str, Any] | None) -> dict[str, int]:
@@ -161,7 +190,8 @@ class SariaStats(KVConnectorStats):
 
 class Deltas:
     """Per-interval deltas of cumulative counters: ``take(totals)`` returns what grew since the
-    last call. A counter found smaller than before was reset (a new source): its value is the delta."""
+    last call. A counter found smaller than before was reset (a new source): its value is the delta.
+    A gauge's (:data:`GAUGES`) delta is its change, negative when it fell."""
 
     def __init__(self) -> None:
         self._seen: dict[str, int | float] = {}
@@ -172,7 +202,7 @@ class Deltas:
             if not _number(value):
                 continue
             before = self._seen.get(key, 0)
-            delta = value - before if value >= before else value
+            delta = value - before if value >= before or key in GAUGES else value
             self._seen[key] = value
             if delta:
                 out[key] = delta
@@ -211,9 +241,14 @@ class SariaPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # (engine index, stats key) -> the counter child with its labels bound
         self._children: dict[tuple[int, str], Any] = {}
+        self._levels: dict[tuple[int, str], int | float] = {}  # gauges: the value so far
         for metric in METRICS:
             names = list(labelnames) + ([metric.label] if metric.label else [])
-            counter = self._counter_cls(name=metric.name, documentation=metric.documentation, labelnames=names)
+            if metric.name in _GAUGE_METRICS:
+                counter = self._gauge_cls(name=metric.name, documentation=metric.documentation, labelnames=names,
+                                          multiprocess_mode="livesum")
+            else:
+                counter = self._counter_cls(name=metric.name, documentation=metric.documentation, labelnames=names)
             for engine, values in per_engine_labelvalues.items():
                 for key, label in metric.keys.items():
                     extra = [label] if metric.label else []
@@ -222,5 +257,11 @@ class SariaPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in (transfer_stats_data or {}).items():
             child = self._children.get((engine_idx, key))
-            if child is not None and _number(value) and value > 0:
+            if child is None or not _number(value):
+                continue
+            if key in GAUGES:  # the change of a value: kept here and set (Ray's gauges can only be set)
+                if value:
+                    level = self._levels[(engine_idx, key)] = self._levels.get((engine_idx, key), 0) + value
+                    child.set(max(0, level))
+            elif value > 0:
                 child.inc(value)

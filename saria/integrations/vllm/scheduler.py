@@ -18,7 +18,12 @@ Per request:
 5. ``request_finished``: release a plan never committed (aborted or preempted requests); a
    request whose commit sent orders that read its blocks (stores, promotions, writes from HBM) keeps
    them until the worker reports it sent (vLLM's delayed free), so no step waits for a copy.
-6. Prewarming (``Policy.prewarm``, :mod:`.prewarm`): a request's arrival and finish feed its
+6. Cache hints (:mod:`saria.control.hints`, docs/vllm.md "Cache hints"): a request's
+   ``kv_transfer_params`` (and vLLM's ``session_id``) are read once (:meth:`SariaScheduler.hints_of`),
+   keyed by its tenant; its commit passes them to ``commit_prefill``, its finish to ``turn_ended``,
+   and each ``build_connector_meta`` adds the hinted prewarms due. A malformed hint is counted and
+   warned about (rate-limited, never its value), never a failed request.
+7. Prewarming (``Policy.prewarm``, :mod:`.prewarm`): a request's arrival and finish feed its
    session's gap predictor (sessions keyed by the hash of their latest prompt's last full chunk);
    each ``build_connector_meta`` adds the prewarm orders due (``PromoteOrder`` from SSD to DRAM),
    run by the workers like every order and completed through ``update_connector_output``.
@@ -44,6 +49,7 @@ import time
 from typing import Any, Callable
 
 from saria.control import ControlPlane, DropOrder, Order, Tier
+from saria.control.hints import parse_hints
 from saria.dataplane.cluster.index import ClusterIndex
 from saria.dataplane.ssd.keys import object_key
 from saria.sizing import size_tiers
@@ -61,6 +67,10 @@ from .settings import ConnectorSettings
 log = logging.getLogger("saria.vllm")
 
 RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories at start
+HINT_WARN_EVERY_S = 60.0  # at most one warning about malformed or refused hints per this many seconds
+# the hint counters (saria.control.hints.HintCounters) in the connector's totals; pinned_bytes is a gauge
+HINT_TOTALS = ("hinted_admissions", "pinned_bytes", "pins_refused", "prewarms_hinted", "sessions_done")
+MAX_HINTED_REQUESTS = 1 << 16  # requests whose hints are kept (each is forgotten when it finishes)
 LAYOUT_WAIT_S = 30.0  # longest a lookup waits for the ranks' cluster layouts at start
 
 
@@ -92,7 +102,8 @@ class SariaScheduler:
     def __init__(self, settings: ConnectorSettings, geometry: EngineGeometry, *, workers: int = 1,
                  recover: bool = False, recover_wait_s: float = RECOVER_WAIT_S,
                  clock: Callable[[], float] = time.monotonic, cluster: ClusterIndex | None = None,
-                 names: ChunkNames | None = None, layerwise: bool = False, events: KVEvents | None = None):
+                 names: ChunkNames | None = None, layerwise: bool = False, events: KVEvents | None = None,
+                 pin_bytes_per_tenant: int | None = None):
         if cluster is not None and geometry.hybrid:
             raise ValueError("saria: the cluster tier serves dense (attention-only) models; this one is hybrid "
                              "(GDN states): drop the cluster option")
@@ -109,7 +120,10 @@ class SariaScheduler:
                                             kv_element_bytes=geometry.kv_element_bytes)
         # each worker rank lays out its host pool and drive files by the same rule (open_data_plane,
         # one drive file per ssd_paths entry): charged whole slots and parts, what it admits fits there
-        self.control = ControlPlane(self.config, sizing=size_tiers(self.config, drives=len(self.config.ssd_paths)))
+        # the pin cap is the server's, per tenant; the control plane counts one shard's bytes
+        pin_cap = settings.pin_bytes_per_tenant if pin_bytes_per_tenant is None else pin_bytes_per_tenant
+        self.control = ControlPlane(self.config, sizing=size_tiers(self.config, drives=len(self.config.ssd_paths)),
+                                    pin_bytes_per_tenant=None if pin_cap is None else pin_cap // workers)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
         if cluster is not None and settings.cluster_staging_bytes < self.config.chunk.kv_bytes:
@@ -132,6 +146,9 @@ class SariaScheduler:
         self.prewarm = PrewarmSessions(self.control, self.config)
         self._sessions: dict[str, PrewarmSession] = {}  # request id -> its session (prewarming only)
         self.names = names or ChunkNames(None)  # block hashes, or with a key file the tenant's chunk ids
+        self._hints: dict[str, tuple] = {}  # request id -> (Hints or None, tenant), read once per request
+        self.hints_malformed = 0  # malformed or unknown hint keys ignored
+        self._warned = {"malformed": (0, -HINT_WARN_EVERY_S), "refused": (0, -HINT_WARN_EVERY_S)}  # (count, when)
         # vLLM's KV events for saria's tiers (shared by every control plane of this server): this one holds nothing yet
         self.events = events
         if events is not None:
@@ -275,6 +292,9 @@ class SariaScheduler:
             warm = self.prewarm.due(self.clock())
             if warm:
                 meta.orders.append(RequestOrders(None, tuple(warm)))
+        warm = self.control.hinted_prewarms(self.clock())  # next_turn_s hints: their own schedule, no policy needed
+        if warm:
+            meta.orders.append(RequestOrders(None, tuple(warm)))
         in_flight, events = self._in_flight, self.events
         for batch in meta.orders:
             for o in batch.orders:
@@ -333,6 +353,10 @@ class SariaScheduler:
         session = self._sessions.pop(request.request_id, None)
         if session is not None:
             self.prewarm.finished(session, self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
+        hints, tenant = self.hints_of(request)
+        self._hints.pop(request.request_id, None)
+        if hints is not None and hints.next_turn_s is not None:
+            self.control.turn_ended(self.chunk_hashes(request, request.num_prompt_tokens), self.clock(), hints, tenant)
         state = self._requests.pop(request.request_id, None)
         self._open.pop(request.request_id, None)
         self.names.forget(request.request_id)
@@ -345,15 +369,55 @@ class SariaScheduler:
         out = {name: getattr(self.loaded, name) for name in self.loaded.__dataclass_fields__}  # numbers: shallow
         for name in TOTALS_FROM_CONTROL:
             out[name] = getattr(c, name)
+        h = self.control.hint_counters()
+        for name in HINT_TOTALS:
+            out[name] = getattr(h, name)
+        out["hints_malformed"] = self.hints_malformed
         return out
+
+    def hints_of(self, request: Any) -> tuple:
+        """``(hints, tenant)`` of a request (:func:`saria.control.hints.parse_hints` of its
+        ``kv_transfer_params`` and ``session_id``; its tenant, :meth:`~.sealing.ChunkNames.tenant_of`),
+        read once and kept until it finishes. Malformed or unknown keys are counted and warned about
+        (rate-limited; never a value). Never raises: a request whose hints cannot be read has none."""
+        req_id = request.request_id
+        found = self._hints.get(req_id)
+        if found is not None:
+            return found
+        try:
+            hints, problems = parse_hints(getattr(request, "kv_transfer_params", None),
+                                          getattr(request, "session_id", None))
+            tenant = self.names.tenant_of(request) if hints is not None else None
+        except Exception:  # noqa: BLE001 - a salt of an odd type, say: no hints, one problem
+            hints, problems, tenant = None, 1, None
+        if problems:
+            self.hints_malformed += problems
+            self._warn("malformed", problems, "malformed or unknown cache hint(s) in kv_transfer_params ignored "
+                                              "(docs/vllm.md, 'Cache hints')")
+        if len(self._hints) >= MAX_HINTED_REQUESTS:
+            self._hints.clear()  # a bound, not a policy: each request's entry goes when it finishes
+        self._hints[req_id] = found = (hints, tenant)
+        return found
+
+    def _warn(self, kind: str, count: int, what: str) -> None:
+        """One warning per ``HINT_WARN_EVERY_S`` per kind, with the count since the last one."""
+        pending, last = self._warned[kind]
+        pending += count
+        now = self.clock()
+        if now - last >= HINT_WARN_EVERY_S:
+            log.warning("saria: %d %s", pending, what)
+            pending, last = 0, now
+        self._warned[kind] = (pending, last)
 
     def has_pending_work(self) -> bool:
         """Orders not yet sent or not yet completed, or inventories awaited (for at most
         ``recover_wait_s``: an idle engine steps to fetch them, and stops stepping if they never
         come), or a prewarm due now: the engine should keep stepping."""
+        due = self.control.next_hinted_prewarm()
         return bool(self._follow_ups or self._first or self._in_flight or self.takeover.waiting()
                     or self._awaiting_layouts()
-                    or (self.prewarm.enabled and self.prewarm.pending(self.clock())))
+                    or (self.prewarm.enabled and self.prewarm.pending(self.clock()))
+                    or (due is not None and due <= self.clock()))
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -422,7 +486,13 @@ class SariaScheduler:
             hashes = self.chunk_hashes(request, request.num_prompt_tokens)
         states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
         local = state.plan.num_chunks if state.plan is not None else 0
-        orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states)
+        hints, tenant = self.hints_of(request)
+        refused = self.control.hint_counters().pins_refused if hints is not None and hints.pin is not None else None
+        orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states,
+                                             hints=hints, tenant=tenant)
+        if refused is not None and self.control.hint_counters().pins_refused > refused:
+            self._warn("refused", 1, "pin hint(s) refused (over pin_bytes_per_tenant, over half the SSD tier, or no "
+                                     "SSD tier); those prompts are cached as any other")
         state.plan, state.committed = None, True
         state.reads_pages = any(reads_pages(o) for o in orders)
         if self.events is not None:  # what the events of the chunks these orders make resident carry

@@ -27,9 +27,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 from saria.seal import Keyring, Tenant
+from saria.seal.keys import salt_bytes
 
 from .settings import ConnectorSettings
 
@@ -109,6 +110,20 @@ class ChunkNames:
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def tenant_of(self, request: Any) -> Hashable:
+        """The request's tenant, for its cache hints (:mod:`saria.control.hints`: a session or a pin
+        is its tenant's own): with a key file the tenant's tag (as its chunk ids), without one the
+        SHA-256 digest of its ``cache_salt``; None for a request without a salt and no key file.
+        Never logged."""
+        salt = getattr(request, "cache_salt", None)
+        if self.keyring is not None:
+            found = self._requests.get(request.request_id)
+            tenant = found[1] if found is not None and found[0] is request else self.keyring.tenant(salt)
+            return tenant.tag
+        if salt is None:
+            return None
+        return hashlib.sha256(salt_bytes(salt)).digest()
 
 
 def _shared_tiers(settings: ConnectorSettings) -> list[str]:

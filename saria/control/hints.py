@@ -1,0 +1,496 @@
+"""Cache-control hints from the application: what a request says about its own prompt's future.
+
+An application often knows what no admission rule can guess: that a session's next turn is coming
+(an agent waiting on a tool), that a conversation was closed, that a system prompt is shared by
+every user. A request carries that as a few hints (:class:`Hints`, read by :func:`parse_hints`
+from vLLM's ``kv_transfer_params``; docs/vllm.md has the vocabulary), and the control plane takes
+them as inputs to its existing rules (:class:`HintBook`; docs/policy.md). Without hints nothing
+here runs and every decision is Eq. 1's (and the policy's other rules').
+
+* ``retain_s``: keep the request's chunks reachable for at least that long: a chunk reaching DRAM
+  eviction inside its retention is written to SSD even when admission would not (a *hinted
+  admission*; a new chunk that finds no DRAM room is written from HBM instead), and SSD eviction
+  takes chunks whose retention has passed first (a retained chunk goes only when nothing else can).
+* ``pin`` (a TTL in seconds, or until unpinned): the request's chunks are written to SSD at their
+  DRAM eviction and never evicted from SSD while pinned. Each tenant's pinned bytes (SSD charges)
+  are capped (``pin_bytes_per_tenant``), and all tenants' together at half the SSD tier: a pin
+  that would pass either cap is refused whole (counted, never an error). ``pin: false`` unpins
+  the request's chunks (of its own tenant).
+* ``session`` + ``next_turn_s``: when the request ends, a prewarm of its chunks (SSD -> free DRAM,
+  :meth:`ControlPlane.prewarm`) is due ``Policy.prewarm_lead_s`` before the announced next turn;
+  the session's next request cancels it.
+* ``done``: the session ended. Its *private* chunks (made by a request of the session and
+  referenced by no request of another session, nor one without a session, since) lose their
+  evidence (E_b = R_b = 0), are never written to SSD afterwards (no eviction, reuse or prewrite
+  admission), go first at eviction (their DRAM and SSD copies move to the LRU ends), and the
+  done request's new chunks are not stored in DRAM. A chunk referenced again is alive again.
+
+Tenants: sessions and pins are keyed by the request's tenant (the connector's: the key file's
+tenant tag, or the digest of the request's ``cache_salt``), so a hint of tenant B never names
+tenant A's session or pins. No hint value, session id or tenant appears in a message or counter
+label here: they are only compared and counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Mapping
+
+from saria.control.tree import CacheObject, Node
+
+__all__ = ["HintBook", "HintCounters", "Hints", "parse_hints", "MAX_HINT_S", "MAX_SESSION_CHARS"]
+
+MAX_HINT_S = 30 * 86400.0     # the longest retain_s, pin TTL or next_turn_s accepted (30 days)
+MAX_SESSION_CHARS = 256       # a session key's longest accepted length
+MAX_SESSIONS = 65_536         # hinted sessions kept (least recently used dropped first)
+GLOBAL_PIN_FRACTION = 0.5     # all tenants' pinned bytes together, of the SSD tier
+DEFAULT_PIN_FRACTION = 0.1    # one tenant's pinned bytes by default, of the SSD tier
+
+# kv_transfer_params keys of vLLM's other connectors (disaggregated prefill): not hints, not wrong.
+_FOREIGN = re.compile(r"^(do_remote_|remote_)|^(tp_size|transfer_id|request_id)$")
+_DURATION = re.compile(r"^([0-9]{1,7})([smhd])$")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_KNOWN = ("retain_s", "pin", "session", "next_turn_s", "done", "prompt_cache_retention", "prompt_cache_key")
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """A request's hints, checked. ``pin``: a TTL in seconds (``math.inf``: until unpinned), None
+    for no pin; ``unpin``: ``pin: false``; ``session``: the session key (a string, never logged);
+    ``pin_chunks``: the pin covers the request's first that many chunks (None: all; not read from a
+    request: a replay's platform pins, :mod:`saria.replay.hints`)."""
+
+    retain_s: float | None = None
+    pin: float | None = None
+    unpin: bool = False
+    session: str | None = None
+    next_turn_s: float | None = None
+    done: bool = False
+    pin_chunks: int | None = None  # pin only the request's first this many chunks (a replay's platform pins)
+
+    @property
+    def empty(self) -> bool:
+        return (self.retain_s is None and self.pin is None and not self.unpin and self.session is None
+                and self.next_turn_s is None and not self.done)
+
+
+def _seconds(value: Any, *, zero: bool) -> float | None:
+    """A number of seconds in (0, MAX_HINT_S] ([0, ...] with ``zero``), else None (malformed)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or value > MAX_HINT_S or (value == 0 and not zero):
+        return None
+    return value
+
+
+def _session(value: Any) -> str | None:
+    if isinstance(value, str) and 0 < len(value) <= MAX_SESSION_CHARS:
+        return value
+    return None
+
+
+def _retention(value: Any) -> tuple[float | None, bool]:
+    """OpenAI's ``prompt_cache_retention``: ``"in_memory"`` (no retention asked) or a duration such
+    as ``"24h"``. Returns (seconds or None, well-formed)."""
+    if not isinstance(value, str):
+        return None, False
+    if value in ("in_memory", "in-memory"):
+        return None, True
+    m = _DURATION.match(value)
+    if m is None:
+        return None, False
+    seconds = int(m.group(1)) * _UNITS[m.group(2)]
+    if not 0 < seconds <= MAX_HINT_S:
+        return None, False
+    return seconds, True
+
+
+def parse_hints(params: Any, session_id: Any = None) -> tuple[Hints | None, int]:
+    """The hints of a request's ``kv_transfer_params`` (``params``) and vLLM's ``session_id``:
+    ``(hints or None, problems)``, ``problems`` counting the malformed or unknown keys ignored.
+    Never raises. Keys: ``retain_s`` (seconds), ``pin`` (true, false or a TTL in seconds),
+    ``session`` (a string), ``next_turn_s`` (seconds, with a session), ``done`` (a bool);
+    OpenAI's ``prompt_cache_retention`` (``"24h"``: retain_s) and ``prompt_cache_key`` (the
+    session) when ``retain_s`` or ``session`` is not given. Without a session key,
+    ``session_id`` (vLLM's request field) is the session. The keys of vLLM's other connectors
+    (``do_remote_*``, ``remote_*``, ...) are skipped silently."""
+    problems = 0
+    try:
+        if params is None:
+            params = {}
+        if not isinstance(params, Mapping):
+            return None, 1
+        retain = pin = session = next_turn = None
+        unpin = done = False
+        for key, value in params.items():
+            if not isinstance(key, str):
+                problems += 1
+            elif key == "retain_s":
+                retain = _seconds(value, zero=True)
+                problems += retain is None
+            elif key == "pin":
+                if value is True:
+                    pin = math.inf
+                elif value is False:
+                    unpin = True
+                else:
+                    pin = _seconds(value, zero=False)
+                    problems += pin is None
+            elif key == "session":
+                session = _session(value)
+                problems += session is None
+            elif key == "next_turn_s":
+                next_turn = _seconds(value, zero=True)
+                problems += next_turn is None
+            elif key == "done":
+                if isinstance(value, bool):
+                    done = value
+                else:
+                    problems += 1
+            elif key in ("prompt_cache_retention", "prompt_cache_key"):
+                pass  # below: only where the native key is absent
+            elif not _FOREIGN.search(key):
+                problems += 1
+        if "retain_s" not in params and "prompt_cache_retention" in params:
+            retain, ok = _retention(params["prompt_cache_retention"])
+            problems += not ok
+        if "session" not in params and "prompt_cache_key" in params:
+            session = _session(params["prompt_cache_key"])
+            problems += session is None
+        elif "prompt_cache_key" in params and _session(params["prompt_cache_key"]) is None:
+            problems += 1
+        if session is None and "session" not in params and "prompt_cache_key" not in params:
+            session = _session(session_id)  # vLLM's own field; absent or empty is no problem
+        if retain == 0.0:
+            retain = None
+        if next_turn is not None and session is None:
+            next_turn = None  # a next turn of no session: nothing to prewarm
+            problems += 1
+        if done and session is None:
+            done = False  # the end of no session: nothing to end
+            problems += 1
+        if pin is not None and unpin:
+            pin = None
+        hints = Hints(retain, pin, unpin, session, next_turn, done)
+        return (None if hints.empty else hints), problems
+    except Exception:  # noqa: BLE001 - a hint is never worth a failed request (a mapping that raises)
+        return None, problems + 1
+
+
+@dataclass(slots=True)
+class HintCounters:
+    """What the hints did (kept apart from :class:`~saria.control.counters.Counters`, whose
+    figures are the replays' and stay as they were). ``pinned_bytes`` is a gauge (now), the others
+    count since start."""
+
+    hinted_requests: int = 0      # committed requests that carried hints
+    hinted_admissions: int = 0    # objects written at eviction for a retain or pin hint that admission refused
+    pins: int = 0                 # pins accepted (a pin hint, all of its chunks)
+    pins_refused: int = 0         # pin hints refused: over the tenant's cap or the global one, or no SSD tier
+    unpins: int = 0               # pin: false hints that released something
+    pins_expired: int = 0         # chunk pins whose TTL ended
+    pinned_bytes: int = 0         # gauge: SSD charges of the chunks pinned now, all tenants
+    retained_evicted: int = 0     # SSD copies evicted inside their retention (nothing else left)
+    prewarms_hinted: int = 0      # prewarm orders issued for next_turn_s
+    prewarms_cancelled: int = 0   # hinted prewarms whose session's next turn came first
+    sessions_done: int = 0        # done hints applied
+    done_chunks: int = 0          # private chunks of done sessions
+    done_stores_skipped: int = 0  # new chunks of a done request not stored in DRAM
+    hints_malformed: int = 0      # malformed or unknown hint keys ignored (counted by the caller that parses)
+
+
+class _Mark:
+    """A chunk's hint state (``node.hint``): its owner (the (tenant, session) that referenced it,
+    or ``_SHARED``), its retention end, its pins and whether its session is done."""
+
+    __slots__ = ("owner", "retain_until", "pins", "done")
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.retain_until = -math.inf
+        self.pins: dict[Hashable, float] | None = None  # tenant -> pin end
+        self.done = False
+
+    def pinned(self, now: float) -> bool:
+        pins = self.pins
+        return pins is not None and any(until > now for until in pins.values())
+
+
+_SHARED = ("shared",)  # an owner no session key equals (keys are (tenant, str))
+
+
+@dataclass(slots=True)
+class _Pin:
+    until: float
+    charge: int
+    node: Node
+
+
+@dataclass(slots=True)
+class _Session:
+    hashes: tuple = ()
+    due: float | None = None
+    generation: int = 0
+    chunks: list = field(default_factory=list)  # nodes it referenced (owner checks at done)
+
+
+class HintBook:
+    """Every hint's state in one control plane: chunk marks (``node.hint``), pins per tenant,
+    hinted sessions and their prewarms. Not thread-safe (the control plane's lock covers it)."""
+
+    def __init__(self, ssd_capacity: int, pin_bytes_per_tenant: int | None, prewarm_lead_s: float) -> None:
+        self.counters = HintCounters()
+        self.active = False  # any hint seen: the hooks in residency and placement look only then
+        self.ssd_capacity = ssd_capacity
+        self.cap = (int(DEFAULT_PIN_FRACTION * ssd_capacity) if pin_bytes_per_tenant is None
+                    else int(pin_bytes_per_tenant))
+        self.global_cap = int(GLOBAL_PIN_FRACTION * ssd_capacity)
+        self.lead_s = prewarm_lead_s
+        self.pins: dict[Hashable, dict[Hashable, _Pin]] = {}  # tenant -> chunk key -> pin
+        self.pinned: dict[Hashable, int] = {}  # tenant -> bytes
+        self.pinned_keys: dict[Hashable, set] = {}  # chunk key -> the tenants pinning it
+        self._expiry: list[tuple[float, int, Hashable, Hashable]] = []  # (until, seq, tenant, key)
+        self._seq = 0
+        self.sessions: OrderedDict[tuple, _Session] = OrderedDict()
+        self._due: list[tuple[float, int, tuple, int]] = []  # (due, seq, session key, generation)
+
+    # ------------------------------------------------------------------------------- at commit
+    def referenced(self, nodes: list[Node], tenant: Hashable, hints: Hints | None, fresh_from: int = 0) -> None:
+        """A committed request referenced ``nodes`` (with ``hints``, or None; the chunks from
+        ``fresh_from`` on are new, made by this request): ownership of the chunks the book follows,
+        and a done mark cleared (the chunk is alive again). A chunk the book did not follow that
+        existed before this request was referenced by requests of no session: it is shared."""
+        owner = (tenant, hints.session) if hints is not None and hints.session is not None else _SHARED
+        if hints is None and not self.active:
+            return
+        self.active = True
+        for i, node in enumerate(nodes):
+            mark = node.hint
+            if mark is None:
+                if owner is _SHARED:
+                    continue  # a chunk no session claims: nothing to follow
+                node.hint = _Mark(owner if i >= fresh_from else _SHARED)
+            else:
+                if mark.owner != owner:
+                    mark.owner = _SHARED
+                mark.done = False
+        if self.pins:  # a pinned chunk whose node was reclaimed (it held nothing) and is back: pinned again
+            for node in nodes:
+                tenants = self.pinned_keys.get(node.key)
+                if tenants is not None and (node.hint is None or node.hint.pins is None):
+                    mark = self._mark(node)
+                    mark.pins = {}
+                    for tenant_ in tenants:
+                        record = self.pins[tenant_][node.key]
+                        record.node = node
+                        mark.pins[tenant_] = record.until
+        if owner is not _SHARED:
+            session = self._session(owner)
+            if session.due is not None:  # its next turn came: the prewarm is no longer due
+                session.due = None
+                session.generation += 1
+                self.counters.prewarms_cancelled += 1
+            session.chunks = list(nodes)
+
+    def apply(self, nodes: list[Node], tenant: Hashable, hints: Hints, now: float) -> None:
+        """A committed request's retain, pin and unpin hints on its chunks ``nodes``."""
+        self.counters.hinted_requests += 1
+        if hints.retain_s is not None:
+            until = now + hints.retain_s
+            for node in nodes:
+                mark = self._mark(node)
+                if until > mark.retain_until:
+                    mark.retain_until = until
+        if hints.unpin:
+            self.unpin(nodes, tenant)
+        if hints.pin is not None:
+            self.pin(nodes if hints.pin_chunks is None else nodes[:hints.pin_chunks], tenant, now + hints.pin)
+
+    def pin(self, nodes: list[Node], tenant: Hashable, until: float) -> bool:
+        """Pin ``nodes`` for ``tenant`` until ``until``, all or none: refused (False) past a cap."""
+        if not nodes:
+            return True
+        mine = self.pins.get(tenant, {})
+        new = [node for node in nodes if node.key not in mine]
+        need = sum([_charge(node) for node in new])
+        total = sum(self.pinned.values())
+        if self.ssd_capacity <= 0 or self.pinned.get(tenant, 0) + need > self.cap or total + need > self.global_cap:
+            self.counters.pins_refused += 1
+            return False
+        mine = self.pins.setdefault(tenant, mine)
+        for node in nodes:
+            record = mine.get(node.key)
+            if record is None:
+                record = mine[node.key] = _Pin(until, _charge(node), node)
+                self.pinned_keys.setdefault(node.key, set()).add(tenant)
+            elif until > record.until:
+                record.until = until
+            record.node = node
+            mark = self._mark(node)
+            if mark.pins is None:
+                mark.pins = {}
+            mark.pins[tenant] = record.until
+            if math.isfinite(until):
+                self._seq += 1
+                heapq.heappush(self._expiry, (until, self._seq, tenant, node.key))
+        self.pinned[tenant] = self.pinned.get(tenant, 0) + need
+        self.counters.pins += 1
+        self.counters.pinned_bytes = sum(self.pinned.values())
+        return True
+
+    def unpin(self, nodes: list[Node], tenant: Hashable) -> None:
+        mine = self.pins.get(tenant)
+        if not mine:
+            return
+        released = False
+        for node in nodes:
+            if node.key in mine:
+                self._release(tenant, node.key)
+                released = True
+        self.counters.unpins += released
+
+    def _release(self, tenant: Hashable, key: Hashable) -> None:
+        mine = self.pins[tenant]
+        record = mine.pop(key)
+        self.pinned[tenant] -= record.charge
+        tenants = self.pinned_keys[key]
+        tenants.discard(tenant)
+        if not tenants:
+            del self.pinned_keys[key]
+        if not mine:
+            del self.pins[tenant]
+            del self.pinned[tenant]
+        mark = record.node.hint
+        if mark is not None and mark.pins is not None and record.node.node is not None:
+            mark.pins.pop(tenant, None)
+            if not mark.pins:
+                mark.pins = None
+        self.counters.pinned_bytes = sum(self.pinned.values())
+
+    def expire(self, now: float) -> None:
+        """End the pins whose TTL has passed."""
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            until, _, tenant, key = heapq.heappop(expiry)
+            record = self.pins.get(tenant, {}).get(key)
+            if record is not None and record.until <= now:
+                self._release(tenant, key)
+                self.counters.pins_expired += 1
+
+    def done(self, tenant: Hashable, session: str, dram_lru: OrderedDict, ssd_lru: OrderedDict) -> None:
+        """Session ``(tenant, session)`` ended: its private chunks lose their evidence and go first."""
+        owner = (tenant, session)
+        record = self.sessions.pop(owner, None)
+        self.counters.sessions_done += 1
+        if record is None:
+            return
+        record.generation += 1
+        for node in record.chunks:
+            mark = node.hint
+            if mark is None or mark.owner != owner or node.node is None or mark.pins:  # shared, reclaimed, pinned
+                continue
+            mark.done = True
+            mark.retain_until = -math.inf
+            self.counters.done_chunks += 1
+            for obj in node.objects:
+                evidence = obj.evidence
+                evidence.E_b = evidence.R_b = 0
+                if obj in dram_lru:
+                    dram_lru.move_to_end(obj, last=False)
+                if obj in ssd_lru:
+                    ssd_lru.move_to_end(obj, last=False)
+
+    # --------------------------------------------------------------------------------- prewarm
+    def turn_ended(self, tenant: Hashable, hints: Hints, hashes: tuple, now: float) -> None:
+        """A hinted request of a session ended at ``now``: a prewarm of ``hashes`` becomes due
+        ``lead_s`` before ``now + next_turn_s`` (not before ``now``)."""
+        if hints.session is None or hints.next_turn_s is None or hints.done or not hashes:
+            return
+        owner = (tenant, hints.session)
+        session = self._session(owner)
+        session.generation += 1
+        session.hashes = hashes
+        session.due = max(now, now + hints.next_turn_s - self.lead_s)
+        self._seq += 1
+        heapq.heappush(self._due, (session.due, self._seq, owner, session.generation))
+
+    def due(self, now: float) -> list[tuple]:
+        """The chunk hashes of the hinted prewarms due at ``now`` (each handed out once)."""
+        out = []
+        while self._due and self._due[0][0] <= now:
+            _, _, owner, generation = heapq.heappop(self._due)
+            session = self.sessions.get(owner)
+            if session is None or session.generation != generation or session.due is None:
+                continue
+            session.due = None
+            out.append(session.hashes)
+        return out
+
+    def next_due(self) -> float | None:
+        while self._due:
+            due, _, owner, generation = self._due[0]
+            session = self.sessions.get(owner)
+            if session is not None and session.generation == generation and session.due is not None:
+                return due
+            heapq.heappop(self._due)
+        return None
+
+    # ------------------------------------------------------------------------ eviction rules
+    def at_dram_eviction(self, obj: CacheObject, now: float) -> bool | None:
+        """For an object at its DRAM eviction with no SSD copy: True to write it whatever admission
+        says (retained or pinned), False never to (a done session's), None to let admission decide."""
+        mark = obj.node.hint
+        if mark is None:
+            return None
+        if mark.done:
+            return False
+        if mark.retain_until > now or mark.pinned(now):
+            return True
+        return None
+
+    @staticmethod
+    def never_written(obj: CacheObject) -> bool:
+        mark = obj.node.hint
+        return mark is not None and mark.done
+
+    @staticmethod
+    def protected(obj: CacheObject, now: float) -> int:
+        """0: evictable from SSD; 1: inside its retention (goes only when nothing else can);
+        2: pinned (never)."""
+        mark = obj.node.hint
+        if mark is None:
+            return 0
+        if mark.pinned(now):
+            return 2
+        return 1 if mark.retain_until > now else 0
+
+    # ------------------------------------------------------------------------------- helpers
+    def _mark(self, node: Node) -> _Mark:
+        mark = node.hint
+        if mark is None:
+            mark = node.hint = _Mark(_SHARED)
+        return mark
+
+    def _session(self, owner: tuple) -> _Session:
+        session = self.sessions.get(owner)
+        if session is None:
+            session = self.sessions[owner] = _Session()
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        else:
+            self.sessions.move_to_end(owner)
+        return session
+
+    def pinned_of(self, tenant: Hashable) -> int:
+        return self.pinned.get(tenant, 0)
+
+
+def _charge(node: Node) -> int:
+    """What pinning a chunk holds of the SSD tier: its objects' SSD charges."""
+    return sum([obj.ssd_charge for obj in node.objects])
+
