@@ -54,7 +54,6 @@ DEFAULT_PIN_FRACTION = 0.1    # one tenant's pinned bytes by default, of the SSD
 _FOREIGN = re.compile(r"^(do_remote_|remote_)|^(tp_size|transfer_id|request_id)$")
 _DURATION = re.compile(r"^([0-9]{1,7})([smhd])$")
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_KNOWN = ("retain_s", "pin", "session", "next_turn_s", "done", "prompt_cache_retention", "prompt_cache_key")
 
 
 @dataclass(frozen=True, slots=True)
