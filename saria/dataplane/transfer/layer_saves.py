@@ -44,7 +44,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -96,6 +96,10 @@ class StepSave:
         self._ended = False  # released, published or freed, completed
         self._ended_event = LazyEvent()  # set once _ended
         self._t0: float | None = None
+        self._allocated = False  # the objects' slots were taken (by the preparation)
+        self._drops: list[tuple[object, list[ObjectKey]]] = []  # the step's DRAM drops, run once, first
+        self._drops_lock = threading.Lock()
+        self.drop_failures: list[tuple[object, list[ObjectKey], BaseException]] = []  # (order, keys, error)
 
     # --- per layer (the forward's thread) --------------------------------------------------------
 
@@ -159,6 +163,22 @@ class StepSave:
             finally:
                 self._done.set(layer)
 
+    def _run_drops(self) -> None:
+        """Run the step's DRAM drops (:meth:`LayerSaves.start`'s ``drops``) once, whoever comes
+        first: the preparation, before it takes the objects' slots (the save thread, off the hooks'
+        thread), or :meth:`end` / :meth:`_end`, so that they have run once the step ends. A drop
+        that fails is kept in :attr:`drop_failures` (the engine dropped what it could)."""
+        if not self._drops:
+            return
+        with self._drops_lock:  # a second caller returns once they ran
+            drops, self._drops = self._drops, []
+            drop = self._saves.drop
+            for order, keys in drops:
+                try:
+                    drop(keys)
+                except Exception as exc:
+                    self.drop_failures.append((order, keys, exc))
+
     def _copies_for(self, layer: int) -> list:
         """Layer ``layer``'s copy (one launch), the step's copies of every layer prepared first if
         they are not yet (one pass: the save thread does it ahead of the hooks, else the first
@@ -194,6 +214,7 @@ class StepSave:
         if self._ended or self._handed:
             self._finished = True
             return self.runs
+        self._run_drops()  # usually run already, by the preparation: whatever the hook starts next comes after them
         self._issue_late()
         self._finished = True
         self._handed = True
@@ -255,8 +276,15 @@ class StepSave:
         if error is not None:
             self._fault(error)
         self._ended = True
-        with self._prepare_lock:  # the prepared copies hold the tables and slots
+        self._run_drops()  # never left undone (a step failed before its preparation)
+        with self._prepare_lock:  # the prepared copies hold the tables and slots; none is taken after this
             self._prepared, self._preparing = None, None
+            allocated = self._allocated
+        if not allocated:  # failed before its preparation took any slot: every object fails
+            for obj in self._objects:
+                if obj.error is None:
+                    obj.error = self._error or RuntimeError("not stored: the step ended before its slots were taken")
+                    saves.counters.add(store_failures=1)
         published = 0
         try:
             for run in self.runs:
@@ -314,8 +342,10 @@ class LayerSaves:
     the layer groups, per-tensor tables and page layout of the engine's
     :class:`~saria.dataplane.transfer.layerwise.LayerwiseLoads` (``loads``)."""
 
-    def __init__(self, tables: Tables, loads: LayerwiseLoads, counters: TransferCounters):
+    def __init__(self, tables: Tables, loads: LayerwiseLoads, counters: TransferCounters,
+                 drop: Callable[[Sequence[ObjectKey]], None] | None = None):
         self.tables = tables
+        self.drop = drop  # frees DRAM objects' slots (the engine's): a step's drops (start's ``drops``)
         self.loads = loads
         self.host_pool = loads.host_pool
         self.dram = loads.dram
@@ -339,9 +369,16 @@ class LayerSaves:
         return (isinstance(order, (StoreOrder, PromoteOrder)) and getattr(order, "source", Tier.GPU) is Tier.GPU
                 and not order.state and self.loads.capable)
 
-    def start(self, orders: Sequence[StoreOrder | PromoteOrder], kv_blocks: Mapping[Hashable, Blocks]) -> StepSave:
-        """Check the orders (``ValueError`` before anything started), take the objects' slots and
-        prepare every layer's copies: the returned :class:`StepSave` waits for its hooks."""
+    def start(self, orders: Sequence[StoreOrder | PromoteOrder], kv_blocks: Mapping[Hashable, Blocks],
+              drops: Sequence[tuple[object, Sequence[ObjectKey]]] = ()) -> StepSave:
+        """Check the orders (``ValueError`` before anything started) and return the step's
+        :class:`StepSave`, which waits for its hooks. Off this thread (the save thread's
+        preparation, module docstring), the step then runs ``drops`` (``(order, keys)``: DRAM
+        objects to drop first, whose slots the step may take; each once, before the step's slots
+        are taken, and done by the time :meth:`StepSave.end` returns), takes the objects' slots
+        and prepares every layer's copies."""
+        if drops and self.drop is None:
+            raise ValueError("these layer-wise saves were built without a drop function: drops cannot go with a step")
         objects: list[_Object] = []
         checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
                                                if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
@@ -368,30 +405,38 @@ class LayerSaves:
         released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
         runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
+        step._drops = [(order, list(keys)) for order, keys in drops]
         self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))
         with self._lock:
             self._open.add(step)
         try:
-            self._allocate(objects)
-            placed = [obj for obj in objects if obj.slots is not None]
-            if placed:  # where the pages go is worked out with the rest, off this thread (the save thread)
-                slots, ids = [obj.slots for obj in placed], [obj.ids for obj in placed]
-                step._preparing = lambda: self._prepare(slots, ids)
-                if self.streams.cuda:
-                    with self._lock:
-                        if not self._closed:
-                            self._queue.put((step, None))
+            # the drops, the slots and where the pages go: worked out off this thread (the save thread)
+            step._preparing = lambda: self._prepare(step)
+            if self.streams.cuda:
+                with self._lock:
+                    if not self._closed:
+                        self._queue.put((step, None))
         except Exception as exc:  # nothing was copied yet: the slots go back, the objects fail
             step._end(exc)
         return step
 
-    def _prepare(self, slots: list[list[int]], ids: list) -> "LayeredCopy":
-        """The step's copies of every layer, in one pass: where each page goes in the objects' slots
-        (:func:`slot_layout`), then the copies (its work array uploaded on the ``offload`` stream,
-        where the layers' launches run). ``slots`` stay the step's until it ends, and it ends only
-        after this returned (``StepSave._prepare_lock``)."""
+    def _prepare(self, step: StepSave) -> "LayeredCopy | None":
+        """The step's preparation, once, under ``StepSave._prepare_lock`` (the save thread, or the
+        first hook that needs it): its drops first, then its objects' slots (an object that does
+        not fit fails), then its copies of every layer in one pass: where each page goes in the
+        objects' slots (:func:`slot_layout`) and the copies (their work array uploaded on the
+        ``offload`` stream, where the layers' launches run). ``None``: nothing to copy. The slots
+        stay the step's until it ends, and it ends only after this returned."""
+        step._run_drops()
+        objects = step._objects
+        self._allocate(objects)
+        step._allocated = True
+        placed = [obj for obj in objects if obj.slots is not None]
+        if not placed:
+            return None
+        slots = [obj.slots for obj in placed]
         buffers, ids, where, offsets = slot_layout(self.host_pool, self.loads.page_offsets, slots,
-                                                   torch.stack([i.on(torch.device("cpu")) for i in ids]))
+                                                   torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
         with self.streams.on("offload"):
             return self.loads.prepare(buffers, ids, where, offsets, pack=True)
 

@@ -79,6 +79,10 @@ class WorkerSaves:
         ``layerwise``. What started here is skipped there (``self.ahead`` batches)."""
         worker, engine = self.worker, self.worker.engine
         stores: list[tuple[Order, RequestOrders]] = []
+        # DRAM drops before the step's first store (with no cluster tier, whose puts may read their
+        # slots): they go with the step, off this thread, before it takes its slots (store_layers)
+        drops: list[tuple[DropOrder, RequestOrders, list[ObjectKey]]] = []
+        defer = worker.cluster is None
         layered_ok = engine.store_layers_ok
         for batch in meta.orders:
             if meta.captures or not all(isinstance(o, DropOrder) or layered_ok(o) for o in batch.orders) \
@@ -86,13 +90,19 @@ class WorkerSaves:
                 break
             for order in batch.orders:
                 if type(order) is DropOrder:
-                    self._run_drop(order, batch)
+                    if defer and order.tier is Tier.DRAM and not worker.off:
+                        keys = order.keys()
+                        self.dram_keys.difference_update(keys)  # in list order: a later store adds them back
+                        drops.append((order, batch, keys))
+                    else:
+                        self._run_drop(order, batch)
                 elif isinstance(order, DropOrder):
                     self._run_order(order, batch, {})
                 else:
                     stores.append((order, batch))
             self.ahead += 1
         if not stores:
+            self._run_drops_here(drops)
             return
         blocks: dict = {}
         for _, batch in stores:
@@ -100,16 +110,25 @@ class WorkerSaves:
         for order, batch in stores:
             self.dram_keys.update(order.keys())  # before it can land
         try:
-            self.step = engine.store_layers([order for order, _ in stores], blocks)
+            self.step = engine.store_layers([order for order, _ in stores], blocks, [d for d, _, _ in drops],
+                                            drop_keys=[keys for _, _, keys in drops])
         except Exception as exc:  # the engine started nothing of them
             for order, _ in stores:
                 self.completions.append(CompletionReport(order.order_id, False))
             worker._fault("StoreOrder", exc)
+            self._run_drops_here(drops)
             return
         self.layered = stores
         for (order, batch), run in zip(stores, self.step.runs):
             if batch.req_id is not None:
                 self.reading.setdefault(batch.req_id, []).append(run.released)
+
+    def _run_drops_here(self, drops: list[tuple[DropOrder, RequestOrders, list[ObjectKey]]]) -> None:
+        """Drops that :meth:`start_layers` meant to send with a step that did not start: run them
+        on this thread, as :meth:`_run_drop` does."""
+        for order, batch, keys in drops:
+            self.dram_keys.update(keys)  # back as before the drop: _run_drop takes them out once it ran
+            self._run_drop(order, batch)
 
     def save_layer(self, layer: int) -> None:
         """vLLM's attention layer ``layer`` wrote its pages: its copies start (never waits)."""
@@ -133,6 +152,11 @@ class WorkerSaves:
             self.orders.append((order, run.completion))
             if batch.share and cluster is not None and isinstance(order, StoreOrder):
                 cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
+        # the step's drops ran by now (end and finish run them if its preparation did not)
+        for _, keys, exc in step.drop_failures:
+            self.dram_keys.update(keys)  # some may be left in the host pool
+            if not self.worker.off:
+                self.worker._fault("drop", exc)
 
     # --- starting orders -------------------------------------------------------------------------
 
