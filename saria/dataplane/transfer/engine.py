@@ -266,7 +266,8 @@ class TransferEngine:
         """Whether :meth:`load_layers` can take ``plan``: kv objects only (no GDN state, which has no
         layer hook), none in an FP8 form (dequantized whole by its unpack), and pages that never
         straddle two host slots."""
-        return (plan.state_chunk is None and self.layerwise().capable
+        paths = self._layerwise if self._layerwise is not None and not self._closed else self.layerwise()
+        return (plan.state_chunk is None and paths.capable
                 and not (self._tables.quantized(KV) and Tier.SSD in plan.kv_sources))
 
     def load_layers(self, loads: Sequence[tuple[ReloadPlan, Sequence[Blocks], int]]) -> StepLoad:

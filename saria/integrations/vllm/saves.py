@@ -82,11 +82,21 @@ class WorkerSaves:
         # DRAM drops before the step's first store (with no cluster tier, whose puts may read their
         # slots): they go with the step, off this thread, before it takes its slots (store_layers)
         drops: list[tuple[DropOrder, RequestOrders, list[ObjectKey]]] = []
+        if meta.captures:  # the step's forward ends on a GDN state's boundary: everything waits for it
+            return
         defer = worker.cluster is None
         layered_ok = engine.store_layers_ok
+        capable = engine.layerwise().capable  # a plain store of kv objects goes layer by layer if the engine can
+        evicted = worker.settings.cluster_admission == "evicted"
         for batch in meta.orders:
-            if meta.captures or not all(isinstance(o, DropOrder) or layered_ok(o) for o in batch.orders) \
-                    or (batch.share and worker.settings.cluster_admission == "evicted"):
+            fits = True
+            for o in batch.orders:  # store_layers_ok, the common kinds first
+                kind = type(o)
+                if not (kind is DropOrder or (kind is StoreOrder and capable and not o.state)
+                        or isinstance(o, DropOrder) or layered_ok(o)):
+                    fits = False
+                    break
+            if not fits or (batch.share and evicted):
                 break
             for order in batch.orders:
                 if type(order) is DropOrder:
