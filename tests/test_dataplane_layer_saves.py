@@ -266,6 +266,41 @@ def test_a_steps_drops_run_off_the_callers_thread_before_it_takes_its_slots(tmp_
         assert eng.dram_object("r") is not None
 
 
+def test_a_cpu_step_whose_hooks_saved_every_layer_is_retired_without_waking_a_thread_from_end(tmp_path):
+    """On the CPU the save thread, once it ran the last layer a hook handed it, hands the step to
+    the retire thread itself: the objects are published and the runs completed before end(), and
+    end() (wait_for_save) hands nothing over (a hand-off wakes a thread). A step with a layer no
+    hook saved is still handed over by end()."""
+    import threading
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096, ssd=False) as eng:
+        handed: list[str] = []
+        retirer = eng._retirer
+        real = retirer.after
+
+        def after(*args, **kwargs):
+            handed.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        retirer.after = after
+        blocks = sources(["x", "y"])
+        step = eng.store_layers([StoreOrder(1, ("x", "y"), (), 0)], blocks)
+        forward(eng, step, [2, 0, 1])
+        (run,) = step.runs
+        assert run.completion.result(timeout=10).ok and run.released.is_set()  # before end()
+        assert step.end() is step.runs and step.finish(timeout=10) is step.runs
+        assert handed == ["saria-layer-saves"]
+        assert all(same(dram_bytes(eng, c), packed(eng, blocks[c])) for c in blocks)
+        handed.clear()
+        step = eng.store_layers([StoreOrder(2, ("z",), (), 0)], sources(["z"], 20))
+        forward(eng, step, [0, 2])  # layer 1 reaches no hook
+        assert not step.runs[0].completion.done()
+        step.end()
+        assert step.finish(timeout=10)[0].completion.result().ok
+        assert handed == [threading.current_thread().name]
+
+
 def test_a_steps_drops_run_once_whatever_ends_it(tmp_path):
     """The drops of a step run exactly once: by end() when no layer prepared the step, by the
     close that fails it before any layer; one that fails is named, the others still run."""

@@ -30,6 +30,10 @@ class LayerFlags:
     def is_set(self, i: int) -> bool:
         return self._flags[i]
 
+    def all_set(self) -> bool:
+        """Whether every flag is set (no lock: set flags stay set)."""
+        return not self._left
+
     def set(self, i: int) -> None:
         """Set flag ``i`` (again: nothing changes) and wake its waiters."""
         with self._cond:

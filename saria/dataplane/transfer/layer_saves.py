@@ -92,7 +92,8 @@ class StepSave:
         self._error: BaseException | None = None  # the first fault: every object of the step fails
         self._lock = threading.Lock()
         self._finished = False  # end() or finish() was called
-        self._handed = False  # end() handed the step to the retire thread
+        self._handed = False  # the step was handed to the retire thread (by end(), or by the CPU's save thread)
+        self._claimed = False  # who ends the step is decided (_claim): the retire thread, finish() or abort()
         self._ended = False  # released, published or freed, completed
         self._ended_event = LazyEvent()  # set once _ended
         self._t0: float | None = None
@@ -162,6 +163,18 @@ class StepSave:
                 self._events[layer] = self._saves.streams.record("offload")
             finally:
                 self._done.set(layer)
+        if self._done.all_set() and all(self.saved) and self._claim():
+            # every layer was handed over by a hook and has run: this thread hands the step to the
+            # retire thread (not wait_for_save's end(): a hand-off wakes that thread, tens of us)
+            self._handed = True
+            self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
+
+    def _claim(self) -> bool:
+        """Whether the caller is the one to end the step (once: the retire thread's hand-off, a
+        blocking finish() or an abort())."""
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+        return not claimed
 
     def _run_drops(self) -> None:
         """Run the step's DRAM drops (:meth:`LayerSaves.start`'s ``drops``) once, whoever comes
@@ -217,8 +230,9 @@ class StepSave:
         self._run_drops()  # usually run already, by the preparation: whatever the hook starts next comes after them
         self._issue_late()
         self._finished = True
-        self._handed = True
-        self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
+        if self._claim():  # else the save thread handed it over already, as its last layer ran
+            self._handed = True
+            self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
         return self.runs
 
     def finish(self, timeout: float | None = None) -> list[OrderRun]:
@@ -237,7 +251,10 @@ class StepSave:
         self._issue_late()
         self._wait(None if timeout is None else time.monotonic() + timeout)
         self._finished = True
-        self._end()
+        if self._claim():
+            self._end()
+        elif not self._ended_event.wait(timeout):  # the save thread handed it over meanwhile
+            raise TimeoutError("layer-wise saves not retired in time")
         return self.runs
 
     def _issue_late(self) -> None:
@@ -332,7 +349,10 @@ class StepSave:
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
                 self._done.set(layer)
         self._wait(None)
-        self._end()
+        if self._claim():
+            self._end()
+        else:  # the save thread handed it over meanwhile
+            self._ended_event.wait()
 
 
 class LayerSaves:
