@@ -55,7 +55,7 @@ from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
 from saria.dataplane.transfer.flags import LayerFlags, LazyEvent
 from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
-from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
+from saria.dataplane.transfer.results import Completion, OrderRun, RunningFuture, TransferCounters
 from saria.dataplane.transfer.streams import Event
 from saria.dataplane.transfer.tables import Blocks, Tables, log
 
@@ -77,12 +77,13 @@ class StepSave:
     :class:`~saria.dataplane.transfer.results.OrderRun` per order, in the order given; their
     completions are done and their ``released`` events set once :meth:`finish` returned."""
 
-    def __init__(self, saves: "LayerSaves", runs: list[OrderRun], objects: list[_Object], layers: int):
+    def __init__(self, saves: "LayerSaves", runs: list[OrderRun], objects: list[tuple], layers: int):
         self.runs = runs
         self.layers = layers
         self.saved = [False] * layers  # layers handed to a copy (by a hook or by finish)
         self._saves = saves
-        self._objects = objects
+        self._specs = objects  # (chunk, order index, ids) per kv object: its _Object made off the bind hook
+        self._objects: list[_Object] | None = None  # made once (_objs), under _prepare_lock
         self._prepared = None  # the step's LayeredCopy, every layer's work (made once, by the first to need it)
         self._preparing = None  # the function that prepares it (None: done, failed, or nothing to copy)
         self._prepare_lock = threading.Lock()
@@ -175,6 +176,14 @@ class StepSave:
         with self._lock:
             claimed, self._claimed = self._claimed, True
         return not claimed
+
+    def _objs(self) -> list[_Object]:
+        """The step's objects, made on first need (its preparation, or its end), under
+        ``_prepare_lock``."""
+        objects = self._objects
+        if objects is None:
+            objects = self._objects = [_Object(ObjectKey(chunk, KV), o, ids) for chunk, o, ids in self._specs]
+        return objects
 
     def _run_drops(self) -> None:
         """Run the step's DRAM drops (:meth:`LayerSaves.start`'s ``drops``) once, whoever comes
@@ -297,8 +306,9 @@ class StepSave:
         with self._prepare_lock:  # the prepared copies hold the tables and slots; none is taken after this
             self._prepared, self._preparing = None, None
             allocated = self._allocated
+            objects = self._objs()
         if not allocated:  # failed before its preparation took any slot: every object fails
-            for obj in self._objects:
+            for obj in objects:
                 if obj.error is None:
                     obj.error = self._error or RuntimeError("not stored: the step ended before its slots were taken")
                     saves.counters.add(store_failures=1)
@@ -306,7 +316,7 @@ class StepSave:
         try:
             for run in self.runs:
                 run.released.set()  # every copy reading the pages ran
-            for obj in self._objects:
+            for obj in objects:
                 if obj.slots is not None and obj.error is None and self._error is None:
                     try:
                         saves.dram.put(obj.key, DramObject(obj.slots, saves.kv_bytes, (None,) * len(obj.slots)))
@@ -315,7 +325,7 @@ class StepSave:
                     except Exception as exc:
                         obj.error = exc
         finally:
-            for obj in self._objects:  # not published: the slots go back, the object fails
+            for obj in objects:  # not published: the slots go back, the object fails
                 if obj.slots is not None:
                     obj.error = obj.error or self._error or RuntimeError("not published")
                     slots, obj.slots = obj.slots, None
@@ -328,7 +338,7 @@ class StepSave:
                 run.released.set()
             for o, run in enumerate(self.runs):
                 if not run.completion.done():
-                    mine = [obj for obj in self._objects if obj.order == o]
+                    mine = [obj for obj in objects if obj.order == o]
                     failed = [obj.key for obj in mine if obj.error is not None]
                     run.completion.set_result(Completion.of(run.order.order_id, len(mine), failed))
             saves.forget(self)
@@ -399,7 +409,7 @@ class LayerSaves:
         and prepares every layer's copies."""
         if drops and self.drop is None:
             raise ValueError("these layer-wise saves were built without a drop function: drops cannot go with a step")
-        objects: list[_Object] = []
+        objects: list[tuple] = []
         checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
                                                if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
         capable, get, vouched = self.loads.capable, kv_blocks.get, checked.get
@@ -419,7 +429,7 @@ class LayerSaves:
                 ids = vouched(blocks)
                 if ids is None:  # by place: never its chunk hash
                     ids = self.tables.ids(KV, f"kv object {n} of order {order.order_id}", blocks)
-                objects.append(_Object(ObjectKey(chunk, KV), o, ids))
+                objects.append((chunk, o, ids))
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
         released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
@@ -448,7 +458,7 @@ class LayerSaves:
         ``offload`` stream, where the layers' launches run). ``None``: nothing to copy. The slots
         stay the step's until it ends, and it ends only after this returned."""
         step._run_drops()
-        objects = step._objects
+        objects = step._objs()
         self._allocate(objects)
         step._allocated = True
         placed = [obj for obj in objects if obj.slots is not None]
@@ -518,6 +528,4 @@ class LayerSaves:
 
 
 def _running() -> Future:
-    future: Future = Future()
-    future.set_running_or_notify_cancel()
-    return future
+    return RunningFuture()
