@@ -525,3 +525,34 @@ def test_cuda_layer_saves_follow_the_forward_on_its_stream(tmp_path):
         torch.cuda.synchronize()
         for chunk, ids in blocks.items():
             assert same(dram_bytes(eng, chunk), packed(eng, ids))
+
+
+def test_a_layerwise_loads_results_are_made_by_its_last_path_thread(tmp_path, monkeypatch):
+    """StepLoad.end (get_finished) returns the results the last path thread made as it ended
+    the step: no LoadResult is made on the hook's thread; they are the jobs' own results."""
+    import threading
+
+    from saria.dataplane.transfer.load_job import LoadJob
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as eng:
+        eng.store(StoreOrder(1, ("x", "y"), (), 0), sources(["x", "y"])).result()
+        made: list[str] = []
+        real = LoadJob.result
+
+        def result(self):
+            made.append(threading.current_thread().name)
+            return real(self)
+
+        monkeypatch.setattr(LoadJob, "result", result)
+        load = eng.load_layers([(plan(["x"], Tier.DRAM), [[20, 21]], 0), (plan(["y", "z"], Tier.DRAM, 2),
+                                                                           [[22, 23], [24, 25]], 0)])
+        load.wait_all()
+        me = threading.current_thread().name
+        first, second = load.end()
+        assert me not in made and made == ["saria-layers-dram"] * 2
+        assert first.ok and first.valid_chunks == 1
+        assert second.failed == (ObjectKey("z", "kv"),) and second.valid_chunks == 1  # z is in no tier
+        assert load.end() == [first, second]
+        assert all(same(eng.kv_table.tensors[t][20 + p], eng.kv_table.tensors[t][p]) for t in range(3)
+                   for p in range(4))
