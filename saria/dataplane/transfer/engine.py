@@ -331,14 +331,14 @@ class TransferEngine:
         block ids, a drop not of DRAM) only before anything started.
 
         ``drops``: DRAM drop orders of the same step that come before these stores (``drop_keys``:
-        their ``keys()``, where the caller made them already). They run with the step's
+        their ``keys()``, where the caller made them already; else the preparation makes them). They run with the step's
         preparation, off the caller's thread, before the step takes its slots (so the slots they
         free can take its objects), and have run once ``end()`` or ``finish()`` returned; one that
         fails is in the step's ``drop_failures``. The caller's later reads of the DRAM tier must
         not name a dropped object (the control plane never plans one)."""
         saves = self._saves()
-        if drop_keys is None:
-            drop_keys = [order.keys() for order in drops]
+        if drop_keys is None:  # made by the step's preparation, off the caller's thread
+            drop_keys = [None] * len(drops)
         if len(drop_keys) != len(drops):
             raise ValueError(f"{len(drops)} drops but {len(drop_keys)} key lists")
         for order in drops:

@@ -197,6 +197,8 @@ class StepSave:
             drop = self._saves.drop
             for order, keys in drops:
                 try:
+                    if keys is None:
+                        keys = order.keys()
                     drop(keys)
                 except Exception as exc:
                     self.drop_failures.append((order, keys, exc))
@@ -400,7 +402,7 @@ class LayerSaves:
                 and not order.state and self.loads.capable)
 
     def start(self, orders: Sequence[StoreOrder | PromoteOrder], kv_blocks: Mapping[Hashable, Blocks],
-              drops: Sequence[tuple[object, Sequence[ObjectKey]]] = ()) -> StepSave:
+              drops: Sequence[tuple[object, Sequence[ObjectKey] | None]] = ()) -> StepSave:
         """Check the orders (``ValueError`` before anything started) and return the step's
         :class:`StepSave`, which waits for its hooks. Off this thread (the save thread's
         preparation, module docstring), the step then runs ``drops`` (``(order, keys)``: DRAM
@@ -435,7 +437,7 @@ class LayerSaves:
         released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
         runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
-        step._drops = [(order, list(keys)) for order, keys in drops]
+        step._drops = [(order, None if keys is None else list(keys)) for order, keys in drops]
         self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))
         with self._lock:
             self._open.add(step)

@@ -54,7 +54,10 @@ class WorkerSaves:
         self.reading: dict[str, list[threading.Event]] = {}  # per request: orders still reading its blocks
         self.held: set[str] = set()  # finished requests whose blocks vLLM keeps until get_finished sends them
         self.preemption_waits = 0  # preempted requests whose orders still read their blocks: waited for
-        self.dram_keys: set[ObjectKey] = set()  # every object a store may have put in the host pool
+        # every object a store may have put in the host pool: the chunks of its kv and state objects
+        # (chunks, not ObjectKeys: a step's orders add and take them on a hook's thread)
+        self.dram_kv: set[Hashable] = set()
+        self.dram_state: set[Hashable] = set()
         self.captured: dict[str, dict[Hashable, torch.Tensor]] = {}  # GDN states set aside, per request
         self.step: Any = None  # layerwise: the step's layer-wise stores (a StepSave), until wait_for_save
         self.layered: list[tuple[Order, RequestOrders]] = []  # their orders, with their batches
@@ -81,7 +84,7 @@ class WorkerSaves:
         stores: list[tuple[Order, RequestOrders]] = []
         # DRAM drops before the step's first store (with no cluster tier, whose puts may read their
         # slots): they go with the step, off this thread, before it takes its slots (store_layers)
-        drops: list[tuple[DropOrder, RequestOrders, list[ObjectKey]]] = []
+        drops: list[tuple[DropOrder, RequestOrders]] = []
         if meta.captures:  # the step's forward ends on a GDN state's boundary: everything waits for it
             return
         defer = worker.cluster is None
@@ -101,9 +104,8 @@ class WorkerSaves:
             for order in batch.orders:
                 if type(order) is DropOrder:
                     if defer and order.tier is Tier.DRAM and not worker.off:
-                        keys = order.keys()
-                        self.dram_keys.difference_update(keys)  # in list order: a later store adds them back
-                        drops.append((order, batch, keys))
+                        self._dropped(order)  # in list order: a later store adds them back
+                        drops.append((order, batch))
                     else:
                         self._run_drop(order, batch)
                 elif isinstance(order, DropOrder):
@@ -117,11 +119,10 @@ class WorkerSaves:
         blocks: dict = {}
         for _, batch in stores:
             blocks.update(batch.kv_blocks)
-        for order, batch in stores:
-            self.dram_keys.update(order.keys())  # before it can land
+        for order, _ in stores:
+            self._may_hold(order)  # before it can land
         try:
-            self.step = engine.store_layers([order for order, _ in stores], blocks, [d for d, _, _ in drops],
-                                            drop_keys=[keys for _, _, keys in drops])
+            self.step = engine.store_layers([order for order, _ in stores], blocks, [d for d, _ in drops])
         except Exception as exc:  # the engine started nothing of them
             for order, _ in stores:
                 self.completions.append(CompletionReport(order.order_id, False))
@@ -133,12 +134,21 @@ class WorkerSaves:
             if batch.req_id is not None:
                 self.reading.setdefault(batch.req_id, []).append(run.released)
 
-    def _run_drops_here(self, drops: list[tuple[DropOrder, RequestOrders, list[ObjectKey]]]) -> None:
+    def _run_drops_here(self, drops: list[tuple[DropOrder, RequestOrders]]) -> None:
         """Drops that :meth:`start_layers` meant to send with a step that did not start: run them
         on this thread, as :meth:`_run_drop` does."""
-        for order, batch, keys in drops:
-            self.dram_keys.update(keys)  # back as before the drop: _run_drop takes them out once it ran
+        for order, batch in drops:
+            self._may_hold(order)  # back as before the drop: _run_drop takes them out once it ran
             self._run_drop(order, batch)
+
+    def _may_hold(self, order: Order) -> None:
+        """``order``'s objects may be in the host pool (a store, before it can land; a drop that failed)."""
+        self.dram_kv.update(order.kv)
+        self.dram_state.update(order.state)
+
+    def _dropped(self, order: Order) -> None:
+        self.dram_kv.difference_update(order.kv)
+        self.dram_state.difference_update(order.state)
 
     def save_layer(self, layer: int) -> None:
         """vLLM's attention layer ``layer`` wrote its pages: its copies start (never waits)."""
@@ -163,8 +173,8 @@ class WorkerSaves:
             if batch.share and cluster is not None and isinstance(order, StoreOrder):
                 cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
         # the step's drops ran by now (end and finish run them if its preparation did not)
-        for _, keys, exc in step.drop_failures:
-            self.dram_keys.update(keys)  # some may be left in the host pool
+        for order, _, exc in step.drop_failures:
+            self._may_hold(order)  # some may be left in the host pool
             if not self.worker.off:
                 self.worker._fault("drop", exc)
 
@@ -207,7 +217,7 @@ class WorkerSaves:
             worker._fault("drop", exc)
             return
         if dram:
-            self.dram_keys.difference_update(keys)
+            self._dropped(order)
 
     def _run_order(self, order: Order, batch: RequestOrders, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
         """Start one order (:meth:`TransferEngine.execute`); while it reads the request's blocks,
@@ -219,7 +229,7 @@ class WorkerSaves:
                 self.completions.append(CompletionReport(order.order_id, False))
             return
         if isinstance(order, (StoreOrder, PromoteOrder)):
-            self.dram_keys.update(order.keys())  # before it can land
+            self._may_hold(order)  # before it can land
         cluster, audit = worker.cluster, worker.audit
         if drop and order.tier is Tier.DRAM and cluster is not None:
             if batch.share and worker.settings.cluster_admission == "evicted":
@@ -242,7 +252,7 @@ class WorkerSaves:
             return
         if run is None:
             if order.tier is Tier.DRAM:
-                self.dram_keys.difference_update(order.keys())
+                self._dropped(order)
             return
         if batch.req_id is not None and not run.released.is_set():
             self.reading.setdefault(batch.req_id, []).append(run.released)
@@ -349,8 +359,8 @@ class WorkerSaves:
         engine.settle()  # what waited for the device ran: steps ended, staging back, cluster staged objects gone
         if worker.cluster is not None:
             worker.cluster.quiesce()  # no put reads a slot freed here
-        keys, self.dram_keys = self.dram_keys, set()
-        kv, state = split_keys(keys)
+        kv, state = tuple(self.dram_kv), tuple(self.dram_state)
+        self.dram_kv, self.dram_state = set(), set()
         if kv or state:
             engine.drop(DropOrder(-1, kv, state, 0, Tier.DRAM))
         unfinished = list(unfinished)
@@ -376,4 +386,5 @@ class WorkerSaves:
         step's layer-wise stores failed with it: their completions say so)."""
         self.abandon_layers()
         self.captured.clear()
-        self.dram_keys.clear()
+        self.dram_kv.clear()
+        self.dram_state.clear()
