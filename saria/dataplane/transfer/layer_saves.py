@@ -5,11 +5,13 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 
 :meth:`LayerSaves.start` (``TransferEngine.store_layers``, before the forward, on the caller's
 thread) checks the orders (kv objects from the pages only: a GDN state has no layer hook and is
-stored whole; every object's block ids, in one batch: ``Tables.checked_ids``) and takes each
-object's host slots (an object that does not fit fails, as with ``store()``); nothing else runs on
-that thread. Where every page's bytes go in the slots
-(:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the layer-wise reload reads
-back, for every tensor and host pool segment at once) and every layer's PACK are then worked out
+stored whole; every object's block ids, in one batch: ``Tables.checked_ids``) and makes the
+step's runs; nothing else runs on that thread. The step's preparation then runs, once: the DRAM
+drops given with the step (``drops``: run first, so that the slots they free can hold the step's
+objects; done by the time :meth:`StepSave.end` returns, whoever ran them), the objects' host slots
+(an object that does not fit fails, as with ``store()``), and where every page's bytes go in the
+slots (:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the layer-wise reload
+reads back, for every tensor and host pool segment at once) and every layer's PACK, worked out
 in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
 uploaded once under the ``offload`` stream, each layer one launch at an offset into it), by the
 engine's save thread (CUDA: ahead of the forward's hooks, which then only launch; CPU: at the first
@@ -23,7 +25,8 @@ It returns a :class:`StepSave`:
   the engine's save thread, which copies the layers in the order handed over while the forward
   goes on.
 * :meth:`StepSave.end` (``wait_for_save``) copies every layer no hook saved (a forward that
-  skipped one: its pages are complete once the forward ran) and returns at once, one
+  skipped one: its pages are complete once the forward ran) and returns at once (on the CPU a step
+  whose hooks saved every layer was handed to the retire thread by the save thread already), one
   :class:`~saria.dataplane.transfer.results.OrderRun` per order. Once every copy ran (observed by
   the engine's :class:`~saria.dataplane.transfer.retire.Retirer`, off the hooks' thread: a hook
   never waits for the device), each order's ``released`` event is set (no copy reads the pages

@@ -13,8 +13,9 @@ still read.
   (:meth:`~WorkerSaves.wait_preempted`) before a step's forward may write the blocks of a
   preempted request.
 * With ``layerwise``, :meth:`~WorkerSaves.start_layers` (before the forward) starts the leading
-  batches of the step's orders that need not wait for it: drops at once, stores of kv objects
-  layer by layer, each layer's copies started by :meth:`~WorkerSaves.save_layer` (vLLM's
+  batches of the step's orders that need not wait for it: drops (DRAM ones, with no cluster
+  tier, go with the step's stores: its preparation runs them off the hook's thread before it takes
+  the step's slots), stores of kv objects layer by layer, each layer's copies started by :meth:`~WorkerSaves.save_layer` (vLLM's
   ``save_kv_layer``) as soon as the forward wrote it; ``wait_for_save`` hands them over to end
   (``StepSave.end``: published and completed once every copy ran, without the hook waiting for
   the device) and starts the rest as above.
@@ -75,7 +76,8 @@ class WorkerSaves:
 
     def start_layers(self, meta: SariaConnectorMetadata) -> None:
         """Before the step's forward: start its orders in list order for as long as they need not
-        wait for the forward (drops free slots now, stores of kv objects go layer by layer,
+        wait for the forward (drops free slots: DRAM ones, with no cluster tier, with the step's
+        stores, off this thread and before the step takes its slots; stores of kv objects go layer by layer,
         :meth:`~saria.dataplane.transfer.engine.TransferEngine.store_layers`); the first batch that
         holds anything else (a write or promotion from HBM, a GDN state, a cluster share on
         eviction) and every batch after it start after the forward, in :meth:`start`, as without
