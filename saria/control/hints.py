@@ -188,7 +188,9 @@ class HintCounters:
     count since start."""
 
     hinted_requests: int = 0      # committed requests that carried hints
-    hinted_admissions: int = 0    # objects written at eviction for a retain or pin hint that admission refused
+    hinted_admissions: int = 0    # objects written at eviction for a hint (retain, pin, next turn) that admission refused
+    announced_admits: int = 0     # evictions of a session's private chunk whose announced next turn is within the SSD's retention
+    announced_skips: int = 0      # ... beyond it: not written, whatever admission says
     pins: int = 0                 # pins accepted (a pin hint, all of its chunks)
     pins_refused: int = 0         # pin hints refused: over the tenant's cap or the global one, or no SSD tier
     unpins: int = 0               # pin: false hints that released something
@@ -235,6 +237,8 @@ class _Session:
     hashes: tuple = ()
     due: float | None = None
     generation: int = 0
+    next_at: float | None = None  # when its next turn comes, as its latest next_turn_s said (None: not said)
+    latest: frozenset = frozenset()  # the chunk keys of its latest prompt (what its next turn continues)
     chunks: list = field(default_factory=list)  # nodes it referenced (owner checks at done)
 
 
@@ -256,6 +260,7 @@ class HintBook:
         self._expiry: list[tuple[float, int, Hashable, Hashable]] = []  # (until, seq, tenant, key)
         self._seq = 0
         self.sessions: OrderedDict[tuple, _Session] = OrderedDict()
+        self.ended: OrderedDict[tuple, None] = OrderedDict()  # sessions that said done (the latest MAX_SESSIONS)
         self._due: list[tuple[float, int, tuple, int]] = []  # (due, seq, session key, generation)
 
     # ------------------------------------------------------------------------------- at commit
@@ -289,16 +294,22 @@ class HintBook:
                         record.node = node
                         mark.pins[tenant_] = record.until
         if owner is not _SHARED:
+            if self.ended:
+                self.ended.pop(owner, None)  # the session is back: its chunks are alive again
             session = self._session(owner)
             if session.due is not None:  # its next turn came: the prewarm is no longer due
                 session.due = None
                 session.generation += 1
                 self.counters.prewarms_cancelled += 1
+            session.next_at = None  # the announced turn came (this request may announce the next)
             session.chunks = list(nodes)
+            session.latest = frozenset([node.key for node in nodes])
 
     def apply(self, nodes: list[Node], tenant: Hashable, hints: Hints, now: float) -> None:
         """A committed request's retain, pin and unpin hints on its chunks ``nodes``."""
         self.counters.hinted_requests += 1
+        if hints.session is not None and hints.next_turn_s is not None and not hints.done:
+            self._session((tenant, hints.session)).next_at = now + hints.next_turn_s  # turn_ended refines it
         if hints.retain_s is not None:
             until = now + hints.retain_s
             for node in nodes:
@@ -386,6 +397,9 @@ class HintBook:
         owner = (tenant, session)
         record = self.sessions.pop(owner, None)
         self.counters.sessions_done += 1
+        self.ended[owner] = None  # its private chunks outside its last prompt are never written either
+        while len(self.ended) > MAX_SESSIONS:
+            self.ended.popitem(last=False)
         if record is None:
             return
         record.generation += 1
@@ -414,6 +428,7 @@ class HintBook:
         session = self._session(owner)
         session.generation += 1
         session.hashes = hashes
+        session.next_at = now + hints.next_turn_s
         session.due = max(now, now + hints.next_turn_s - self.lead_s)
         self._seq += 1
         heapq.heappush(self._due, (session.due, self._seq, owner, session.generation))
@@ -440,9 +455,20 @@ class HintBook:
         return None
 
     # ------------------------------------------------------------------------ eviction rules
-    def at_dram_eviction(self, obj: CacheObject, now: float) -> bool | None:
+    def at_dram_eviction(self, obj: CacheObject, now: float, horizon: float = math.inf,
+                         count: bool = False) -> bool | None:
         """For an object at its DRAM eviction with no SSD copy: True to write it whatever admission
-        says (retained or pinned), False never to (a done session's), None to let admission decide."""
+        says, False never to, None to let admission decide (Eq. 1 and the policy's other rules).
+        ``horizon``: the SSD's expected retention (the age of its latest LRU victim, as the oracle's);
+        ``count``: an eviction, not a question (counted in ``announced_admits`` / ``announced_skips``).
+
+        * a done session's private chunk: False;
+        * retained or pinned: True;
+        * a private chunk of a session that announced its next turn (``next_turn_s``): True when
+          that turn comes within ``horizon`` (the SSD will still hold the copy then), else False:
+          the application's word replaces Eq. 1's guess, as the oracle's knowledge of the next use
+          does (:meth:`announced`);
+        * anything else (a shared chunk, a session that announced nothing): None."""
         mark = obj.node.hint
         if mark is None:
             return None
@@ -450,7 +476,48 @@ class HintBook:
             return False
         if mark.retain_until > now or mark.pinned(now):
             return True
-        return None
+        if mark.owner is _SHARED:
+            return None
+        if mark.owner in self.ended:  # a private chunk of a done session (outside its last prompt)
+            return False
+        verdict = self.announced(mark.owner, obj.node.key, now, horizon)
+        if count and verdict is not None:
+            if verdict:
+                self.counters.announced_admits += 1
+            else:
+                self.counters.announced_skips += 1
+        return verdict
+
+    def announced(self, owner: tuple, key: Hashable, now: float, horizon: float) -> bool | None:
+        """Whether session ``owner``'s announced next turn comes within ``horizon`` of ``now``
+        (None: it announced none). A turn announced for a time already passed is due any moment:
+        within."""
+        session = self.sessions.get(owner)
+        if session is None or session.next_at is None or key not in session.latest:
+            return None
+        return session.next_at - now <= horizon
+
+    @staticmethod
+    def held(obj: CacheObject, now: float) -> bool:
+        """Retained or pinned (a new chunk with no DRAM room is written from HBM)."""
+        mark = obj.node.hint
+        return mark is not None and not mark.done and (mark.retain_until > now or mark.pinned(now))
+
+    def decides(self, obj: CacheObject, now: float) -> bool:
+        """The hints, not the reuse branch, decide ``obj``'s write (at its eviction): a done
+        session's private chunk, or a private chunk of a session that announced its next turn and
+        is neither retained nor pinned (the oracle has no reuse branch either)."""
+        mark = obj.node.hint
+        if mark is None:
+            return False
+        if mark.done:
+            return True
+        if mark.owner is _SHARED or mark.retain_until > now or mark.pinned(now):
+            return False
+        if mark.owner in self.ended:
+            return True
+        session = self.sessions.get(mark.owner)
+        return session is not None and session.next_at is not None and obj.node.key in session.latest
 
     @staticmethod
     def never_written(obj: CacheObject) -> bool:
