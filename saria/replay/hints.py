@@ -24,18 +24,22 @@ from saria.replay.arrivals import Schedule
 
 __all__ = ["HINT_SOURCES", "derive_hints"]
 
-HINT_SOURCES = ("trace",)
+HINT_SOURCES = ("trace", "sessions", "pins")  # trace: sessions where the trace has multi-turn ones, else pins
 SHARED_BY = 3  # a chunk is a platform's shared prefix when requests of this many sessions begin with it
 
 
 def derive_hints(schedule: Schedule, chunks: Sequence[tuple[Hashable, ...]], *, accuracy: float = 1.0,
-                 seed: int = 0) -> list[Hints | None]:
-    """Per request (``chunks[i]``: request i's chunk hashes), the hints of the module docstring."""
+                 seed: int = 0, kind: str = "trace") -> list[Hints | None]:
+    """Per request (``chunks[i]``: request i's chunk hashes), the hints of the module docstring:
+    ``kind`` ``trace`` (an agent trace's session hints where the schedule has sessions of several
+    turns, else the platform's pins), ``sessions`` (session hints only) or ``pins`` (pins only)."""
+    if kind not in HINT_SOURCES:
+        raise ValueError(f"hints: one of {', '.join(HINT_SOURCES)}, got {kind!r}")
     if not (isinstance(accuracy, (int, float)) and not isinstance(accuracy, bool) and 0.0 <= accuracy <= 1.0):
         raise ValueError(f"--hint-accuracy must be in [0, 1], got {accuracy!r}")
     out: list[Hints | None] = [None] * len(chunks)
     sessions = schedule.sessions
-    if any(len(s.requests) > 1 for s in sessions):
+    if kind == "sessions" or (kind == "trace" and any(len(s.requests) > 1 for s in sessions)):
         gaps = [g for s in sessions for g in s.gaps_s if math.isfinite(g)]
         rng = random.Random(seed)
         for index, session in enumerate(sessions):
