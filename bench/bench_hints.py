@@ -125,14 +125,16 @@ def targets(name: str, setting: str, res: dict[str, dict]) -> list[tuple[str, bo
         ok_r, said = _retention(h, saria, 0.02)
         ratio = h["ssd_write_bytes"] / w_s if w_s else (0.0 if h["ssd_write_bytes"] == 0 else math.inf)
         why = f"{h['ssd_write_bytes'] / GiB:.2f} GiB = {ratio:.2f}x saria's {w_s / GiB:.2f}; {said}"
+        if not w_s:
+            why += " (saria writes nothing: met only as 0 <= 0)"
         out.append(("accuracy 0.8: bytes <= 0.7x saria, retention >= saria - 0.02", ratio <= 0.7 and ok_r, why))
     if name in CHAT:
         h = res["saria+pins"]
         ok_r, said = _retention(h, saria, 0.0)
         ok_w = h["ssd_write_bytes"] <= w_s
         pins = (h.get("hints") or {}).get("pins", 0)
-        why = (f"{h['ssd_write_bytes'] / GiB:,.1f} GiB vs saria {w_s / GiB:,.1f} ({h['ssd_write_bytes'] / w_s - 1:+.2%}); "
-               f"{said}; {pins:,} pins")
+        change = h["ssd_write_bytes"] / w_s - 1 if w_s else math.nan
+        why = f"{h['ssd_write_bytes'] / GiB:,.1f} GiB vs saria {w_s / GiB:,.1f} ({change:+.2%}); {said}; {pins:,} pins"
         out.append(("platform pins: no worse than saria on bytes and retention", ok_w and ok_r, why))
     s = res["saria+sessions"]
     out.append(("without hints: identical to saria", bool(s["identical"]),

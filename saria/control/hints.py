@@ -16,14 +16,23 @@ here runs and every decision is Eq. 1's (and the policy's other rules').
   are capped (``pin_bytes_per_tenant``), and all tenants' together at half the SSD tier: a pin
   that would pass either cap is refused whole (counted, never an error). ``pin: false`` unpins
   the request's chunks (of its own tenant).
-* ``session`` + ``next_turn_s``: when the request ends, a prewarm of its chunks (SSD -> free DRAM,
-  :meth:`ControlPlane.prewarm`) is due ``Policy.prewarm_lead_s`` before the announced next turn;
-  the session's next request cancels it.
+* ``session`` + ``next_turn_s``: the application's word replaces Eq. 1's guess for the session's
+  private chunks of its latest prompt (:meth:`HintBook.at_dram_eviction`): at DRAM eviction such a
+  chunk is written when the announced turn comes within the SSD's expected retention (the age of
+  its latest LRU victim, the ``oracle`` rule's horizon) and not written when it comes later,
+  whatever admission says; the reuse path leaves it to its eviction and prewrite skips it where the
+  eviction would not write it. (The ``oracle`` rule writes a chunk exactly when a request it knows
+  of references it within that horizon; this is its online counterpart, from the hint alone.) The
+  session's older prompts' chunks, shared chunks and sessions that announced nothing keep Eq. 1.
+  When the request ends, a prewarm of its chunks (SSD -> free DRAM, :meth:`ControlPlane.prewarm`)
+  is due ``Policy.prewarm_lead_s`` before the announced next turn; the session's next request
+  cancels it (and the announcement: a turn that announces nothing leaves its chunks to Eq. 1).
 * ``done``: the session ended. Its *private* chunks (made by a request of the session and
   referenced by no request of another session, nor one without a session, since) lose their
   evidence (E_b = R_b = 0), are never written to SSD afterwards (no eviction, reuse or prewrite
   admission), go first at eviction (their DRAM and SSD copies move to the LRU ends), and the
-  done request's new chunks are not stored in DRAM. A chunk referenced again is alive again.
+  done request's new chunks are not stored in DRAM. Its private chunks of earlier prompts are
+  never written either. A chunk referenced again, or a session that sends again, is alive again.
 
 Tenants: sessions and pins are keyed by the request's tenant (the connector's: the key file's
 tenant tag, or the digest of the request's ``cache_salt``), so a hint of tenant B never names
@@ -188,8 +197,8 @@ class HintCounters:
     count since start."""
 
     hinted_requests: int = 0      # committed requests that carried hints
-    hinted_admissions: int = 0    # objects written at eviction for a hint (retain, pin, next turn) that admission refused
-    announced_admits: int = 0     # evictions of a session's private chunk whose announced next turn is within the SSD's retention
+    hinted_admissions: int = 0    # objects written at eviction for a hint (retain, pin, next turn) admission refused
+    announced_admits: int = 0     # evictions of a session's private chunk, its announced turn within the SSD's retention
     announced_skips: int = 0      # ... beyond it: not written, whatever admission says
     pins: int = 0                 # pins accepted (a pin hint, all of its chunks)
     pins_refused: int = 0         # pin hints refused: over the tenant's cap or the global one, or no SSD tier

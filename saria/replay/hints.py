@@ -1,14 +1,15 @@
-"""The cache hints an application could send with a trace's requests (``saria replay --hints trace``).
+"""The cache hints an application could send with a trace's requests (``saria replay --hints KIND``:
+``trace``, the kind below that fits the trace; ``sessions`` or ``pins``, that kind whatever the trace).
 
 What an application knows, derived from the trace as it would know it (docs/policy.md, "Cache
 hints from the application"):
 
-* agent traces (the schedule's sessions have several turns): each request names its session, and
+* ``sessions``, agent traces (the schedule's sessions have several turns): each request names its session, and
   each turn but the last says when the next one comes (``next_turn_s``: the session's actual idle
   gap after it, what an agent framework waiting on a tool call knows); with ``accuracy`` p < 1, each
   such hint is wrong with probability 1 - p, its value then drawn at random from the trace's gaps
   (seeded). A session's last turn says ``done``.
-* chat traces (sessions of one request): the platform pins the prefixes it knows are shared across
+* ``pins``, chat traces (sessions of one request): the platform pins the prefixes it knows are shared across
   sessions: each request pins its leading chunks that requests of at least two other sessions
   also begin with (``pin_chunks``), and sends nothing per session.
 """
