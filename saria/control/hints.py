@@ -11,6 +11,10 @@ here runs and every decision is Eq. 1's (and the policy's other rules').
   eviction inside its retention is written to SSD even when admission would not (a *hinted
   admission*; a new chunk that finds no DRAM room is written from HBM instead), and SSD eviction
   takes chunks whose retention has passed first (a retained chunk goes only when nothing else can).
+  Each tenant's retained bytes (SSD charges of its chunks inside a retention) are capped
+  (``retain_bytes_per_tenant``, a tenth of the SSD tier by default): a ``retain_s`` that would pass
+  the cap is refused whole (``retains_refused``, never an error); a chunk the tenant already retains
+  is extended at no charge.
 * ``pin`` (a TTL in seconds, or until unpinned): the request's chunks are written to SSD at their
   DRAM eviction and never evicted from SSD while pinned. Each tenant's pinned bytes (SSD charges)
   are capped (``pin_bytes_per_tenant``), and all tenants' together at half the SSD tier: a pin
@@ -58,6 +62,7 @@ MAX_SESSION_CHARS = 256       # a session key's longest accepted length
 MAX_SESSIONS = 65_536         # hinted sessions kept (least recently used dropped first)
 GLOBAL_PIN_FRACTION = 0.5     # all tenants' pinned bytes together, of the SSD tier
 DEFAULT_PIN_FRACTION = 0.1    # one tenant's pinned bytes by default, of the SSD tier
+DEFAULT_RETAIN_FRACTION = 0.1  # one tenant's retained bytes by default, of the SSD tier
 
 # kv_transfer_params keys of vLLM's other connectors (disaggregated prefill): not hints, not wrong.
 _FOREIGN = re.compile(r"^(do_remote_|remote_)|^(tp_size|transfer_id|request_id)$")
@@ -205,6 +210,8 @@ class HintCounters:
     unpins: int = 0               # pin: false hints that released something
     pins_expired: int = 0         # chunk pins whose TTL ended
     pinned_bytes: int = 0         # gauge: SSD charges of the chunks pinned now, all tenants
+    retains_refused: int = 0      # retain_s hints refused: over the tenant's retain cap, or no SSD tier
+    retained_bytes: int = 0       # gauge: SSD charges of the chunks inside a retention now, all tenants
     retained_evicted: int = 0     # SSD copies evicted inside their retention (nothing else left)
     prewarms_hinted: int = 0      # prewarm orders issued for next_turn_s
     prewarms_cancelled: int = 0   # hinted prewarms whose session's next turn came first
@@ -255,7 +262,8 @@ class HintBook:
     """Every hint's state in one control plane: chunk marks (``node.hint``), pins per tenant,
     hinted sessions and their prewarms. Not thread-safe (the control plane's lock covers it)."""
 
-    def __init__(self, ssd_capacity: int, pin_bytes_per_tenant: int | None, prewarm_lead_s: float) -> None:
+    def __init__(self, ssd_capacity: int, pin_bytes_per_tenant: int | None, prewarm_lead_s: float,
+                 retain_bytes_per_tenant: int | None = None) -> None:
         self.counters = HintCounters()
         self.active = False  # any hint seen: the hooks in residency and placement look only then
         self.ssd_capacity = ssd_capacity
@@ -263,6 +271,11 @@ class HintBook:
                     else int(pin_bytes_per_tenant))
         self.global_cap = int(GLOBAL_PIN_FRACTION * ssd_capacity)
         self.lead_s = prewarm_lead_s
+        self.retain_cap = (int(DEFAULT_RETAIN_FRACTION * ssd_capacity) if retain_bytes_per_tenant is None
+                           else int(retain_bytes_per_tenant))
+        self.retains: dict[Hashable, dict[Hashable, list]] = {}  # tenant -> chunk key -> [until, charge]
+        self.retained: dict[Hashable, int] = {}  # tenant -> bytes (SSD charges) inside their retention
+        self._retain_expiry: list[tuple[float, int, Hashable, Hashable]] = []  # (until, seq, tenant, key)
         self.pins: dict[Hashable, dict[Hashable, _Pin]] = {}  # tenant -> chunk key -> pin
         self.pinned: dict[Hashable, int] = {}  # tenant -> bytes
         self.pinned_keys: dict[Hashable, set] = {}  # chunk key -> the tenants pinning it
@@ -320,15 +333,58 @@ class HintBook:
         if hints.session is not None and hints.next_turn_s is not None and not hints.done:
             self._session((tenant, hints.session)).next_at = now + hints.next_turn_s  # turn_ended refines it
         if hints.retain_s is not None:
-            until = now + hints.retain_s
-            for node in nodes:
-                mark = self._mark(node)
-                if until > mark.retain_until:
-                    mark.retain_until = until
+            self.retain(nodes, tenant, now + hints.retain_s, now)
         if hints.unpin:
             self.unpin(nodes, tenant)
         if hints.pin is not None:
             self.pin(nodes if hints.pin_chunks is None else nodes[:hints.pin_chunks], tenant, now + hints.pin)
+
+    def retain(self, nodes: list[Node], tenant: Hashable, until: float, now: float) -> bool:
+        """Retain ``nodes`` for ``tenant`` until ``until``, all or none: refused (False, counted) when
+        the tenant's retained bytes (SSD charges of its chunks inside their retention) would pass
+        ``retain_cap``. A chunk the tenant already retains is extended at no charge."""
+        if not nodes:
+            return True
+        self._expire_retains(now)
+        mine = self.retains.get(tenant, {})
+        need = sum([_charge(node) for node in nodes if node.key not in mine])
+        if self.ssd_capacity <= 0 or self.retained.get(tenant, 0) + need > self.retain_cap:
+            self.counters.retains_refused += 1
+            return False
+        mine = self.retains.setdefault(tenant, mine)
+        for node in nodes:
+            record = mine.get(node.key)
+            if record is None:
+                mine[node.key] = [until, _charge(node)]
+            elif until > record[0]:
+                record[0] = until
+            else:
+                continue
+            self._seq += 1
+            heapq.heappush(self._retain_expiry, (until, self._seq, tenant, node.key))
+            mark = self._mark(node)
+            if until > mark.retain_until:
+                mark.retain_until = until
+        self.retained[tenant] = self.retained.get(tenant, 0) + need
+        self.counters.retained_bytes = sum(self.retained.values())
+        return True
+
+    def _expire_retains(self, now: float) -> None:
+        expiry = self._retain_expiry
+        while expiry and expiry[0][0] <= now:
+            _, _, tenant, key = heapq.heappop(expiry)
+            mine = self.retains.get(tenant)
+            record = None if mine is None else mine.get(key)
+            if record is not None and record[0] <= now:
+                del mine[key]
+                self.retained[tenant] -= record[1]
+                if not mine:
+                    del self.retains[tenant]
+                    del self.retained[tenant]
+        self.counters.retained_bytes = sum(self.retained.values())
+
+    def retained_of(self, tenant: Hashable) -> int:
+        return self.retained.get(tenant, 0)
 
     def pin(self, nodes: list[Node], tenant: Hashable, until: float) -> bool:
         """Pin ``nodes`` for ``tenant`` until ``until``, all or none: refused (False) past a cap."""
@@ -392,7 +448,9 @@ class HintBook:
         self.counters.pinned_bytes = sum(self.pinned.values())
 
     def expire(self, now: float) -> None:
-        """End the pins whose TTL has passed."""
+        """End the pins whose TTL has passed, and the retentions."""
+        if self._retain_expiry and self._retain_expiry[0][0] <= now:
+            self._expire_retains(now)
         expiry = self._expiry
         while expiry and expiry[0][0] <= now:
             until, _, tenant, key = heapq.heappop(expiry)
