@@ -198,3 +198,42 @@ def test_the_replays_hint_kinds():
     assert all(h.session is None and not h.done for h in pins)
     with pytest.raises(ValueError, match="hints"):
         derive_hints(schedule, chunks, kind="guess")
+
+
+# ------------------------------------------------------------------------ across a control-plane rebuild
+
+def test_pins_retentions_and_sessions_outlive_a_rebuilt_control_plane():
+    old = make_plane(dram=4, ssd=40)
+    drive(old, [("p", 0), ("p", 1)], 0.0, hints=Hints(pin=math.inf), tenant="A")
+    drive(old, [("p", 9)], 0.5, hints=Hints(pin=5.0), tenant="A")  # ends before the rebuild
+    drive(old, [("r", 0)], 1.0, hints=Hints(retain_s=100.0), tenant="B")
+    drive(old, [("a", 0)], 2.0, hints=Hints(session="s", next_turn_s=30.0), tenant="A")
+    old.turn_ended([("a", 0)], 2.0, Hints(session="s", next_turn_s=30.0), tenant="A")
+    assert old.pins("A")[("p", 9)] == 5.5
+    state = old.hint_state()
+    new = make_plane(dram=4, ssd=40)
+    new.restore_hints(state, 10.0)
+    assert new.pins("A") == {("p", 0): math.inf, ("p", 1): math.inf}  # the ended TTL pin is not taken over
+    assert new.pinned_bytes("A") == 2 * KV and new.retained_bytes("B") == KV
+    assert new.next_hinted_prewarm() == old.next_hinted_prewarm() == 27.0  # due again (lead 5 s)
+    # the pinned prefix and the retained chunk, referenced again (no hints), are written at their
+    # first eviction and the pinned one stays on SSD through a flood
+    drive(new, [("p", 0), ("p", 1)], 11.0)
+    drive(new, [("r", 0)], 11.5)
+    orders = flood(new, 12.0, 6)
+    assert {("p", 0), ("p", 1), ("r", 0)} <= written(orders)
+    assert new.hint_counters().hinted_admissions == 3
+    # a fresh plane without the state: the same traffic writes none of them (Eq. 1, one eviction)
+    fresh = make_plane(dram=4, ssd=40)
+    drive(fresh, [("p", 0), ("p", 1)], 11.0)
+    drive(fresh, [("r", 0)], 11.5)
+    assert not written(flood(fresh, 12.0, 6)) & {("p", 0), ("p", 1), ("r", 0)}
+    assert new.hint_counters().pins == 0 and new.pinned_bytes("A") == 2 * KV  # taken over, not pinned anew
+
+
+def test_a_restored_pin_past_a_smaller_tiers_cap_is_refused():
+    old = make_plane(dram=4, ssd=40)  # a tenth: 4 chunks
+    drive(old, [("p", j) for j in range(4)], 0.0, hints=Hints(pin=math.inf), tenant="A")
+    new = make_plane(dram=4, ssd=20)  # a tenth: 2 chunks
+    new.restore_hints(old.hint_state(), 1.0)
+    assert new.pinned_bytes("A") == 2 * KV and new.hint_counters().pins_refused == 2

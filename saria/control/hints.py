@@ -245,7 +245,7 @@ _SHARED = ("shared",)  # an owner no session key equals (keys are (tenant, str))
 class _Pin:
     until: float
     charge: int
-    node: Node
+    node: Node | None  # None: restored from a previous control plane, its chunk not referenced since
 
 
 @dataclass(slots=True)
@@ -276,6 +276,7 @@ class HintBook:
         self.retains: dict[Hashable, dict[Hashable, list]] = {}  # tenant -> chunk key -> [until, charge]
         self.retained: dict[Hashable, int] = {}  # tenant -> bytes (SSD charges) inside their retention
         self._retain_expiry: list[tuple[float, int, Hashable, Hashable]] = []  # (until, seq, tenant, key)
+        self._restored_retains: dict[Hashable, float] = {}  # chunk key -> retention end, from a previous plane
         self.pins: dict[Hashable, dict[Hashable, _Pin]] = {}  # tenant -> chunk key -> pin
         self.pinned: dict[Hashable, int] = {}  # tenant -> bytes
         self.pinned_keys: dict[Hashable, set] = {}  # chunk key -> the tenants pinning it
@@ -305,6 +306,12 @@ class HintBook:
                 if mark.owner != owner:
                     mark.owner = _SHARED
                 mark.done = False
+        if self._restored_retains:  # a chunk retained under a previous control plane: retained again
+            for node in nodes:
+                until = self._restored_retains.pop(node.key, None)
+                if until is not None:
+                    mark = self._mark(node)
+                    mark.retain_until = max(mark.retain_until, until)
         if self.pins:  # a pinned chunk whose node was reclaimed (it held nothing) and is back: pinned again
             for node in nodes:
                 tenants = self.pinned_keys.get(node.key)
@@ -440,7 +447,7 @@ class HintBook:
         if not mine:
             del self.pins[tenant]
             del self.pinned[tenant]
-        mark = record.node.hint
+        mark = None if record.node is None else record.node.hint
         if mark is not None and mark.pins is not None and record.node.node is not None:
             mark.pins.pop(tenant, None)
             if not mark.pins:
@@ -484,6 +491,66 @@ class HintBook:
                     dram_lru.move_to_end(obj, last=False)
                 if obj in ssd_lru:
                     ssd_lru.move_to_end(obj, last=False)
+
+    # ------------------------------------------------------------------- across a rebuild
+    def snapshot(self) -> dict:
+        """What the applications said that outlives this control plane (plain data, no nodes): each
+        tenant's pins and retentions (chunk key -> end, charge), the sessions' announced turns,
+        latest prompts and due prewarms, and the sessions that ended. :meth:`restore` takes it."""
+        return {
+            "pins": {tenant: {key: (p.until, p.charge) for key, p in mine.items()} for tenant, mine in self.pins.items()},
+            "retains": {tenant: {key: (r[0], r[1]) for key, r in mine.items()} for tenant, mine in self.retains.items()},
+            "sessions": [(owner, s.next_at, s.due, s.hashes, tuple(s.latest)) for owner, s in self.sessions.items()],
+            "ended": list(self.ended),
+        }
+
+    def restore(self, state: dict, now: float) -> None:
+        """Take over a previous control plane's :meth:`snapshot` (this one new, its hints empty):
+        pins and retentions whose end has not passed (a pinned chunk is pinned again when a request
+        references it, as one whose node was reclaimed is; its bytes count against its tenant's cap
+        at once), sessions (their announced turns decide admission again, their due prewarms are
+        due again) and the ended sessions. A pin or retention past this plane's caps (a smaller
+        SSD tier) is dropped, counted as refused."""
+        for tenant, mine in state.get("pins", {}).items():
+            for key, (until, charge) in mine.items():
+                if until <= now:
+                    continue
+                total = sum(self.pinned.values())
+                if (self.ssd_capacity <= 0 or self.pinned.get(tenant, 0) + charge > self.cap
+                        or total + charge > self.global_cap):
+                    self.counters.pins_refused += 1
+                    continue
+                self.pins.setdefault(tenant, {})[key] = _Pin(until, charge, None)
+                self.pinned_keys.setdefault(key, set()).add(tenant)
+                self.pinned[tenant] = self.pinned.get(tenant, 0) + charge
+                if math.isfinite(until):
+                    self._seq += 1
+                    heapq.heappush(self._expiry, (until, self._seq, tenant, key))
+        self.counters.pinned_bytes = sum(self.pinned.values())
+        for tenant, mine in state.get("retains", {}).items():
+            for key, (until, charge) in mine.items():
+                if until <= now:
+                    continue
+                if self.ssd_capacity <= 0 or self.retained.get(tenant, 0) + charge > self.retain_cap:
+                    self.counters.retains_refused += 1
+                    continue
+                self.retains.setdefault(tenant, {})[key] = [until, charge]
+                self._restored_retains[key] = max(until, self._restored_retains.get(key, -math.inf))
+                self.retained[tenant] = self.retained.get(tenant, 0) + charge
+                self._seq += 1
+                heapq.heappush(self._retain_expiry, (until, self._seq, tenant, key))
+        self.counters.retained_bytes = sum(self.retained.values())
+        for owner, next_at, due, hashes, latest in state.get("sessions", []):
+            session = self._session(owner)
+            session.next_at, session.hashes, session.latest = next_at, hashes, frozenset(latest)
+            if due is not None:
+                session.generation += 1
+                session.due = max(due, now)
+                self._seq += 1
+                heapq.heappush(self._due, (session.due, self._seq, owner, session.generation))
+        for owner in state.get("ended", []):
+            self.ended[owner] = None
+        self.active = self.active or bool(self.pins or self.retains or self.sessions or self.ended)
 
     # --------------------------------------------------------------------------------- prewarm
     def turn_ended(self, tenant: Hashable, hints: Hints, hashes: tuple, now: float) -> None:

@@ -333,6 +333,18 @@ class ControlPlane:
         with self._lock:
             return self._hints.pinned_of(tenant)
 
+    def hint_state(self) -> dict:
+        """What the applications' hints said that a control plane rebuilt after a fault takes over
+        (:meth:`restore_hints`): pins, retentions, sessions (plain data)."""
+        with self._lock:
+            return self._hints.snapshot()
+
+    def restore_hints(self, state: dict, now: float) -> None:
+        """Take over a replaced control plane's :meth:`hint_state` (``saria.control.hints``)."""
+        with self._lock:
+            now = check_now(now, self._now)
+            self._hints.restore(state, now)
+
     def retained_bytes(self, tenant: Hashable = None) -> int:
         """What ``tenant``'s ``retain_s`` hints hold (SSD charges of its chunks inside their retention)."""
         with self._lock:
