@@ -433,3 +433,49 @@ def test_retain_s_is_capped_per_tenant_and_refused_whole():
     drive(cp, [("y", 1)], 32.5)
     assert cp.retained_bytes("A") == 0
 
+
+def _full_dram_with_the_session_on_ssd(cp: ControlPlane, hashes) -> None:
+    drive(cp, hashes, 0.0, hints=Hints(retain_s=1000.0, session="s"), tenant="A")
+    for i in range(6):  # one-chunk requests fill DRAM: the session's chunks are written (retained) and evicted
+        drive(cp, [("f", i)], 1.0 + i)
+    assert [cp.chunk_info(h).kv.ssd for h in hashes] == ["ready"] * len(hashes)
+    assert [cp.chunk_info(h).kv.dram for h in hashes] == ["absent"] * len(hashes)
+    assert [cp.chunk_info(("f", i)).kv.dram for i in range(1, 6)] == ["ready"] * 5  # DRAM is full
+
+
+def test_a_hinted_prewarm_makes_room_from_copies_idle_for_p_tau():
+    """A serving DRAM tier is full: a hinted prewarm evicts copies idle for P_tau (60 s), the
+    least recently used first and only as many as it needs, as a promotion would."""
+    cp = make_plane()  # DRAM 5 chunks
+    hashes = [("n", j) for j in range(3)]
+    _full_dram_with_the_session_on_ssd(cp, hashes)
+    cp.turn_ended(hashes, 10.0, Hints(session="s", next_turn_s=100.0), tenant="A")
+    orders = cp.hinted_prewarms(109.0, max_bytes=3 * KV)  # the f copies were last reused 103-107 s ago
+    promotes = [o for o in orders if isinstance(o, PromoteOrder)]
+    assert len(promotes) == 1 and set(promotes[0].kv) == set(hashes) and promotes[0].source is Tier.SSD
+    assert cp.counters().prewarm_evictions == 3
+    assert [cp.chunk_info(("f", i)).kv.dram for i in range(1, 6)] == ["absent"] * 3 + ["ready"] * 2  # LRU first
+    cp.complete(promotes[0].order_id, True, 109.5)
+    plan = cp.plan(hashes, 110.0)
+    assert plan.kv_sources == (Tier.DRAM,) * 3  # the next turn hits DRAM
+    cp.release(plan, 110.0)
+
+
+def test_a_hinted_prewarm_never_evicts_copies_reused_within_p_tau():
+    cp = make_plane()
+    hashes = [("n", j) for j in range(3)]
+    _full_dram_with_the_session_on_ssd(cp, hashes)
+    cp.turn_ended(hashes, 10.0, Hints(session="s", next_turn_s=30.0), tenant="A")
+    assert not [o for o in cp.hinted_prewarms(39.0, max_bytes=3 * KV) if isinstance(o, PromoteOrder)]
+    assert cp.counters().prewarm_evictions == 0
+    assert [cp.chunk_info(("f", i)).kv.dram for i in range(1, 6)] == ["ready"] * 5
+
+
+def test_a_hinted_prewarm_passes_over_its_own_prompts_copies():
+    cp = make_plane()
+    tiers = cp._tiers  # the room rule itself: the prompt's own DRAM copy is never a candidate
+    drive(cp, [("k", 0)], 0.0)
+    drive(cp, [("o", 0)], 1.0)
+    (k,), (o,) = cp._resolve([("k", 0)]), cp._resolve([("o", 0)])
+    assert tiers.idle_candidates(50.0, 2 * KV) == [k, o]
+    assert tiers.idle_candidates(50.0, 2 * KV, keep={k}) == [o]

@@ -251,7 +251,8 @@ class ControlPlane:
                 self._tiers.dram_filled(record.objects, failing, changes)
             return self._finish(changes, now)
 
-    def prewarm(self, chunk_hashes: Sequence[Hashable], now: float, max_bytes: int | None = None) -> list[Order]:
+    def prewarm(self, chunk_hashes: Sequence[Hashable], now: float, max_bytes: int | None = None, *,
+                make_room: bool = False) -> list[Order]:
         """Reload a context's SSD-only prefix into free DRAM ahead of its next request (a session's
         predicted next turn): the chunks a :meth:`plan` of ``chunk_hashes`` would read from SSD now
         (same lookup and checkpoint rule, ``prewarm.prewarm_groups``), from the first, as many as fit
@@ -260,7 +261,12 @@ class ControlPlane:
         :class:`PromoteOrder` with ``source=Tier.SSD``: its DRAM slots are reserved (``filling``, not
         readable) and its SSD copies pinned until :meth:`complete`; the copies become readable when
         it completes ok. Counted in ``Counters.prewarm_*`` (hits: copies a committed plan first
-        reads from DRAM; wasted: copies evicted unread)."""
+        reads from DRAM; wasted: copies evicted unread).
+
+        ``make_room`` (a session's own word that its next turn is coming, :meth:`hinted_prewarms`):
+        DRAM copies idle for ``Policy.p_tau_s`` may be evicted for it as for a promotion
+        (``Residency.idle_candidates``: only copies whose eviction frees their slot at once, never
+        one of this prompt's), counted in ``Counters.prewarm_evictions``."""
         with self._lock:
             now = check_now(now, self._now)
             hashes = check_hashes(chunk_hashes)
@@ -269,11 +275,20 @@ class ControlPlane:
             # ---- valid: from here on, state changes
             self._now = self._tree.clock = now
             changes = PendingChanges()
-            room = min(cap, self._tiers.dram.free)
-            if room > 0 and self._store_new:
-                groups = prewarm_groups(nodes, room, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
+            tiers = self._tiers
+            if cap > 0 and self._store_new:
+                if make_room:
+                    groups = prewarm_groups(nodes, cap, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
+                    need = sum([obj.dram_charge for objs in groups for obj in objs])
+                    if need > tiers.dram.free:
+                        idle_before = now - self.config.policy.p_tau_s
+                        tiers.make_room(groups, need, idle_before, set(nodes), changes)
+                else:
+                    room = min(cap, tiers.dram.free)
+                    groups = prewarm_groups(nodes, room, tier_prefix=self._tier_prefix,
+                                            hybrid=self._hybrid) if room > 0 else []
                 if groups:
-                    self._tiers.prewarm(groups, changes)
+                    tiers.prewarm(groups, changes)
             return self._finish(changes, now)
 
     def turn_ended(self, chunk_hashes: Sequence[Hashable], now: float, hints: Hints | None,
@@ -294,8 +309,11 @@ class ControlPlane:
 
     def hinted_prewarms(self, now: float, max_bytes: int | None = None) -> list[Order]:
         """The prewarms due at ``now`` by ``next_turn_s`` hints (:meth:`turn_ended`), each as
-        :meth:`prewarm` (free DRAM only, at most ``max_bytes``, None: ``config.prewarm_max_bytes``)
-        of the session's latest prompt; counted in ``hint_counters().prewarms_hinted``."""
+        :meth:`prewarm` of the session's latest prompt (at most ``max_bytes``, None:
+        ``config.prewarm_max_bytes``) in free DRAM and in the room of copies idle for
+        ``Policy.p_tau_s`` (``make_room``: the application said the turn is coming, so a DRAM
+        tier that is full, as a serving one is, does not silently refuse it); counted in
+        ``hint_counters().prewarms_hinted``."""
         orders: list[Order] = []
         with self._lock:
             now = check_now(now, self._now)
@@ -305,7 +323,7 @@ class ControlPlane:
             due = self._hints.due(now)
         for hashes in due:  # a session's chunks the tree no longer agrees with: skip that prewarm
             try:
-                new = self.prewarm(hashes, now, cap)
+                new = self.prewarm(hashes, now, cap, make_room=True)
             except ControlPlaneError:
                 continue
             with self._lock:
