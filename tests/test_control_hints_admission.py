@@ -237,3 +237,12 @@ def test_a_restored_pin_past_a_smaller_tiers_cap_is_refused():
     new = make_plane(dram=4, ssd=20)  # a tenth: 2 chunks
     new.restore_hints(old.hint_state(), 1.0)
     assert new.pinned_bytes("A") == 2 * KV and new.hint_counters().pins_refused == 2
+
+
+def test_restore_hints_refuses_what_is_not_a_hint_state():
+    import pytest
+
+    from saria.control import ControlPlaneError
+
+    with pytest.raises(ControlPlaneError, match="hint_state"):
+        make_plane().restore_hints([("pins", {})], 0.0)

@@ -359,6 +359,8 @@ class ControlPlane:
 
     def restore_hints(self, state: dict, now: float) -> None:
         """Take over a replaced control plane's :meth:`hint_state` (``saria.control.hints``)."""
+        if not isinstance(state, dict):
+            raise ControlPlaneError(f"restore_hints takes a hint_state() dict, got {type(state).__name__}")
         with self._lock:
             now = check_now(now, self._now)
             self._hints.restore(state, now)
