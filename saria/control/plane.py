@@ -49,7 +49,8 @@ class ControlPlane:
     """
 
     def __init__(self, config: SariaConfig | None = None, *, future: FutureUses | None = None,
-                 sizing: TierSizing | None = None, observer=None, pin_bytes_per_tenant: int | None = None) -> None:
+                 sizing: TierSizing | None = None, observer=None, pin_bytes_per_tenant: int | None = None,
+                 retain_bytes_per_tenant: int | None = None) -> None:
         """``future``: every chunk's next use, for ``admission=oracle`` (a replay's knowledge).
         ``observer(node, features, now, ssd_retention)``: called at every DRAM eviction of a kv
         object with its learned-rule features and the SSD's retention age (:mod:`saria.control.learned`; a replay's labeler).
@@ -58,7 +59,8 @@ class ControlPlane:
         host slots and SSD parts against what the host pool and the drive files really hold, so
         whatever it admits fits them. None (a replay): objects charge their sizes against the
         configured capacities. ``pin_bytes_per_tenant``: the most bytes (SSD charges) one tenant's
-        ``pin`` hints may hold (None: a tenth of the SSD tier; :mod:`saria.control.hints`)."""
+        ``pin`` hints may hold (None: a tenth of the SSD tier; :mod:`saria.control.hints`);
+        ``retain_bytes_per_tenant``: likewise, its chunks inside a ``retain_s`` retention."""
         self.config = config = config if config is not None else SariaConfig()
         if not isinstance(config, SariaConfig):
             raise ValueError(f"ControlPlane needs a SariaConfig, got {config!r}")
@@ -78,11 +80,12 @@ class ControlPlane:
                                     counters=self._counters, observer=observer)
         self._sessions = self._admission.sessions
         self._tracker = self._admission.tracker
-        if pin_bytes_per_tenant is not None and (isinstance(pin_bytes_per_tenant, bool)
-                                                 or not isinstance(pin_bytes_per_tenant, int) or pin_bytes_per_tenant < 0):
-            raise ValueError(f"pin_bytes_per_tenant must be an int >= 0 or None, got {pin_bytes_per_tenant!r}")
+        for name, cap in (("pin_bytes_per_tenant", pin_bytes_per_tenant),
+                          ("retain_bytes_per_tenant", retain_bytes_per_tenant)):
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {cap!r}")
         self._hints = HintBook(sizing.ssd.capacity if config.ssd_bytes > 0 else 0, pin_bytes_per_tenant,
-                               policy.prewarm_lead_s)
+                               policy.prewarm_lead_s, retain_bytes_per_tenant)
         self._tiers = Residency(sizing.dram.capacity, sizing.ssd.capacity, self._admission, self._tree,
                                 self._counters, self._hints)
         self._orders = OrderEmitter(hybrid=chunk.hybrid, kv_bytes=chunk.kv_bytes, state_bytes=chunk.state_bytes)
@@ -347,6 +350,25 @@ class ControlPlane:
         """What ``tenant``'s pins hold (SSD charges)."""
         with self._lock:
             return self._hints.pinned_of(tenant)
+
+    def hint_state(self) -> dict:
+        """What the applications' hints said that a control plane rebuilt after a fault takes over
+        (:meth:`restore_hints`): pins, retentions, sessions (plain data)."""
+        with self._lock:
+            return self._hints.snapshot()
+
+    def restore_hints(self, state: dict, now: float) -> None:
+        """Take over a replaced control plane's :meth:`hint_state` (``saria.control.hints``)."""
+        if not isinstance(state, dict):
+            raise ControlPlaneError(f"restore_hints takes a hint_state() dict, got {type(state).__name__}")
+        with self._lock:
+            now = check_now(now, self._now)
+            self._hints.restore(state, now)
+
+    def retained_bytes(self, tenant: Hashable = None) -> int:
+        """What ``tenant``'s ``retain_s`` hints hold (SSD charges of its chunks inside their retention)."""
+        with self._lock:
+            return self._hints.retained_of(tenant)
 
     def recover_ssd(self, keys: Iterable[ObjectKey], now: float) -> list[Order]:
         """Take over SSD objects a previous run left on the drives (the data plane found them whole

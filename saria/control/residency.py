@@ -144,12 +144,14 @@ class Residency:
             self._counters.prewarm_wasted += 1
         ssd = obj.ssd
         if ssd == ABSENT:
-            hinted = self.hints.at_dram_eviction(obj, self._tree.clock) if self.hints.active else None
+            hinted = (self.hints.at_dram_eviction(obj, self._tree.clock, self._admission.ssd_retention_s, count=True)
+                      if self.hints.active else None)
             if hinted is None:
                 if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", changes):
                     obj.dram = DRAINING
                     return
-            elif hinted:  # retained or pinned: written whatever admission says (counted apart when only the hint admits)
+            elif hinted:  # retained, pinned or its turn announced within the SSD's retention: written whatever
+                # admission says (counted apart when only the hint admits)
                 if self.write(obj, DRAM, "eviction", changes, hinted=not self._admission.admits(obj)):
                     obj.dram = DRAINING
                     return
@@ -173,8 +175,8 @@ class Residency:
             return False
         if obj.ssd != ABSENT:
             return True
-        if self.hints.active:  # a retained or pinned chunk is written at its eviction, a done one never
-            hinted = self.hints.at_dram_eviction(obj, self._tree.clock)
+        if self.hints.active:  # the hints' verdict where they give one (a retained chunk is written, a done one never)
+            hinted = self.hints.at_dram_eviction(obj, self._tree.clock, self._admission.ssd_retention_s)
             if hinted is not None:
                 return not hinted
         return not self._admission.admits(obj, earlier + obj.eviction_step)
