@@ -194,8 +194,8 @@ def drive(cp, trace, driver: str, seed: int = 0) -> list:
 # left out, so that the recordings still compare.
 COUNTERS_SINCE_RECORDING = ("recovered", "recovered_adopted", "recovered_dropped", "ssd_useful_write_bytes",
                             "prewarm_orders", "prewarm_chunks", "prewarm_bytes", "prewarm_bytes_read", "prewarm_failed",
-                            "prewarm_hits", "prewarm_wasted", "learned_scored", "learned_admitted",
-                            "learned_fallbacks", "learned_retrains")
+                            "prewarm_hits", "prewarm_wasted", "prewarm_evictions", "learned_scored",
+                            "learned_admitted", "learned_fallbacks", "learned_retrains")
 
 
 def recorded_counters(counters) -> dict:

@@ -2,9 +2,9 @@
 model-based check of the control plane fed hints over long random runs with small tiers.
 
 After every call of a run: the control plane's invariants hold (``audit``); no tenant's pinned
-bytes pass its cap, nor all tenants' half the SSD tier; a pinned chunk whose copy reached SSD is
+bytes pass its cap, nor all tenants' half the SSD tier, nor its retained bytes their cap; a pinned chunk whose copy reached SSD is
 never evicted from there before its pin ends; a done session's private chunks are never written
-(until a request references them again); a chunk inside its retention that left DRAM has an SSD
+(until a request references them again); a chunk inside an accepted retention that left DRAM has an SSD
 copy or write (unless SSD had no room for anything but other retained or pinned chunks); a hint of
 tenant B (done, unpin, next turn with A's session name) changes none of tenant A's pins nor the
 evidence of A's chunks; and hints that cannot be read never raise.
@@ -134,12 +134,13 @@ def test_the_control_plane_refuses_what_is_not_hints():
 
 KV = DENSE.kv_bytes
 PIN_CAP = 3 * KV
+RETAIN_CAP = 4 * KV
 
 
-def make_plane() -> ControlPlane:
+def make_plane(retain_cap: int = RETAIN_CAP) -> ControlPlane:
     config = SariaConfig(dram=Capacity(nbytes=5 * KV), ssd=Capacity(nbytes=10 * KV), chunk=DENSE,
                          policy=Policy.preset("saria", metadata_window_s=200.0, prewrite_depth=2, prewarm_lead_s=1.0))
-    return ControlPlane(config, pin_bytes_per_tenant=PIN_CAP)
+    return ControlPlane(config, pin_bytes_per_tenant=PIN_CAP, retain_bytes_per_tenant=retain_cap)
 
 
 tenants = st.sampled_from(["A", "B"])
@@ -174,12 +175,14 @@ class Model:
     def run(self, hashes: list, hints: Hints | None, tenant: str) -> None:
         cp, now = self.cp, self.now
         plan = cp.plan(hashes, now)
+        refused = cp.hint_counters().retains_refused
         orders = cp.commit_prefill(hashes, now, plan=plan, hints=hints, tenant=tenant)
+        accepted = cp.hint_counters().retains_refused == refused  # a retention over the tenant's cap is refused
         owner = (tenant, hints.session if hints is not None else None)
         for h in hashes:
             self.owners.setdefault(h, set()).add(owner)
             self.done.discard(h)
-        if hints is not None and hints.retain_s is not None:
+        if hints is not None and hints.retain_s is not None and accepted:
             for h in hashes:
                 self.retained[h] = max(self.retained.get(h, -math.inf), now + hints.retain_s)
         if hints is not None and hints.done:
@@ -218,6 +221,7 @@ class Model:
         assert usage.dram_used <= usage.dram_capacity and usage.ssd_used <= usage.ssd_capacity
         total = 0
         for t in ("A", "B"):
+            assert cp.retained_bytes(t) <= RETAIN_CAP
             assert cp.pinned_bytes(t) <= PIN_CAP
             total += cp.pinned_bytes(t)
             for h, until in cp.pins(t).items():
@@ -396,7 +400,7 @@ def test_done_leaves_chunks_another_request_saw_first():
 
 
 def test_a_pinned_chunk_outlives_a_flood_of_writes_and_goes_once_unpinned():
-    cp = make_plane()  # SSD: 10 chunks
+    cp = make_plane(retain_cap=100 * KV)  # SSD: 10 chunks; B may retain all it floods
     drive(cp, [("pin", 0)], 0.0, hints=Hints(pin=math.inf), tenant="A")
     for i in range(40):  # each retained: written at its eviction, so SSD fills and evicts
         drive(cp, [("flood", i)], 1.0 + i, hints=Hints(retain_s=100.0), tenant="B")
@@ -410,3 +414,68 @@ def test_a_pinned_chunk_outlives_a_flood_of_writes_and_goes_once_unpinned():
     for i in range(40, 60):
         drive(cp, [("flood", i)], 52.0 + i, hints=Hints(retain_s=100.0), tenant="B")
     assert cp.chunk_info(("pin", 0)).kv.ssd == "absent"
+
+
+def test_retain_s_is_capped_per_tenant_and_refused_whole():
+    cp = make_plane()  # each tenant may retain 4 chunks
+    drive(cp, [("r", j) for j in range(3)], 0.0, hints=Hints(retain_s=10.0), tenant="A")
+    assert cp.retained_bytes("A") == 3 * KV
+    drive(cp, [("r", 0), ("s", 0), ("s", 1)], 1.0, hints=Hints(retain_s=10.0), tenant="A")  # 2 new: 5 > 4
+    assert cp.retained_bytes("A") == 3 * KV and cp.hint_counters().retains_refused == 1
+    assert cp.chunk_info(("s", 0)).kv.dram == "ready"  # the request itself is served as any other
+    drive(cp, [("r", 0), ("s", 0)], 2.0, hints=Hints(retain_s=30.0), tenant="A")  # 1 new: 4, and r0 extended
+    assert cp.retained_bytes("A") == 4 * KV
+    drive(cp, [("b", 0), ("b", 1), ("b", 2)], 3.0, hints=Hints(retain_s=10.0), tenant="B")  # B's cap is B's
+    assert cp.retained_bytes("B") == 3 * KV and cp.hint_counters().retains_refused == 1
+    drive(cp, [("y", 0)], 13.5)  # r1, r2 (11) and B's (13) ended; r0, s0 held until 32
+    assert cp.retained_bytes("A") == 2 * KV and cp.retained_bytes("B") == 0
+    assert cp.hint_counters().retained_bytes == 2 * KV
+    drive(cp, [("y", 1)], 32.5)
+    assert cp.retained_bytes("A") == 0
+
+
+def _full_dram_with_the_session_on_ssd(cp: ControlPlane, hashes) -> None:
+    drive(cp, hashes, 0.0, hints=Hints(retain_s=1000.0, session="s"), tenant="A")
+    for i in range(6):  # one-chunk requests fill DRAM: the session's chunks are written (retained) and evicted
+        drive(cp, [("f", i)], 1.0 + i)
+    assert [cp.chunk_info(h).kv.ssd for h in hashes] == ["ready"] * len(hashes)
+    assert [cp.chunk_info(h).kv.dram for h in hashes] == ["absent"] * len(hashes)
+    assert [cp.chunk_info(("f", i)).kv.dram for i in range(1, 6)] == ["ready"] * 5  # DRAM is full
+
+
+def test_a_hinted_prewarm_makes_room_from_copies_idle_for_p_tau():
+    """A serving DRAM tier is full: a hinted prewarm evicts copies idle for P_tau (60 s), the
+    least recently used first and only as many as it needs, as a promotion would."""
+    cp = make_plane()  # DRAM 5 chunks
+    hashes = [("n", j) for j in range(3)]
+    _full_dram_with_the_session_on_ssd(cp, hashes)
+    cp.turn_ended(hashes, 10.0, Hints(session="s", next_turn_s=100.0), tenant="A")
+    orders = cp.hinted_prewarms(109.0, max_bytes=3 * KV)  # the f copies were last reused 103-107 s ago
+    promotes = [o for o in orders if isinstance(o, PromoteOrder)]
+    assert len(promotes) == 1 and set(promotes[0].kv) == set(hashes) and promotes[0].source is Tier.SSD
+    assert cp.counters().prewarm_evictions == 3
+    assert [cp.chunk_info(("f", i)).kv.dram for i in range(1, 6)] == ["absent"] * 3 + ["ready"] * 2  # LRU first
+    cp.complete(promotes[0].order_id, True, 109.5)
+    plan = cp.plan(hashes, 110.0)
+    assert plan.kv_sources == (Tier.DRAM,) * 3  # the next turn hits DRAM
+    cp.release(plan, 110.0)
+
+
+def test_a_hinted_prewarm_never_evicts_copies_reused_within_p_tau():
+    cp = make_plane()
+    hashes = [("n", j) for j in range(3)]
+    _full_dram_with_the_session_on_ssd(cp, hashes)
+    cp.turn_ended(hashes, 10.0, Hints(session="s", next_turn_s=30.0), tenant="A")
+    assert not [o for o in cp.hinted_prewarms(39.0, max_bytes=3 * KV) if isinstance(o, PromoteOrder)]
+    assert cp.counters().prewarm_evictions == 0
+    assert [cp.chunk_info(("f", i)).kv.dram for i in range(1, 6)] == ["ready"] * 5
+
+
+def test_a_hinted_prewarm_passes_over_its_own_prompts_copies():
+    cp = make_plane()
+    tiers = cp._tiers  # the room rule itself: the prompt's own DRAM copy is never a candidate
+    drive(cp, [("k", 0)], 0.0)
+    drive(cp, [("o", 0)], 1.0)
+    (k,), (o,) = cp._resolve([("k", 0)]), cp._resolve([("o", 0)])
+    assert tiers.idle_candidates(50.0, 2 * KV) == [k, o]
+    assert tiers.idle_candidates(50.0, 2 * KV, keep={k}) == [o]

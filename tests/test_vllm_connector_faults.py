@@ -161,6 +161,31 @@ def test_a_lookup_fault_is_a_miss_and_rebuilds_the_control_plane(engine, monkeyp
     assert engine.guard.get_num_new_matched_tokens(engine.request("r3", 2), 0) == (0, False)
 
 
+def test_pins_and_sessions_outlive_a_fault_rebuild(tmp_path, monkeypatch):
+    """The applications' cache hints are not the control plane's state but their intents: a plane
+    rebuilt after a fault takes over the pins and sessions of the one it replaces."""
+    clock = Clock()
+    guard = SchedulerGuard(lambda: SariaScheduler(settings(tmp_path), GEOMETRY, clock=clock),
+                           faults=Faults("scheduler", clock=clock))
+    engine = Engine(guard)
+    request = engine.request("r1", 2)
+    request.kv_transfer_params = {"pin": True, "session": "s", "next_turn_s": 60}
+    assert guard.get_num_new_matched_tokens(request, 0) == (0, False)
+    meta = engine.step(request)
+    (batch,) = meta.orders
+    engine.report(meta.epoch, completions=[CompletionReport(o.order_id, True) for o in batch.orders])
+    guard.request_finished(request, [])
+    old = guard.inner
+    pins, due = old.control.pins(None), old.control.next_hinted_prewarm()
+    assert len(pins) == 2 and old.control.pinned_bytes(None) > 0 and due is not None
+    monkeypatch.setattr(old.control, "plan", lambda *a, **k: 1 / 0)
+    assert guard.get_num_new_matched_tokens(engine.request("r2", 2, "c"), 0) == (0, False)
+    assert guard.inner is not old and guard.epoch == 1
+    assert guard.inner.control.pins(None) == pins
+    assert guard.inner.control.pinned_bytes(None) == old.control.pinned_bytes(None)
+    assert guard.inner.control.next_hinted_prewarm() == due
+
+
 def test_a_request_told_to_load_gets_a_cancel_when_a_fault_loses_its_load(engine, monkeypatch):
     """The dangerous window: vLLM waits for a load once ``update_state_after_alloc`` saw external
     tokens. A fault before the load reaches the metadata must not leave it waiting forever."""

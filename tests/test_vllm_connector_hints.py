@@ -11,6 +11,8 @@ import hashlib
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from test_vllm_connector import assert_same_outputs
 
 from saria.control.hints import Hints
@@ -21,6 +23,7 @@ CHUNK = 64  # two 32-token vLLM blocks per chunk
 CHUNK_BYTES = CHUNK * 4 * 2 * 2 * 64 * 2  # 4 layers, K and V, 2 KV heads, head dim 64, bf16: 128 KiB (its SSD charge)
 
 
+@pytest.mark.long  # the same hints run through `saria serve` in make test: tests/test_serve_hints.py
 def test_pins_retention_malformed_hints_and_done_on_vllm(tmp_path, dense_session):
     from saria.harness import run_in_subprocess
 

@@ -36,6 +36,12 @@ rules that refine it (``Policy.admission``, rules joined by ``+``).
   planned will reference it within the SSD's retention time (the age of the SSD's latest LRU
   victim; unbounded before the first SSD eviction). Nothing else is written (no reuse branch).
 
+Cache hints (:mod:`saria.control.hints`) come before these rules where they speak: a retained or
+pinned chunk is written at its eviction, a done session's private chunk never, and a session's
+private chunk whose next turn the application announced is written exactly when that turn comes
+within ``ssd_retention_s`` (the oracle's test, on the hint instead of the trace's future). The
+residency and placement hooks ask the hints first and this class only where they say nothing.
+
 Fractional thresholds (``dither``, set by the endurance governor): a chunk is admitted by eviction
 when ``E_b + u_b >= theta_E`` and by reuse when ``R_b + u_b >= theta_R``, with ``u_b`` in [0, 1) a
 fixed pseudo-random fraction of the chunk's hash. For integer thresholds this is exactly Eq. 1;

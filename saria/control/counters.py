@@ -66,6 +66,7 @@ class Counters:
     prewarm_failed: int = 0      # objects
     prewarm_hits: int = 0        # chunks a committed plan read from DRAM, there by a prewarm and unread since
     prewarm_wasted: int = 0      # prewarmed chunks evicted from DRAM before any plan read them
+    prewarm_evictions: int = 0   # DRAM objects evicted to make room for hinted prewarms (next_turn_s)
     # The learned admission rule (saria.control.learned): evictions it scored, of those it admitted,
     # those Eq. 1 decided alone while the features drifted off the model's training range, retrains.
     learned_scored: int = 0

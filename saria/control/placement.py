@@ -82,7 +82,7 @@ class Placement:
             if hints.active and len(stored) < len(absent):  # no DRAM room: a retained or pinned chunk goes to SSD
                 now = tiers.clock
                 for obj in absent:
-                    if obj.dram == ABSENT and obj.ssd == ABSENT and hints.at_dram_eviction(obj, now):
+                    if obj.dram == ABSENT and obj.ssd == ABSENT and hints.held(obj, now):
                         tiers.write(obj, GPU, "write-through", changes, hinted=True)
         if self._write_through:
             for obj in computed:
@@ -100,7 +100,7 @@ class Placement:
             for obj in node.objects:
                 if obj.ssd != ABSENT or not admission.by_reuse(obj.evidence):
                     continue
-                if hints.active and hints.never_written(obj):
+                if hints.active and hints.decides(obj, tiers.clock):  # done, or its session's next turn decides
                     continue
                 if obj.dram == READY or obj.dram == DRAINING:
                     tiers.write(obj, DRAM, "reuse", changes)
@@ -130,8 +130,11 @@ class Placement:
             return
         tiers = self._tiers
         hints = tiers.hints
-        for obj in self._admission.at_next_eviction(tiers.unpersisted_lru_end(self._prewrite_depth)):
-            if hints.active and hints.never_written(obj):
+        admission = self._admission
+        for obj in admission.at_next_eviction(tiers.unpersisted_lru_end(self._prewrite_depth)):
+            # the hints' verdict at the next eviction where they give one: a done session's chunk, or
+            # one whose session's announced turn lies beyond the SSD's retention, is not prewritten
+            if hints.active and hints.at_dram_eviction(obj, tiers.clock, admission.ssd_retention_s) is False:
                 continue
             if obj.ssd == ABSENT:  # a write issued in this loop may have evicted nothing, but be sure
                 tiers.write(obj, DRAM, "prewrite", changes)

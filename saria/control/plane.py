@@ -49,7 +49,8 @@ class ControlPlane:
     """
 
     def __init__(self, config: SariaConfig | None = None, *, future: FutureUses | None = None,
-                 sizing: TierSizing | None = None, observer=None, pin_bytes_per_tenant: int | None = None) -> None:
+                 sizing: TierSizing | None = None, observer=None, pin_bytes_per_tenant: int | None = None,
+                 retain_bytes_per_tenant: int | None = None) -> None:
         """``future``: every chunk's next use, for ``admission=oracle`` (a replay's knowledge).
         ``observer(node, features, now, ssd_retention)``: called at every DRAM eviction of a kv
         object with its learned-rule features and the SSD's retention age (:mod:`saria.control.learned`; a replay's labeler).
@@ -58,7 +59,8 @@ class ControlPlane:
         host slots and SSD parts against what the host pool and the drive files really hold, so
         whatever it admits fits them. None (a replay): objects charge their sizes against the
         configured capacities. ``pin_bytes_per_tenant``: the most bytes (SSD charges) one tenant's
-        ``pin`` hints may hold (None: a tenth of the SSD tier; :mod:`saria.control.hints`)."""
+        ``pin`` hints may hold (None: a tenth of the SSD tier; :mod:`saria.control.hints`);
+        ``retain_bytes_per_tenant``: likewise, its chunks inside a ``retain_s`` retention."""
         self.config = config = config if config is not None else SariaConfig()
         if not isinstance(config, SariaConfig):
             raise ValueError(f"ControlPlane needs a SariaConfig, got {config!r}")
@@ -78,11 +80,12 @@ class ControlPlane:
                                     counters=self._counters, observer=observer)
         self._sessions = self._admission.sessions
         self._tracker = self._admission.tracker
-        if pin_bytes_per_tenant is not None and (isinstance(pin_bytes_per_tenant, bool)
-                                                 or not isinstance(pin_bytes_per_tenant, int) or pin_bytes_per_tenant < 0):
-            raise ValueError(f"pin_bytes_per_tenant must be an int >= 0 or None, got {pin_bytes_per_tenant!r}")
+        for name, cap in (("pin_bytes_per_tenant", pin_bytes_per_tenant),
+                          ("retain_bytes_per_tenant", retain_bytes_per_tenant)):
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {cap!r}")
         self._hints = HintBook(sizing.ssd.capacity if config.ssd_bytes > 0 else 0, pin_bytes_per_tenant,
-                               policy.prewarm_lead_s)
+                               policy.prewarm_lead_s, retain_bytes_per_tenant)
         self._tiers = Residency(sizing.dram.capacity, sizing.ssd.capacity, self._admission, self._tree,
                                 self._counters, self._hints)
         self._orders = OrderEmitter(hybrid=chunk.hybrid, kv_bytes=chunk.kv_bytes, state_bytes=chunk.state_bytes)
@@ -248,7 +251,8 @@ class ControlPlane:
                 self._tiers.dram_filled(record.objects, failing, changes)
             return self._finish(changes, now)
 
-    def prewarm(self, chunk_hashes: Sequence[Hashable], now: float, max_bytes: int | None = None) -> list[Order]:
+    def prewarm(self, chunk_hashes: Sequence[Hashable], now: float, max_bytes: int | None = None, *,
+                make_room: bool = False) -> list[Order]:
         """Reload a context's SSD-only prefix into free DRAM ahead of its next request (a session's
         predicted next turn): the chunks a :meth:`plan` of ``chunk_hashes`` would read from SSD now
         (same lookup and checkpoint rule, ``prewarm.prewarm_groups``), from the first, as many as fit
@@ -257,7 +261,12 @@ class ControlPlane:
         :class:`PromoteOrder` with ``source=Tier.SSD``: its DRAM slots are reserved (``filling``, not
         readable) and its SSD copies pinned until :meth:`complete`; the copies become readable when
         it completes ok. Counted in ``Counters.prewarm_*`` (hits: copies a committed plan first
-        reads from DRAM; wasted: copies evicted unread)."""
+        reads from DRAM; wasted: copies evicted unread).
+
+        ``make_room`` (a session's own word that its next turn is coming, :meth:`hinted_prewarms`):
+        DRAM copies idle for ``Policy.p_tau_s`` may be evicted for it as for a promotion
+        (``Residency.idle_candidates``: only copies whose eviction frees their slot at once, never
+        one of this prompt's), counted in ``Counters.prewarm_evictions``."""
         with self._lock:
             now = check_now(now, self._now)
             hashes = check_hashes(chunk_hashes)
@@ -266,11 +275,20 @@ class ControlPlane:
             # ---- valid: from here on, state changes
             self._now = self._tree.clock = now
             changes = PendingChanges()
-            room = min(cap, self._tiers.dram.free)
-            if room > 0 and self._store_new:
-                groups = prewarm_groups(nodes, room, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
+            tiers = self._tiers
+            if cap > 0 and self._store_new:
+                if make_room:
+                    groups = prewarm_groups(nodes, cap, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
+                    need = sum([obj.dram_charge for objs in groups for obj in objs])
+                    if need > tiers.dram.free:
+                        idle_before = now - self.config.policy.p_tau_s
+                        tiers.make_room(groups, need, idle_before, set(nodes), changes)
+                else:
+                    room = min(cap, tiers.dram.free)
+                    groups = prewarm_groups(nodes, room, tier_prefix=self._tier_prefix,
+                                            hybrid=self._hybrid) if room > 0 else []
                 if groups:
-                    self._tiers.prewarm(groups, changes)
+                    tiers.prewarm(groups, changes)
             return self._finish(changes, now)
 
     def turn_ended(self, chunk_hashes: Sequence[Hashable], now: float, hints: Hints | None,
@@ -291,8 +309,11 @@ class ControlPlane:
 
     def hinted_prewarms(self, now: float, max_bytes: int | None = None) -> list[Order]:
         """The prewarms due at ``now`` by ``next_turn_s`` hints (:meth:`turn_ended`), each as
-        :meth:`prewarm` (free DRAM only, at most ``max_bytes``, None: ``config.prewarm_max_bytes``)
-        of the session's latest prompt; counted in ``hint_counters().prewarms_hinted``."""
+        :meth:`prewarm` of the session's latest prompt (at most ``max_bytes``, None:
+        ``config.prewarm_max_bytes``) in free DRAM and in the room of copies idle for
+        ``Policy.p_tau_s`` (``make_room``: the application said the turn is coming, so a DRAM
+        tier that is full, as a serving one is, does not silently refuse it); counted in
+        ``hint_counters().prewarms_hinted``."""
         orders: list[Order] = []
         with self._lock:
             now = check_now(now, self._now)
@@ -302,7 +323,7 @@ class ControlPlane:
             due = self._hints.due(now)
         for hashes in due:  # a session's chunks the tree no longer agrees with: skip that prewarm
             try:
-                new = self.prewarm(hashes, now, cap)
+                new = self.prewarm(hashes, now, cap, make_room=True)
             except ControlPlaneError:
                 continue
             with self._lock:
@@ -329,6 +350,25 @@ class ControlPlane:
         """What ``tenant``'s pins hold (SSD charges)."""
         with self._lock:
             return self._hints.pinned_of(tenant)
+
+    def hint_state(self) -> dict:
+        """What the applications' hints said that a control plane rebuilt after a fault takes over
+        (:meth:`restore_hints`): pins, retentions, sessions (plain data)."""
+        with self._lock:
+            return self._hints.snapshot()
+
+    def restore_hints(self, state: dict, now: float) -> None:
+        """Take over a replaced control plane's :meth:`hint_state` (``saria.control.hints``)."""
+        if not isinstance(state, dict):
+            raise ControlPlaneError(f"restore_hints takes a hint_state() dict, got {type(state).__name__}")
+        with self._lock:
+            now = check_now(now, self._now)
+            self._hints.restore(state, now)
+
+    def retained_bytes(self, tenant: Hashable = None) -> int:
+        """What ``tenant``'s ``retain_s`` hints hold (SSD charges of its chunks inside their retention)."""
+        with self._lock:
+            return self._hints.retained_of(tenant)
 
     def recover_ssd(self, keys: Iterable[ObjectKey], now: float) -> list[Order]:
         """Take over SSD objects a previous run left on the drives (the data plane found them whole

@@ -144,12 +144,14 @@ class Residency:
             self._counters.prewarm_wasted += 1
         ssd = obj.ssd
         if ssd == ABSENT:
-            hinted = self.hints.at_dram_eviction(obj, self._tree.clock) if self.hints.active else None
+            hinted = (self.hints.at_dram_eviction(obj, self._tree.clock, self._admission.ssd_retention_s, count=True)
+                      if self.hints.active else None)
             if hinted is None:
                 if self._admission.admits(obj) and self.write(obj, DRAM, "eviction", changes):
                     obj.dram = DRAINING
                     return
-            elif hinted:  # retained or pinned: written whatever admission says (counted apart when only the hint admits)
+            elif hinted:  # retained, pinned or its turn announced within the SSD's retention: written whatever
+                # admission says (counted apart when only the hint admits)
                 if self.write(obj, DRAM, "eviction", changes, hinted=not self._admission.admits(obj)):
                     obj.dram = DRAINING
                     return
@@ -173,18 +175,18 @@ class Residency:
             return False
         if obj.ssd != ABSENT:
             return True
-        if self.hints.active:  # a retained or pinned chunk is written at its eviction, a done one never
-            hinted = self.hints.at_dram_eviction(obj, self._tree.clock)
+        if self.hints.active:  # the hints' verdict where they give one (a retained chunk is written, a done one never)
+            hinted = self.hints.at_dram_eviction(obj, self._tree.clock, self._admission.ssd_retention_s)
             if hinted is not None:
                 return not hinted
         return not self._admission.admits(obj, earlier + obj.eviction_step)
 
-    def idle_candidates(self, idle_before: float, need: int) -> list[CacheObject]:
+    def idle_candidates(self, idle_before: float, need: int, keep: set[Node] | None = None) -> list[CacheObject]:
         """LRU-end copies whose chunk was last reused at or before ``idle_before`` and whose eviction
         frees their slot at once, least recently used first, until ``need`` bytes (charges) are covered
         (walk stops at the first copy reused later). Whether a copy frees its slot counts the
         evictions of the candidates before it that share its evidence, as evicting them in this
-        order will."""
+        order will. ``keep``: chunks whose copies are passed over (a prewarm's own prompt)."""
         out: list[CacheObject] = []
         covered = 0
         earlier: dict[int, int] = {}  # id(evidence) -> E_b the candidates so far will add
@@ -192,6 +194,8 @@ class Residency:
             evidence = obj.evidence
             if covered >= need or evidence.last_reuse > idle_before:
                 break
+            if keep and obj.node in keep:
+                continue
             added = earlier.get(id(evidence), 0)
             if self.frees_on_eviction(obj, added):
                 out.append(obj)
@@ -325,9 +329,33 @@ class Residency:
         if obj.dram == ABSENT and obj.node.holds_nothing():
             self._tree.went_idle(obj.node)
 
+    def make_room(self, groups: list[list[CacheObject]], need: int, idle_before: float, keep: set[Node],
+                  changes: PendingChanges) -> None:
+        """Room in DRAM for a hinted prewarm of ``groups`` (``need`` bytes of charges, more than is
+        free): evict :meth:`idle_candidates` (idle since ``idle_before``, not of ``keep``) as far as
+        needed, after dropping from the end of ``groups`` the chunks that free DRAM plus every
+        candidate cannot take. ``groups`` is shortened in place."""
+        dram = self.dram
+        candidates = self.idle_candidates(idle_before, need - dram.free, keep)
+        room = dram.free + sum([obj.dram_charge for obj in candidates])
+        while groups and need > room:  # take fewer chunks, from the end
+            need -= sum([obj.dram_charge for obj in groups.pop()])
+        if not groups:
+            return
+        counters = self._counters
+        for victim in candidates:
+            if dram.free >= need:
+                break
+            del dram.lru[victim]
+            self.evict_dram(victim, changes)
+            counters.prewarm_evictions += 1
+        while groups and need > dram.free:  # (candidates free their slots at once: never taken)
+            need -= sum([obj.dram_charge for obj in groups.pop()])
+
     def prewarm(self, groups: list[list[CacheObject]], changes: PendingChanges) -> None:
         """Reserve DRAM slots (``FILLING``) for a prewarm of ``groups`` (each a chunk's objects, whose
-        SSD copies are ready; the caller has checked they fit in free DRAM, nothing is evicted) and
+        SSD copies are ready; the caller has checked they fit in free DRAM, or made room with
+        :meth:`make_room`) and
         pin their SSD copies until the order completes. Marks the chunks' kv objects prewarmed."""
         dram = self.dram
         counters = self._counters

@@ -223,10 +223,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     description = _describe(exp)
     points = [Point(spec.label, config) for spec, config in zip(specs, configs)]
     if args.hints:  # each policy (but the references and the oracle) again, with the application's hints
-        points += [Point(f"{spec.label}+hints", config, hint_accuracy=args.hint_accuracy)
+        points += [Point(f"{spec.label}+hints", config, hint_accuracy=args.hint_accuracy, hint_kind=args.hints)
                    for spec, config in zip(specs, configs)
                    if spec.label not in REFERENCES and config.policy.admission != "oracle"]
-        description += f"; +hints: an application's cache hints derived from the trace (accuracy {args.hint_accuracy:g})"
+        description += (f"; +hints: an application's cache hints derived from the trace ({args.hints}, "
+                        f"accuracy {args.hint_accuracy:g})")
     if args.layerwise == "both":
         print(description + f"; reloads sequential and layer-wise ({LAYERWISE_SUFFIX})")
         results, runs = run_both(exp, points)
@@ -254,8 +255,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _add_hints(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--hints", choices=HINT_SOURCES, default=None,
-                   help=f"{what} the cache hints an application could send (trace: agent traces send next_turn_s "
-                        "and done, chat traces pin prefixes shared across sessions; docs/replay.md)")
+                   help=f"{what} the cache hints an application could send (trace: traces with multi-turn sessions "
+                        "send next_turn_s and done, others pin prefixes shared across sessions; sessions: the "
+                        "session hints only; pins: the platform's pins only; docs/replay.md)")
     p.add_argument("--hint-accuracy", type=fraction, default=1.0, metavar="P",
                    help="with --hints: the share of next_turn_s hints that are right (the rest drawn at random "
                         "from the trace's gaps, seeded by --seed)")
@@ -265,6 +267,7 @@ def _hinted(args: argparse.Namespace, exp: Experiment) -> None:
     """sweep, tune: every replay but the references' with the hints of --hints."""
     if args.hints:
         exp.hint_accuracy = args.hint_accuracy
+        exp.hint_kind = args.hints
         print(f"with an application's cache hints derived from the trace (accuracy {args.hint_accuracy:g}; "
               f"references without)")
 

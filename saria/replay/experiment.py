@@ -52,6 +52,7 @@ class Point:
     policy: PolicySpec | SariaConfig
     window_hours: float | None = None
     hint_accuracy: float | None = None  # replayed with an application's hints of this accuracy (saria.replay.hints)
+    hint_kind: str = "trace"  # which hints (saria.replay.hints.HINT_SOURCES)
 
 
 class Experiment:
@@ -75,6 +76,7 @@ class Experiment:
         # replay every point but the references with an application's hints of this accuracy
         # (saria.replay.hints; sweep and tune --hints); None: points say for themselves (Point.hint_accuracy)
         self.hint_accuracy: float | None = None
+        self.hint_kind = "trace"  # with hint_accuracy: which hints (saria.replay.hints.HINT_SOURCES)
         chunk = base.chunk()
         if chunk.chunk_tokens % trace.block_tokens:
             raise TraceError(f"--chunk-tokens {chunk.chunk_tokens} is not a multiple of the trace's "
@@ -119,10 +121,10 @@ class Experiment:
             if key not in keys:
                 keys.append(key)
             config = self.config_for(point.policy)
-            accuracy = point.hint_accuracy
+            accuracy, kind = point.hint_accuracy, point.hint_kind
             if accuracy is None and config.policy.name not in REFERENCES and point.label not in REFERENCES:
-                accuracy = self.hint_accuracy  # a reference (dram-only, full-duplicate) is replayed without
-            jobs.append(Job(point.label, config, keys.index(key), accuracy, self.seed))
+                accuracy, kind = self.hint_accuracy, self.hint_kind  # a reference is replayed without
+            jobs.append(Job(point.label, config, keys.index(key), accuracy, self.seed, kind))
         schedules = [self._schedules[k] for k in keys]
         return run_jobs(self.trace, self.chunks, schedules, jobs, self.settings, workers=self.workers,
                         progress=self.progress, desc=desc)

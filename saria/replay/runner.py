@@ -33,13 +33,15 @@ class Job:
     schedule: int = 0
     hint_accuracy: float | None = None  # replay with an application's hints (saria.replay.hints) of this accuracy
     hint_seed: int = 0
+    hint_kind: str = "trace"  # which hints (saria.replay.hints.HINT_SOURCES)
 
 
 def job_hints(job: Job, schedule: Schedule, chunks: Sequence[tuple[Hashable, ...]]):
     """The hints a job replays with (:func:`saria.replay.hints.derive_hints`), or None."""
     if job.hint_accuracy is None:
         return None
-    return derive_hints(schedule, chunks, accuracy=job.hint_accuracy, seed=job.hint_seed)
+    return derive_hints(schedule, chunks, accuracy=job.hint_accuracy, seed=job.hint_seed,
+                        kind=job.hint_kind)
 
 
 # Set in each worker (inherited by fork, or passed to the initializer under spawn).

@@ -261,6 +261,11 @@ class SchedulerGuard:
             self._retired = add_counts(self._retired, self.inner.totals())
         except Exception as exc:
             log.warning("saria: counters of the replaced control plane lost: %s", exc)
+        try:  # the applications' pins, retentions and sessions outlive the control plane (saria.control.hints)
+            inner.control.restore_hints(self.inner.control.hint_state(), inner.clock())
+        except Exception as exc:  # the type only: a message could name a hinted chunk
+            log.warning("saria: cache hints (pins, sessions) of the replaced control plane lost: %s",
+                        type(exc).__name__)
         self.inner = inner
         self.epoch += 1
         return inner
