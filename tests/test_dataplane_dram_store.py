@@ -95,3 +95,22 @@ def test_concurrent_puts_and_drops_keep_the_pool_consistent():
         for key in dram.keys():
             dram.drop(key)
         assert pool.free_slots == pool.num_slots and torch.is_tensor(pool.slot(0))
+
+
+def test_drop_many_frees_every_resident_objects_slots_at_once_and_keeps_only_a_bad_ones():
+    """DramStore.drop_many: the objects resident leave the index and their slots go back in one
+    free; absent keys are skipped; a slot the pool refuses (freed behind the store's back) keeps
+    only that object's slots taken and raises."""
+    with HostPool(16 * 4096, 4096) as pool:
+        store = DramStore(pool)
+        keys = [ObjectKey(c, "kv") for c in ("a", "b", "c", "d")]
+        for key in keys:
+            store.put(key, DramObject(pool.allocate(2), 8192, (None, None)))
+        assert store.drop_many([keys[0], ObjectKey("zz", "kv"), keys[2]]) == 2
+        assert store.keys() == [keys[1], keys[3]] and pool.free_slots == 16 - 4
+        bad = store.get(keys[3])
+        pool.free(bad.slots[:1])  # a bug elsewhere: one of d's slots freed already
+        with pytest.raises(ValueError, match="not allocated"):
+            store.drop_many([keys[1], keys[3]])
+        assert len(store) == 0 and pool.free_slots == 16 - 1  # b's went back, d's other slot stays taken
+        assert store.drop_many([]) == 0

@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from saria.dataplane.transfer.flags import LayerFlags
 
 
@@ -60,3 +62,37 @@ def test_lazy_event_behaves_as_an_event_for_waiters_before_and_after_the_set():
     never = LazyEvent()
     never.set()  # set before anyone waited: no event is ever made
     assert never._event is None and never.wait() is True
+
+
+def test_a_running_future_builds_its_condition_only_when_used_and_is_a_future_otherwise():
+    """RunningFuture (a layer-wise step's runs): done() and a finished result() need no condition;
+    a waiter before the result, callbacks, exceptions and concurrent.futures.wait behave as with
+    a Future."""
+    import threading
+    from concurrent.futures import Future, wait
+
+    from saria.dataplane.transfer.results import RunningFuture
+
+    f = RunningFuture()
+    assert isinstance(f, Future) and f.running() and not f.done()
+    f.set_result(3)
+    h = RunningFuture()
+    h._result, h._state = 5, "FINISHED"  # as set_result leaves it, without its condition
+    assert h.done() and h.result() == 5 and "_condition" not in h.__dict__
+    waiter = RunningFuture()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(waiter.result(timeout=10)))
+    reader.start()
+    threading.Timer(0.05, lambda: waiter.set_result(7)).start()
+    reader.join()
+    assert got == [7] and f.result() == 3
+    failing, called = RunningFuture(), []
+    failing.add_done_callback(called.append)
+    failing.set_exception(ValueError("bad"))
+    assert called == [failing] and failing.done()
+    with pytest.raises(ValueError, match="bad"):
+        failing.result()
+    late = RunningFuture()
+    threading.Timer(0.05, lambda: late.set_result(1)).start()
+    done, pending = wait([late], timeout=10)
+    assert late in done and not pending

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from cluster_cases import mooncake_available, start_cluster
 from kernel_cases import vllm_layers
 from saria.config import SariaConfig
-from saria.control import ObjectKey, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
+from saria.control import DropOrder, ObjectKey, PromoteOrder, ReloadPlan, StoreOrder, Tier, WriteOrder
 from saria.dataplane import Completion, Coordinator, HostPool, SSDStore, TransferEngine, object_key
 from saria.dataplane.ssd.format import Geometry
 from saria.kernels import PageTable, pack_pages
@@ -220,6 +220,120 @@ def test_a_full_host_pool_fails_the_objects_that_do_not_fit_and_leaks_no_slot(tm
         assert eng.host_pool.free_slots == 5 and eng.dram.held_slots() == 3
 
 
+def _record_pool_calls(pool, calls: list) -> None:
+    """Record (method, thread name) of every allocate/free of ``pool``."""
+    import threading
+
+    for name in ("allocate", "free"):
+        real = getattr(pool, name)
+
+        def record(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, threading.current_thread().name))
+            return _real(*args, **kwargs)
+
+        setattr(pool, name, record)
+
+
+def test_a_steps_drops_run_off_the_callers_thread_before_it_takes_its_slots(tmp_path):
+    """store_layers(..., drops): the DRAM drops of the step and its slot allocation run on the save
+    thread (never on the hook's), the drops first: the slots they free hold the step's objects in a
+    pool that would be full without them. By the time end() returns they ran."""
+    import threading
+
+    caches = caches_of(16, 4, 32)  # three slots per object
+    with rig(tmp_path, caches, 16384, slots=8, ssd=False) as eng:
+        eng.store(StoreOrder(1, ("p", "q"), (), 0), sources(["p", "q"])).result()
+        assert eng.host_pool.free_slots == 2
+        calls: list = []
+        _record_pool_calls(eng.host_pool, calls)
+        blocks = sources(["r", "s"], 20)
+        step = eng.store_layers([StoreOrder(2, ("r", "s"), (), 0)], blocks,
+                                [DropOrder(3, ("p", "q"), (), 0, Tier.DRAM)])
+        assert calls == []  # nothing freed or taken on the caller's thread
+        forward(eng, step, [0, 1, 2])
+        assert step.end() is step.runs
+        assert eng.dram_object("p") is None and eng.dram_object("q") is None  # the drops ran
+        (run,) = step.finish(timeout=10)
+        assert run.completion.result() == Completion(2, True, ())  # both fit: the drops came first
+        assert all(same(dram_bytes(eng, c), packed(eng, blocks[c])) for c in ("r", "s"))
+        me = threading.current_thread().name
+        assert [c for c, _ in calls] == ["free", "allocate", "allocate"]  # the drops: one free of their slots
+        assert all(thread != me for _, thread in calls)
+        assert eng.host_pool.free_slots == 2 and eng.dram.held_slots() == 6 and not step.drop_failures
+        assert eng.counters()["engine"]["dram_drops"] == 2
+        with pytest.raises(ValueError, match="DRAM drops"):  # refused before anything started
+            eng.store_layers([StoreOrder(4, ("t",), (), 0)], sources(["t"]), [DropOrder(5, ("r",), (), 0, Tier.SSD)])
+        assert eng.dram_object("r") is not None
+
+
+def test_a_cpu_step_whose_hooks_saved_every_layer_is_retired_without_waking_a_thread_from_end(tmp_path):
+    """On the CPU the save thread, once it ran the last layer a hook handed it, hands the step to
+    the retire thread itself: the objects are published and the runs completed before end(), and
+    end() (wait_for_save) hands nothing over (a hand-off wakes a thread). A step with a layer no
+    hook saved is still handed over by end()."""
+    import threading
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096, ssd=False) as eng:
+        handed: list[str] = []
+        retirer = eng._retirer
+        real = retirer.after
+
+        def after(*args, **kwargs):
+            handed.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        retirer.after = after
+        blocks = sources(["x", "y"])
+        step = eng.store_layers([StoreOrder(1, ("x", "y"), (), 0)], blocks)
+        forward(eng, step, [2, 0, 1])
+        (run,) = step.runs
+        assert run.completion.result(timeout=10).ok and run.released.is_set()  # before end()
+        assert step.end() is step.runs and step.finish(timeout=10) is step.runs
+        assert handed == ["saria-layer-saves"]
+        assert all(same(dram_bytes(eng, c), packed(eng, blocks[c])) for c in blocks)
+        handed.clear()
+        step = eng.store_layers([StoreOrder(2, ("z",), (), 0)], sources(["z"], 20))
+        forward(eng, step, [0, 2])  # layer 1 reaches no hook
+        assert not step.runs[0].completion.done()
+        step.end()
+        assert step.finish(timeout=10)[0].completion.result().ok
+        assert handed == [threading.current_thread().name]
+
+
+def test_a_steps_drops_run_once_whatever_ends_it(tmp_path):
+    """The drops of a step run exactly once: by end() when no layer prepared the step, by the
+    close that fails it before any layer; one that fails is named, the others still run."""
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096, ssd=False) as eng:
+        eng.store(StoreOrder(1, ("a", "b", "c"), (), 0), sources(["a", "b", "c"])).result()
+        free = eng.host_pool.free_slots
+        step = eng.store_layers([StoreOrder(2, ("u",), (), 0)], sources(["u"], 20),
+                                [DropOrder(3, ("a",), (), 0, Tier.DRAM)])
+        step.end()  # no hook saved a layer: end() runs the drop, the save thread the layers
+        assert eng.dram_object("a") is None
+        assert step.finish(timeout=10)[0].completion.result().ok
+        real = eng.dram.drop_many
+
+        def faulty(keys):
+            if ObjectKey("b", "kv") in keys:
+                raise OSError("injected")
+            return real(keys)
+
+        eng.dram.drop_many = faulty
+        drop_b, drop_c = DropOrder(5, ("b",), (), 0, Tier.DRAM), DropOrder(6, ("c",), (), 0, Tier.DRAM)
+        step = eng.store_layers([StoreOrder(4, ("v",), (), 0)], sources(["v"], 30), [drop_b, drop_c])
+        eng.close()  # before any layer: the step fails, its drops still run
+        (run,) = step.runs
+        assert run.completion.done() and not run.completion.result().ok and run.released.is_set()
+        assert eng.dram_object("c") is None and eng.dram_object("v") is None
+        assert [(order, keys, type(exc)) for order, keys, exc in step.drop_failures] == \
+            [(drop_b, [ObjectKey("b", "kv")], OSError)]
+        assert eng.dram_object("b") is not None
+        n = eng.host_pool.slots_for(eng.kv_bytes)  # a went and u came; c went, v never took a slot
+        assert eng.host_pool.free_slots == free + n and eng.dram.held_slots() == 2 * n
+
+
 def test_a_copy_refused_mid_step_fails_every_object_frees_the_slots_and_releases(tmp_path):
     caches = caches_of(4, 2, 8)
     with rig(tmp_path, caches, 4096, ssd=False) as eng:
@@ -411,3 +525,34 @@ def test_cuda_layer_saves_follow_the_forward_on_its_stream(tmp_path):
         torch.cuda.synchronize()
         for chunk, ids in blocks.items():
             assert same(dram_bytes(eng, chunk), packed(eng, ids))
+
+
+def test_a_layerwise_loads_results_are_made_by_its_last_path_thread(tmp_path, monkeypatch):
+    """StepLoad.end (get_finished) returns the results the last path thread made as it ended
+    the step: no LoadResult is made on the hook's thread; they are the jobs' own results."""
+    import threading
+
+    from saria.dataplane.transfer.load_job import LoadJob
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as eng:
+        eng.store(StoreOrder(1, ("x", "y"), (), 0), sources(["x", "y"])).result()
+        made: list[str] = []
+        real = LoadJob.result
+
+        def result(self):
+            made.append(threading.current_thread().name)
+            return real(self)
+
+        monkeypatch.setattr(LoadJob, "result", result)
+        load = eng.load_layers([(plan(["x"], Tier.DRAM), [[20, 21]], 0), (plan(["y", "z"], Tier.DRAM, 2),
+                                                                           [[22, 23], [24, 25]], 0)])
+        load.wait_all()
+        me = threading.current_thread().name
+        first, second = load.end()
+        assert me not in made and made == ["saria-layers-dram"] * 2
+        assert first.ok and first.valid_chunks == 1
+        assert second.failed == (ObjectKey("z", "kv"),) and second.valid_chunks == 1  # z is in no tier
+        assert load.end() == [first, second]
+        assert all(same(eng.kv_table.tensors[t][20 + p], eng.kv_table.tensors[t][p]) for t in range(3)
+                   for p in range(4))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Hashable, Iterator
+from typing import Hashable, Iterable, Iterator
 
 import torch
 
@@ -83,6 +83,29 @@ class DramStore:
         return obj
 
     pop = drop
+
+    def drop_many(self, keys: Iterable[ObjectKey]) -> int:
+        """:meth:`drop` of several objects (:class:`ObjectKey` s) at once: one lock, one
+        :meth:`HostPool.free` of all their slots; how many were resident. Every resident one leaves
+        the index; a free the pool refuses (a slot not allocated: a bug) frees the objects one by
+        one, so that only the bad one's slots stay taken, and raises its error."""
+        pop = self._objects.pop
+        with self._lock:
+            objs = [obj for obj in [pop(key, None) for key in keys] if obj is not None]
+        if not objs:
+            return 0
+        try:
+            self.host_pool.free([slot for obj in objs for slot in obj.slots])
+        except ValueError:  # the pool freed nothing: one by one, to keep only the bad one's slots
+            error = None
+            for obj in objs:
+                try:
+                    self.host_pool.free(obj.slots)
+                except ValueError as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
+        return len(objs)
 
     def views(self, obj: DramObject) -> list[torch.Tensor]:
         """The object's bytes: one uint8 view per slot (full slots, then a partial last one)."""

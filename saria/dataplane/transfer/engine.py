@@ -266,7 +266,8 @@ class TransferEngine:
         """Whether :meth:`load_layers` can take ``plan``: kv objects only (no GDN state, which has no
         layer hook), none in an FP8 form (dequantized whole by its unpack), and pages that never
         straddle two host slots."""
-        return (plan.state_chunk is None and self.layerwise().capable
+        paths = self._layerwise if self._layerwise is not None and not self._closed else self.layerwise()
+        return (plan.state_chunk is None and paths.capable
                 and not (self._tables.quantized(KV) and Tier.SSD in plan.kv_sources))
 
     def load_layers(self, loads: Sequence[tuple[ReloadPlan, Sequence[Blocks], int]]) -> StepLoad:
@@ -309,7 +310,7 @@ class TransferEngine:
     def _saves(self) -> LayerSaves:
         self._check_open()
         if self._layer_saves is None:
-            self._layer_saves = LayerSaves(self._tables, self.layerwise(), self._counters)
+            self._layer_saves = LayerSaves(self._tables, self.layerwise(), self._counters, drop=self._drop_dram)
         return self._layer_saves
 
     def store_layers_ok(self, order: Order) -> bool:
@@ -319,15 +320,31 @@ class TransferEngine:
         return self._saves().ok(order)
 
     def store_layers(self, orders: Sequence[StoreOrder | PromoteOrder],
-                     kv_blocks: Mapping[Hashable, Blocks]) -> StepSave:
+                     kv_blocks: Mapping[Hashable, Blocks], drops: Sequence[DropOrder] = (), *,
+                     drop_keys: Sequence[Sequence[ObjectKey]] | None = None) -> StepSave:
         """Start one step's stores layer by layer (:mod:`~saria.dataplane.transfer.layer_saves`),
         before its forward: call ``save_layer(l)`` on the returned
         :class:`~saria.dataplane.transfer.layer_saves.StepSave` once layer ``l`` wrote its pages,
         and ``finish()`` (one :class:`OrderRun` per order, done) before the pages are reused. The
         layers are those of :meth:`layerwise`. Objects that do not fit in the host pool fail (named
         in the completion). Raises (``ValueError``: an order :meth:`store_layers_ok` refuses, bad
-        block ids) only before anything started."""
-        return self._saves().start(orders, kv_blocks)
+        block ids, a drop not of DRAM) only before anything started.
+
+        ``drops``: DRAM drop orders of the same step that come before these stores (``drop_keys``:
+        their ``keys()``, where the caller made them already; else the preparation makes them). They run with the step's
+        preparation, off the caller's thread, before the step takes its slots (so the slots they
+        free can take its objects), and have run once ``end()`` or ``finish()`` returned; one that
+        fails is in the step's ``drop_failures``. The caller's later reads of the DRAM tier must
+        not name a dropped object (the control plane never plans one)."""
+        saves = self._saves()
+        if drop_keys is None:  # made by the step's preparation, off the caller's thread
+            drop_keys = [None] * len(drops)
+        if len(drop_keys) != len(drops):
+            raise ValueError(f"{len(drops)} drops but {len(drop_keys)} key lists")
+        for order in drops:
+            if not isinstance(order, DropOrder) or order.tier is not Tier.DRAM:
+                raise ValueError(f"store_layers() runs DRAM drops with a step, got {order!r}")
+        return saves.start(orders, kv_blocks, list(zip(drops, drop_keys)))
 
     # --- stores, writes, drops -------------------------------------------------------------------
 
@@ -394,14 +411,7 @@ class TransferEngine:
         if keys is None:
             keys = order.keys()
         if order.tier is Tier.DRAM:
-            dropped = 0
-            drop = self.dram.drop
-            try:
-                for key in keys:
-                    dropped += drop(key) is not None
-            finally:  # counted once per order (a drop that raises still counts those before it)
-                if dropped:
-                    self._counters.add(dram_drops=dropped)
+            self._drop_dram(keys)
         elif order.tier is Tier.SSD:
             if self.ssd is None:
                 raise ValueError("SSD drop order but this engine has no SSD store")
@@ -410,6 +420,15 @@ class TransferEngine:
                     self._counters.add(ssd_drops=1)
         else:
             raise ValueError(f"drop order {order.order_id} names tier {order.tier}; expected DRAM or SSD")
+
+    def _drop_dram(self, keys: Sequence[ObjectKey]) -> None:
+        """Free these DRAM objects' slots (those resident). The host pool outlives the engine, so
+        a layer-wise step's drops still run when the engine closed under it."""
+        if not all(type(key) is ObjectKey for key in keys):  # DramStore.drop checks them one by one
+            keys = [DramStore._key(key, None) for key in keys]
+        dropped = self.dram.drop_many(keys)  # one lock, one free of every slot
+        if dropped:  # counted once per order
+            self._counters.add(dram_drops=dropped)
 
     # --- all orders ------------------------------------------------------------------------------
 

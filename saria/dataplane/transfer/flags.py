@@ -15,14 +15,17 @@ import time
 
 class LayerFlags:
     """``n`` flags, all clear at first; :meth:`set` one, :meth:`set_all`, :meth:`wait` for one or
-    :meth:`wait_all`. Thread-safe; a flag is never cleared."""
+    :meth:`wait_all`. Thread-safe; a flag is never cleared. The condition its waiters sleep on is
+    built (on its lock) by the first caller that has to wait: a step makes its flags on a hook's
+    thread, and most are set before anyone waits."""
 
-    __slots__ = ("_flags", "_left", "_cond")
+    __slots__ = ("_flags", "_left", "_lock", "_cond")
 
     def __init__(self, n: int):
         self._flags = [False] * n
         self._left = n
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
 
     def __len__(self) -> int:
         return len(self._flags)
@@ -30,34 +33,47 @@ class LayerFlags:
     def is_set(self, i: int) -> bool:
         return self._flags[i]
 
+    def all_set(self) -> bool:
+        """Whether every flag is set (no lock: set flags stay set)."""
+        return not self._left
+
     def set(self, i: int) -> None:
         """Set flag ``i`` (again: nothing changes) and wake its waiters."""
-        with self._cond:
+        with self._lock:
             if not self._flags[i]:
                 self._flags[i] = True
                 self._left -= 1
-                self._cond.notify_all()
+                if self._cond is not None:
+                    self._cond.notify_all()
 
     def set_all(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._left:
                 self._flags[:] = [True] * len(self._flags)
                 self._left = 0
-                self._cond.notify_all()
+                if self._cond is not None:
+                    self._cond.notify_all()
+
+    def _waiting(self) -> threading.Condition:
+        """The condition (on ``_lock``, which the caller holds), built on first need."""
+        cond = self._cond
+        if cond is None:
+            cond = self._cond = threading.Condition(self._lock)
+        return cond
 
     def wait(self, i: int, timeout: float | None = None) -> bool:
         """Wait until flag ``i`` is set; whether it is (``False``: ``timeout`` seconds passed)."""
         if self._flags[i]:  # set flags stay set: no lock needed to see one
             return True
-        with self._cond:
-            return self._cond.wait_for(lambda: self._flags[i], timeout)
+        with self._lock:
+            return self._waiting().wait_for(lambda: self._flags[i], timeout)
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Wait until every flag is set; whether they are (``False``: ``timeout`` seconds passed)."""
         if not self._left:
             return True
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._left, timeout)
+        with self._lock:
+            return self._waiting().wait_for(lambda: not self._left, timeout)
 
     def first_clear(self) -> int | None:
         """The lowest flag not set (``None``: all are), to name it in a timeout."""

@@ -5,11 +5,13 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 
 :meth:`LayerSaves.start` (``TransferEngine.store_layers``, before the forward, on the caller's
 thread) checks the orders (kv objects from the pages only: a GDN state has no layer hook and is
-stored whole; every object's block ids, in one batch: ``Tables.checked_ids``) and takes each
-object's host slots (an object that does not fit fails, as with ``store()``); nothing else runs on
-that thread. Where every page's bytes go in the slots
-(:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the layer-wise reload reads
-back, for every tensor and host pool segment at once) and every layer's PACK are then worked out
+stored whole; every object's block ids, in one batch: ``Tables.checked_ids``) and makes the
+step's runs; nothing else runs on that thread. The step's preparation then runs, once: the DRAM
+drops given with the step (``drops``: run first, so that the slots they free can hold the step's
+objects; done by the time :meth:`StepSave.end` returns, whoever ran them), the objects' host slots
+(an object that does not fit fails, as with ``store()``), and where every page's bytes go in the
+slots (:func:`~saria.dataplane.transfer.layerwise.slot_layout`, the layout the layer-wise reload
+reads back, for every tensor and host pool segment at once) and every layer's PACK, worked out
 in one pass (:func:`~saria.kernels.prepare_layered`: checked once, one work array
 uploaded once under the ``offload`` stream, each layer one launch at an offset into it), by the
 engine's save thread (CUDA: ahead of the forward's hooks, which then only launch; CPU: at the first
@@ -23,7 +25,8 @@ It returns a :class:`StepSave`:
   the engine's save thread, which copies the layers in the order handed over while the forward
   goes on.
 * :meth:`StepSave.end` (``wait_for_save``) copies every layer no hook saved (a forward that
-  skipped one: its pages are complete once the forward ran) and returns at once, one
+  skipped one: its pages are complete once the forward ran) and returns at once (on the CPU a step
+  whose hooks saved every layer was handed to the retire thread by the save thread already), one
   :class:`~saria.dataplane.transfer.results.OrderRun` per order. Once every copy ran (observed by
   the engine's :class:`~saria.dataplane.transfer.retire.Retirer`, off the hooks' thread: a hook
   never waits for the device), each order's ``released`` event is set (no copy reads the pages
@@ -44,7 +47,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -55,7 +58,7 @@ from saria.dataplane.dram.host_pool import HostPoolFull
 from saria.dataplane.dram.store import DramObject
 from saria.dataplane.transfer.flags import LayerFlags, LazyEvent
 from saria.dataplane.transfer.layerwise import LayerLaunch, LayerwiseLoads, slot_layout
-from saria.dataplane.transfer.results import Completion, OrderRun, TransferCounters
+from saria.dataplane.transfer.results import Completion, OrderRun, RunningFuture, TransferCounters
 from saria.dataplane.transfer.streams import Event
 from saria.dataplane.transfer.tables import Blocks, Tables, log
 
@@ -77,12 +80,13 @@ class StepSave:
     :class:`~saria.dataplane.transfer.results.OrderRun` per order, in the order given; their
     completions are done and their ``released`` events set once :meth:`finish` returned."""
 
-    def __init__(self, saves: "LayerSaves", runs: list[OrderRun], objects: list[_Object], layers: int):
+    def __init__(self, saves: "LayerSaves", runs: list[OrderRun], objects: list[tuple], layers: int):
         self.runs = runs
         self.layers = layers
         self.saved = [False] * layers  # layers handed to a copy (by a hook or by finish)
         self._saves = saves
-        self._objects = objects
+        self._specs = objects  # (chunk, order index, ids) per kv object: its _Object made off the bind hook
+        self._objects: list[_Object] | None = None  # made once (_objs), under _prepare_lock
         self._prepared = None  # the step's LayeredCopy, every layer's work (made once, by the first to need it)
         self._preparing = None  # the function that prepares it (None: done, failed, or nothing to copy)
         self._prepare_lock = threading.Lock()
@@ -92,10 +96,15 @@ class StepSave:
         self._error: BaseException | None = None  # the first fault: every object of the step fails
         self._lock = threading.Lock()
         self._finished = False  # end() or finish() was called
-        self._handed = False  # end() handed the step to the retire thread
+        self._handed = False  # the step was handed to the retire thread (by end(), or by the CPU's save thread)
+        self._claimed = False  # who ends the step is decided (_claim): the retire thread, finish() or abort()
         self._ended = False  # released, published or freed, completed
         self._ended_event = LazyEvent()  # set once _ended
         self._t0: float | None = None
+        self._allocated = False  # the objects' slots were taken (by the preparation)
+        self._drops: list[tuple[object, list[ObjectKey]]] = []  # the step's DRAM drops, run once, first
+        self._drops_lock = threading.Lock()
+        self.drop_failures: list[tuple[object, list[ObjectKey], BaseException]] = []  # (order, keys, error)
 
     # --- per layer (the forward's thread) --------------------------------------------------------
 
@@ -158,6 +167,44 @@ class StepSave:
                 self._events[layer] = self._saves.streams.record("offload")
             finally:
                 self._done.set(layer)
+        if self._done.all_set() and all(self.saved) and self._claim():
+            # every layer was handed over by a hook and has run: this thread hands the step to the
+            # retire thread (not wait_for_save's end(): a hand-off wakes that thread, tens of us)
+            self._handed = True
+            self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
+
+    def _claim(self) -> bool:
+        """Whether the caller is the one to end the step (once: the retire thread's hand-off, a
+        blocking finish() or an abort())."""
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+        return not claimed
+
+    def _objs(self) -> list[_Object]:
+        """The step's objects, made on first need (its preparation, or its end), under
+        ``_prepare_lock``."""
+        objects = self._objects
+        if objects is None:
+            objects = self._objects = [_Object(ObjectKey(chunk, KV), o, ids) for chunk, o, ids in self._specs]
+        return objects
+
+    def _run_drops(self) -> None:
+        """Run the step's DRAM drops (:meth:`LayerSaves.start`'s ``drops``) once, whoever comes
+        first: the preparation, before it takes the objects' slots (the save thread, off the hooks'
+        thread), or :meth:`end` / :meth:`_end`, so that they have run once the step ends. A drop
+        that fails is kept in :attr:`drop_failures` (the engine dropped what it could)."""
+        if not self._drops:
+            return
+        with self._drops_lock:  # a second caller returns once they ran
+            drops, self._drops = self._drops, []
+            drop = self._saves.drop
+            for order, keys in drops:
+                try:
+                    if keys is None:
+                        keys = order.keys()
+                    drop(keys)
+                except Exception as exc:
+                    self.drop_failures.append((order, keys, exc))
 
     def _copies_for(self, layer: int) -> list:
         """Layer ``layer``'s copy (one launch), the step's copies of every layer prepared first if
@@ -194,10 +241,12 @@ class StepSave:
         if self._ended or self._handed:
             self._finished = True
             return self.runs
+        self._run_drops()  # usually run already, by the preparation: whatever the hook starts next comes after them
         self._issue_late()
         self._finished = True
-        self._handed = True
-        self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
+        if self._claim():  # else the save thread handed it over already, as its last layer ran
+            self._handed = True
+            self._saves.retirer.after((), self._retire, wait=lambda: self._wait(None))
         return self.runs
 
     def finish(self, timeout: float | None = None) -> list[OrderRun]:
@@ -216,7 +265,10 @@ class StepSave:
         self._issue_late()
         self._wait(None if timeout is None else time.monotonic() + timeout)
         self._finished = True
-        self._end()
+        if self._claim():
+            self._end()
+        elif not self._ended_event.wait(timeout):  # the save thread handed it over meanwhile
+            raise TimeoutError("layer-wise saves not retired in time")
         return self.runs
 
     def _issue_late(self) -> None:
@@ -255,13 +307,21 @@ class StepSave:
         if error is not None:
             self._fault(error)
         self._ended = True
-        with self._prepare_lock:  # the prepared copies hold the tables and slots
+        self._run_drops()  # never left undone (a step failed before its preparation)
+        with self._prepare_lock:  # the prepared copies hold the tables and slots; none is taken after this
             self._prepared, self._preparing = None, None
+            allocated = self._allocated
+            objects = self._objs()
+        if not allocated:  # failed before its preparation took any slot: every object fails
+            for obj in objects:
+                if obj.error is None:
+                    obj.error = self._error or RuntimeError("not stored: the step ended before its slots were taken")
+                    saves.counters.add(store_failures=1)
         published = 0
         try:
             for run in self.runs:
                 run.released.set()  # every copy reading the pages ran
-            for obj in self._objects:
+            for obj in objects:
                 if obj.slots is not None and obj.error is None and self._error is None:
                     try:
                         saves.dram.put(obj.key, DramObject(obj.slots, saves.kv_bytes, (None,) * len(obj.slots)))
@@ -270,7 +330,7 @@ class StepSave:
                     except Exception as exc:
                         obj.error = exc
         finally:
-            for obj in self._objects:  # not published: the slots go back, the object fails
+            for obj in objects:  # not published: the slots go back, the object fails
                 if obj.slots is not None:
                     obj.error = obj.error or self._error or RuntimeError("not published")
                     slots, obj.slots = obj.slots, None
@@ -283,7 +343,7 @@ class StepSave:
                 run.released.set()
             for o, run in enumerate(self.runs):
                 if not run.completion.done():
-                    mine = [obj for obj in self._objects if obj.order == o]
+                    mine = [obj for obj in objects if obj.order == o]
                     failed = [obj.key for obj in mine if obj.error is not None]
                     run.completion.set_result(Completion.of(run.order.order_id, len(mine), failed))
             saves.forget(self)
@@ -304,7 +364,10 @@ class StepSave:
             if not self.saved[layer]:  # never copied now (a hook still to come finds no copies)
                 self._done.set(layer)
         self._wait(None)
-        self._end()
+        if self._claim():
+            self._end()
+        else:  # the save thread handed it over meanwhile
+            self._ended_event.wait()
 
 
 class LayerSaves:
@@ -314,8 +377,10 @@ class LayerSaves:
     the layer groups, per-tensor tables and page layout of the engine's
     :class:`~saria.dataplane.transfer.layerwise.LayerwiseLoads` (``loads``)."""
 
-    def __init__(self, tables: Tables, loads: LayerwiseLoads, counters: TransferCounters):
+    def __init__(self, tables: Tables, loads: LayerwiseLoads, counters: TransferCounters,
+                 drop: Callable[[Sequence[ObjectKey]], None] | None = None):
         self.tables = tables
+        self.drop = drop  # frees DRAM objects' slots (the engine's): a step's drops (start's ``drops``)
         self.loads = loads
         self.host_pool = loads.host_pool
         self.dram = loads.dram
@@ -339,10 +404,17 @@ class LayerSaves:
         return (isinstance(order, (StoreOrder, PromoteOrder)) and getattr(order, "source", Tier.GPU) is Tier.GPU
                 and not order.state and self.loads.capable)
 
-    def start(self, orders: Sequence[StoreOrder | PromoteOrder], kv_blocks: Mapping[Hashable, Blocks]) -> StepSave:
-        """Check the orders (``ValueError`` before anything started), take the objects' slots and
-        prepare every layer's copies: the returned :class:`StepSave` waits for its hooks."""
-        objects: list[_Object] = []
+    def start(self, orders: Sequence[StoreOrder | PromoteOrder], kv_blocks: Mapping[Hashable, Blocks],
+              drops: Sequence[tuple[object, Sequence[ObjectKey] | None]] = ()) -> StepSave:
+        """Check the orders (``ValueError`` before anything started) and return the step's
+        :class:`StepSave`, which waits for its hooks. Off this thread (the save thread's
+        preparation, module docstring), the step then runs ``drops`` (``(order, keys)``: DRAM
+        objects to drop first, whose slots the step may take; each once, before the step's slots
+        are taken, and done by the time :meth:`StepSave.end` returns), takes the objects' slots
+        and prepares every layer's copies."""
+        if drops and self.drop is None:
+            raise ValueError("these layer-wise saves were built without a drop function: drops cannot go with a step")
+        objects: list[tuple] = []
         checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
                                                if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
         capable, get, vouched = self.loads.capable, kv_blocks.get, checked.get
@@ -362,36 +434,44 @@ class LayerSaves:
                 ids = vouched(blocks)
                 if ids is None:  # by place: never its chunk hash
                     ids = self.tables.ids(KV, f"kv object {n} of order {order.order_id}", blocks)
-                objects.append(_Object(ObjectKey(chunk, KV), o, ids))
+                objects.append((chunk, o, ids))
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
         released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
         runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
+        step._drops = [(order, None if keys is None else list(keys)) for order, keys in drops]
         self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))
         with self._lock:
             self._open.add(step)
         try:
-            self._allocate(objects)
-            placed = [obj for obj in objects if obj.slots is not None]
-            if placed:  # where the pages go is worked out with the rest, off this thread (the save thread)
-                slots, ids = [obj.slots for obj in placed], [obj.ids for obj in placed]
-                step._preparing = lambda: self._prepare(slots, ids)
-                if self.streams.cuda:
-                    with self._lock:
-                        if not self._closed:
-                            self._queue.put((step, None))
+            # the drops, the slots and where the pages go: worked out off this thread (the save thread)
+            step._preparing = lambda: self._prepare(step)
+            if self.streams.cuda:
+                with self._lock:
+                    if not self._closed:
+                        self._queue.put((step, None))
         except Exception as exc:  # nothing was copied yet: the slots go back, the objects fail
             step._end(exc)
         return step
 
-    def _prepare(self, slots: list[list[int]], ids: list) -> "LayeredCopy":
-        """The step's copies of every layer, in one pass: where each page goes in the objects' slots
-        (:func:`slot_layout`), then the copies (its work array uploaded on the ``offload`` stream,
-        where the layers' launches run). ``slots`` stay the step's until it ends, and it ends only
-        after this returned (``StepSave._prepare_lock``)."""
+    def _prepare(self, step: StepSave) -> "LayeredCopy | None":
+        """The step's preparation, once, under ``StepSave._prepare_lock`` (the save thread, or the
+        first hook that needs it): its drops first, then its objects' slots (an object that does
+        not fit fails), then its copies of every layer in one pass: where each page goes in the
+        objects' slots (:func:`slot_layout`) and the copies (their work array uploaded on the
+        ``offload`` stream, where the layers' launches run). ``None``: nothing to copy. The slots
+        stay the step's until it ends, and it ends only after this returned."""
+        step._run_drops()
+        objects = step._objs()
+        self._allocate(objects)
+        step._allocated = True
+        placed = [obj for obj in objects if obj.slots is not None]
+        if not placed:
+            return None
+        slots = [obj.slots for obj in placed]
         buffers, ids, where, offsets = slot_layout(self.host_pool, self.loads.page_offsets, slots,
-                                                   torch.stack([i.on(torch.device("cpu")) for i in ids]))
+                                                   torch.stack([obj.ids.on(torch.device("cpu")) for obj in placed]))
         with self.streams.on("offload"):
             return self.loads.prepare(buffers, ids, where, offsets, pack=True)
 
@@ -453,6 +533,4 @@ class LayerSaves:
 
 
 def _running() -> Future:
-    future: Future = Future()
-    future.set_running_or_notify_cancel()
-    return future
+    return RunningFuture()

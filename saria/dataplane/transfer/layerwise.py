@@ -116,6 +116,7 @@ class StepLoad:
         self._released = LazyEvent()  # the staging is given back (every copy ran)
         self._ended = False
         self._left = len(paths)  # paths whose thread has not ended its work on the step
+        self._results: list | None = None  # the jobs' results, made by the last path thread to end
         self.waited = [False] * layers
 
     def wait_layer(self, layer: int) -> None:
@@ -146,7 +147,9 @@ class StepLoad:
         for path in self._paths:
             if not path.done.wait(timeout):
                 raise TimeoutError(f"layer-wise {path.name} reloads not done after {timeout} s")
-        results = [job.outcome(timeout) for job in self.jobs]
+        results = self._results  # made by the last path thread (every job issued by then)
+        if results is None:
+            results = [job.outcome(timeout) for job in self.jobs]
         if not self._paths:  # nothing to copy: no path thread hands the step to the retire thread
             with self._lock:
                 ended, self._ended = self._ended, True
@@ -154,13 +157,21 @@ class StepLoad:
                 self._retirer.after((), self._release)
         return results
 
-    def _path_ended(self) -> None:
-        """A path thread ended its work on the step (every layer issued or given up): the last one
-        hands the step to the retire thread, which gives the staging back once the device ran every
-        layer's copies (not this hook's thread: a hand-off wakes the retire thread)."""
+    def _path_ended(self, path: _Path) -> None:
+        """A path thread ended its work on the step (every layer issued or given up, every item
+        finished on its job): the last one makes the jobs' results (for :meth:`end`, off the hook's
+        thread), then sets its ``done`` and hands the step to the retire thread, which gives the
+        staging back once the device ran every layer's copies (not this hook's thread: a hand-off
+        wakes the retire thread)."""
         with self._lock:
             self._left -= 1
             last = self._left == 0
+        if last:
+            try:
+                self._results = [job.outcome(0) for job in self.jobs]
+            except Exception as exc:  # noqa: BLE001 - end() makes them itself
+                log.warning("layer-wise reloads' results: %s", exc)
+        path.done.set()
         if last:
             events = [event for path in self._paths for event in path.events if event is not None]
             self._retirer.after(events, self._release)
@@ -292,8 +303,7 @@ class LayerwiseLoads:
                     job.finish(item, error=exc)
             finally:  # the failed items are failed first: a waiter wakes to them
                 path.give_up()
-                path.done.set()
-                step._path_ended()
+                step._path_ended(path)  # sets path.done
 
     def _run_dram(self, step: StepLoad, path: _Path, work: list[tuple[LoadJob, LoadItem]]) -> None:
         present = []

@@ -4,13 +4,50 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, _base
 from dataclasses import dataclass
 from typing import Sequence
 
 from saria.orders import ObjectKey, Order
 
 from saria.dataplane.transfer.flags import LazyEvent
+
+class RunningFuture(Future):
+    """A running ``Future`` whose condition (a lock and a ``threading.Condition``, ~2 us to build
+    on a busy host) is built on its first use, for the runs of a layer-wise step (one per order, on
+    the bind hook's thread, most never waited on): :meth:`done` and :meth:`result` of a finished one
+    read its state without it. Otherwise a ``Future`` in every way (``concurrent.futures.wait``,
+    callbacks, ``set_result`` from another thread)."""
+
+    def __init__(self):  # Future.__init__ less the condition, in the RUNNING state
+        self._state = _RUNNING
+        self._result = None
+        self._exception = None
+        self._waiters = []
+        self._done_callbacks = []
+
+    def __getattr__(self, name: str):
+        if name != "_condition":
+            raise AttributeError(name)
+        with _CONDITION_LOCK:  # one condition, whichever thread comes first
+            cond = self.__dict__.get("_condition")
+            if cond is None:
+                cond = self.__dict__["_condition"] = threading.Condition()
+        return cond
+
+    def done(self) -> bool:
+        return self._state in _DONE  # a state once done stays done: no lock needed to see it
+
+    def result(self, timeout: float | None = None):
+        if self._state == _FINISHED and self._exception is None:  # set_result sets _result first
+            return self._result
+        return super().result(timeout)
+
+
+_CONDITION_LOCK = threading.Lock()
+_DONE = (_base.CANCELLED, _base.CANCELLED_AND_NOTIFIED, _base.FINISHED)
+_FINISHED, _RUNNING = _base.FINISHED, _base.RUNNING
+
 
 @dataclass(frozen=True)
 class Completion:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from itertools import chain
+
 import logging
 from typing import Sequence
 
@@ -102,12 +104,13 @@ class Tables:
             rows = [i for i, b in enumerate(blocks) if isinstance(b, (list, tuple)) and len(b) == pages]
             if not rows or not pages:
                 return out
-            flat = [x for i in rows for x in blocks[i]]
+            picked = [blocks[i] for i in rows]
+            flat = list(chain.from_iterable(picked))  # at C speed: a step checks hundreds of ids
             if set(map(type, flat)) != {int}:  # bools, floats, numpy ints, ...: ids() converts them
                 return out
             if min(flat) < 0:  # refused: ids() names the first bad one
                 return out
-            ends = [max(blocks[i]) for i in rows]
+            ends = list(map(max, picked))
             if max(ends) >= table.num_pages:
                 return out
         except Exception:  # ids() says which and why

@@ -13,8 +13,9 @@ still read.
   (:meth:`~WorkerSaves.wait_preempted`) before a step's forward may write the blocks of a
   preempted request.
 * With ``layerwise``, :meth:`~WorkerSaves.start_layers` (before the forward) starts the leading
-  batches of the step's orders that need not wait for it: drops at once, stores of kv objects
-  layer by layer, each layer's copies started by :meth:`~WorkerSaves.save_layer` (vLLM's
+  batches of the step's orders that need not wait for it: drops (DRAM ones, with no cluster
+  tier, go with the step's stores: its preparation runs them off the hook's thread before it takes
+  the step's slots), stores of kv objects layer by layer, each layer's copies started by :meth:`~WorkerSaves.save_layer` (vLLM's
   ``save_kv_layer``) as soon as the forward wrote it; ``wait_for_save`` hands them over to end
   (``StepSave.end``: published and completed once every copy ran, without the hook waiting for
   the device) and starts the rest as above.
@@ -54,7 +55,10 @@ class WorkerSaves:
         self.reading: dict[str, list[threading.Event]] = {}  # per request: orders still reading its blocks
         self.held: set[str] = set()  # finished requests whose blocks vLLM keeps until get_finished sends them
         self.preemption_waits = 0  # preempted requests whose orders still read their blocks: waited for
-        self.dram_keys: set[ObjectKey] = set()  # every object a store may have put in the host pool
+        # every object a store may have put in the host pool: the chunks of its kv and state objects
+        # (chunks, not ObjectKeys: a step's orders add and take them on a hook's thread)
+        self.dram_kv: set[Hashable] = set()
+        self.dram_state: set[Hashable] = set()
         self.captured: dict[str, dict[Hashable, torch.Tensor]] = {}  # GDN states set aside, per request
         self.step: Any = None  # layerwise: the step's layer-wise stores (a StepSave), until wait_for_save
         self.layered: list[tuple[Order, RequestOrders]] = []  # their orders, with their batches
@@ -72,44 +76,81 @@ class WorkerSaves:
 
     def start_layers(self, meta: SariaConnectorMetadata) -> None:
         """Before the step's forward: start its orders in list order for as long as they need not
-        wait for the forward (drops free slots now, stores of kv objects go layer by layer,
+        wait for the forward (drops free slots: DRAM ones, with no cluster tier, with the step's
+        stores, off this thread and before the step takes its slots; stores of kv objects go layer by layer,
         :meth:`~saria.dataplane.transfer.engine.TransferEngine.store_layers`); the first batch that
         holds anything else (a write or promotion from HBM, a GDN state, a cluster share on
         eviction) and every batch after it start after the forward, in :meth:`start`, as without
         ``layerwise``. What started here is skipped there (``self.ahead`` batches)."""
         worker, engine = self.worker, self.worker.engine
         stores: list[tuple[Order, RequestOrders]] = []
+        # DRAM drops before the step's first store (with no cluster tier, whose puts may read their
+        # slots): they go with the step, off this thread, before it takes its slots (store_layers)
+        drops: list[tuple[DropOrder, RequestOrders]] = []
+        if meta.captures:  # the step's forward ends on a GDN state's boundary: everything waits for it
+            return
+        defer = worker.cluster is None
         layered_ok = engine.store_layers_ok
+        capable = engine.layerwise().capable  # a plain store of kv objects goes layer by layer if the engine can
+        evicted = worker.settings.cluster_admission == "evicted"
         for batch in meta.orders:
-            if meta.captures or not all(isinstance(o, DropOrder) or layered_ok(o) for o in batch.orders) \
-                    or (batch.share and worker.settings.cluster_admission == "evicted"):
+            fits = True
+            for o in batch.orders:  # store_layers_ok, the common kinds first
+                kind = type(o)
+                if not (kind is DropOrder or (kind is StoreOrder and capable and not o.state)
+                        or isinstance(o, DropOrder) or layered_ok(o)):
+                    fits = False
+                    break
+            if not fits or (batch.share and evicted):
                 break
             for order in batch.orders:
                 if type(order) is DropOrder:
-                    self._run_drop(order, batch)
+                    if defer and order.tier is Tier.DRAM and not worker.off:
+                        self._dropped(order)  # in list order: a later store adds them back
+                        drops.append((order, batch))
+                    else:
+                        self._run_drop(order, batch)
                 elif isinstance(order, DropOrder):
                     self._run_order(order, batch, {})
                 else:
                     stores.append((order, batch))
             self.ahead += 1
         if not stores:
+            self._run_drops_here(drops)
             return
         blocks: dict = {}
         for _, batch in stores:
             blocks.update(batch.kv_blocks)
-        for order, batch in stores:
-            self.dram_keys.update(order.keys())  # before it can land
+        for order, _ in stores:
+            self._may_hold(order)  # before it can land
         try:
-            self.step = engine.store_layers([order for order, _ in stores], blocks)
+            self.step = engine.store_layers([order for order, _ in stores], blocks, [d for d, _ in drops])
         except Exception as exc:  # the engine started nothing of them
             for order, _ in stores:
                 self.completions.append(CompletionReport(order.order_id, False))
             worker._fault("StoreOrder", exc)
+            self._run_drops_here(drops)
             return
         self.layered = stores
         for (order, batch), run in zip(stores, self.step.runs):
             if batch.req_id is not None:
                 self.reading.setdefault(batch.req_id, []).append(run.released)
+
+    def _run_drops_here(self, drops: list[tuple[DropOrder, RequestOrders]]) -> None:
+        """Drops that :meth:`start_layers` meant to send with a step that did not start: run them
+        on this thread, as :meth:`_run_drop` does."""
+        for order, batch in drops:
+            self._may_hold(order)  # back as before the drop: _run_drop takes them out once it ran
+            self._run_drop(order, batch)
+
+    def _may_hold(self, order: Order) -> None:
+        """``order``'s objects may be in the host pool (a store, before it can land; a drop that failed)."""
+        self.dram_kv.update(order.kv)
+        self.dram_state.update(order.state)
+
+    def _dropped(self, order: Order) -> None:
+        self.dram_kv.difference_update(order.kv)
+        self.dram_state.difference_update(order.state)
 
     def save_layer(self, layer: int) -> None:
         """vLLM's attention layer ``layer`` wrote its pages: its copies start (never waits)."""
@@ -133,6 +174,11 @@ class WorkerSaves:
             self.orders.append((order, run.completion))
             if batch.share and cluster is not None and isinstance(order, StoreOrder):
                 cluster.share_after([k for k in order.keys() if k.chunk in batch.share], run.completion)
+        # the step's drops ran by now (end and finish run them if its preparation did not)
+        for order, _, exc in step.drop_failures:
+            self._may_hold(order)  # some may be left in the host pool
+            if not self.worker.off:
+                self.worker._fault("drop", exc)
 
     # --- starting orders -------------------------------------------------------------------------
 
@@ -173,7 +219,7 @@ class WorkerSaves:
             worker._fault("drop", exc)
             return
         if dram:
-            self.dram_keys.difference_update(keys)
+            self._dropped(order)
 
     def _run_order(self, order: Order, batch: RequestOrders, prepacked: dict[ObjectKey, torch.Tensor]) -> None:
         """Start one order (:meth:`TransferEngine.execute`); while it reads the request's blocks,
@@ -185,7 +231,7 @@ class WorkerSaves:
                 self.completions.append(CompletionReport(order.order_id, False))
             return
         if isinstance(order, (StoreOrder, PromoteOrder)):
-            self.dram_keys.update(order.keys())  # before it can land
+            self._may_hold(order)  # before it can land
         cluster, audit = worker.cluster, worker.audit
         if drop and order.tier is Tier.DRAM and cluster is not None:
             if batch.share and worker.settings.cluster_admission == "evicted":
@@ -208,7 +254,7 @@ class WorkerSaves:
             return
         if run is None:
             if order.tier is Tier.DRAM:
-                self.dram_keys.difference_update(order.keys())
+                self._dropped(order)
             return
         if batch.req_id is not None and not run.released.is_set():
             self.reading.setdefault(batch.req_id, []).append(run.released)
@@ -315,8 +361,8 @@ class WorkerSaves:
         engine.settle()  # what waited for the device ran: steps ended, staging back, cluster staged objects gone
         if worker.cluster is not None:
             worker.cluster.quiesce()  # no put reads a slot freed here
-        keys, self.dram_keys = self.dram_keys, set()
-        kv, state = split_keys(keys)
+        kv, state = tuple(self.dram_kv), tuple(self.dram_state)
+        self.dram_kv, self.dram_state = set(), set()
         if kv or state:
             engine.drop(DropOrder(-1, kv, state, 0, Tier.DRAM))
         unfinished = list(unfinished)
@@ -342,4 +388,5 @@ class WorkerSaves:
         step's layer-wise stores failed with it: their completions say so)."""
         self.abandon_layers()
         self.captured.clear()
-        self.dram_keys.clear()
+        self.dram_kv.clear()
+        self.dram_state.clear()

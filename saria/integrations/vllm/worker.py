@@ -58,6 +58,7 @@ Faults (:mod:`.faults`; no exception leaves these hooks):
 from __future__ import annotations
 
 import logging
+import weakref
 from concurrent.futures import wait
 from typing import Callable
 
@@ -117,7 +118,7 @@ class SariaWorker:
         self.layerwise = layerwise  # loads inside the step, layer by layer (settings.layerwise_for)
         self.layers: LayerLoads | None = None  # the step's layer-wise loads (.layerwise)
         self._abandoned: set[str] = set()
-        self._followed: SariaConnectorMetadata | None = None  # the step's metadata, once followed
+        self._followed: weakref.ref | None = None  # the step's metadata, once followed
         self.resets = 0  # vLLM's resets of the connector seen so far (.resets)
         self.suspended = False  # vLLM's KV memory is released (sleep, .resets): no load starts
         self.kv_caches: dict[str, torch.Tensor] | None = None  # as registered: .resets rebuilds over them
@@ -354,11 +355,15 @@ class SariaWorker:
         order differs by runner and version (with a speculator, ``get_transfer_results`` runs before
         ``wait_for_save``), and a held request taken in again after ``get_finished`` reported it
         sent would be reported a second time, after vLLM freed it (docs/vllm.md, "Hook order")."""
-        if meta is self._followed:
+        followed = self._followed
+        if followed is not None and followed() is meta:
             return
         if not isinstance(meta, SariaConnectorMetadata):
             raise TypeError(f"saria: unexpected connector metadata {type(meta).__name__}")
-        self._followed = meta
+        # a weak reference: the step's metadata goes when vLLM lets it go (holding it to the next
+        # step would free the previous step's whole metadata here, in a hook), and no later
+        # metadata can pass for it (a freed one's id may be reused, its reference is dead)
+        self._followed = weakref.ref(meta)
         if meta.off and not self.off:
             self._turn_off("the scheduler turned saria off")
         if getattr(meta, "resets", 0) != self.resets:  # vLLM reset the connector: every object goes (.resets)
