@@ -158,6 +158,41 @@ def test_a_corrupt_ssd_object_fails_and_no_layer_of_its_pages_is_written(tmp_pat
         assert not store.contains(object_key("q", "kv"))
 
 
+def test_one_step_of_several_plans_fails_only_the_plans_whose_objects_failed(tmp_path):
+    """A step's plans are one job (StepJob): a corrupt SSD object of one plan and a missing DRAM
+    object of another fail those plans only, from their own chunk on; the other plans of the step
+    arrive whole, bit for bit, with their own byte counts."""
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        chunks = ["a", "b", "c", "d", "e", "f"]
+        tiers = [Tier.DRAM, Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM, Tier.SSD]
+        put(src, chunks, tiers)
+        part = store.info(object_key("c", "kv")).parts[0]
+        flip_byte(drive_file(tmp_path / "d"), Geometry.for_capacity(4096 + 24 * (4096 + 4096), 4096).payload_offset(part.slot) + 3)
+        dst.dram.drop(ObjectKey("d", "kv"))
+        loads = [(plan(["a", "b"], [Tier.DRAM, Tier.SSD], 1), [[40, 41], [42, 43]], 0),  # arrives
+                 (plan(["c", "e"], [Tier.SSD, Tier.DRAM], 2), [[44, 45], [46, 47]], 0),  # c corrupt: nothing valid
+                 (plan(["e", "d", "f"], [Tier.DRAM, Tier.DRAM, Tier.SSD], 3), [[48, 49], [50, 51], [52, 53]], 0),
+                 (plan(["f"], [Tier.SSD], 4), [[54, 55]], 0)]  # arrives
+        before = [t[44:46].clone() for t in dst.kv_table.tensors]
+        step = dst.load_layers(loads)
+        step.wait_all()
+        first, second, third, fourth = step.finish(timeout=30)
+        assert [r.plan_id for r in (first, second, third, fourth)] == [1, 2, 3, 4]
+        assert first.ok and first.valid_chunks == 2 and fourth.ok and fourth.valid_chunks == 1
+        assert second.failed == (ObjectKey("c", "kv"),) and second.valid_chunks == 0
+        assert third.failed == (ObjectKey("d", "kv"),) and third.valid_chunks == 1
+        kv = dst.kv_bytes
+        assert (first.dram_bytes, first.ssd_bytes, third.dram_bytes, third.ssd_bytes, fourth.ssd_bytes) == \
+            (kv, kv, 2 * kv, kv, kv)
+        src_pages = {c: [PAGES * i, PAGES * i + 1] for i, c in enumerate(chunks)}
+        for (_, targets, _), names in zip(loads, (["a", "b"], None, ["e"], ["f"])):
+            for name, pages in zip(names or (), targets):
+                assert all(same(t[pages], c[src_pages[name]]) for t, c in zip(dst.kv_table.tensors, caches))
+        for tensor, was in zip(dst.kv_table.tensors, before):
+            assert same(tensor[44:46], was)  # the corrupt object's pages untouched at every layer
+
+
 def test_a_missing_dram_object_fails_its_chunk_and_the_others_land(tmp_path):
     caches = caches_of(4, 2, 8)
     with rig(tmp_path, caches, 4096) as (src, dst, store):
