@@ -387,3 +387,43 @@ def test_slot_layout_finds_every_page_where_the_per_tensor_reference_does(data):
         for g, a, c in got:
             assert torch.equal(a, by_segment[g.data_ptr()][0]) and torch.equal(c, by_segment[g.data_ptr()][1])
     pool.close()
+
+
+def test_a_plan_of_a_step_job_is_a_job_of_its_own_for_a_cluster_load(tmp_path):
+    """PlanLoad (what a cluster plan's CombinedLoad wraps in a layer-wise step): its outcome and
+    wait are its own plan's result of the step job, a failure of another plan never shows in it,
+    and CombinedLoad combines it with the cluster part as it did a plan's own job."""
+    from saria.dataplane.transfer.load_job import PlanLoad
+    from saria.integrations.vllm.cluster_loads import CombinedLoad
+
+    class Fetched:  # the cluster part's outcome as ClusterLoad reports it: (chunks loaded, missed)
+        def ready(self):
+            return True
+
+        def wait_on(self, streams):
+            pass
+
+        def outcome(self):
+            return (1, 0)
+
+        wait = outcome
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["g", "h"], [Tier.DRAM, Tier.SSD])
+        step = dst.load_layers([(plan(["g", "h"], [Tier.DRAM, Tier.SSD], 7), [[40, 41], [42, 43]], 0),
+                                (plan(["missing"], [Tier.DRAM], 8), [[44, 45]], 0)])
+        mine, other = PlanLoad(step.job, 0), PlanLoad(step.job, 1)
+        mine.wait_on(dst.layerwise().streams)
+        step.wait_all()
+        results = step.end(timeout=30)
+        assert mine.done() and mine.outcome() == results[0] and other.outcome() == results[1]
+        assert mine.outcome().ok and mine.outcome().plan_id == 7 and mine.plan.plan_id == 7
+        assert other.outcome().failed == (ObjectKey("missing", "kv"),)
+        combined = CombinedLoad(mine, 2, Fetched())
+        outcome = combined.outcome()
+        assert (outcome.failed, outcome.valid_chunks, outcome.cluster_failed) == ((), 3, 0)
+        failed = CombinedLoad(other, 1, Fetched())
+        assert (failed.outcome().failed, failed.outcome().valid_chunks) == ((ObjectKey("missing", "kv"),), 0)
+        assert mine.wait(timeout=30).ok and other.wait(timeout=30).plan_id == 8
+        step.finish(timeout=30)
