@@ -30,8 +30,8 @@ forever); its objects are failed.
 The step's plans are one :class:`~saria.dataplane.transfer.load_job.StepJob` (one job a step, not
 one per plan: it is made on the hook's thread), each item naming its plan. After the forward,
 :meth:`StepLoad.end` returns each plan's result (failed objects, valid chunks, from that plan's
-items only: known on the host once every layer is issued) without waiting for the device: the forward's stream already
-waits for every layer's copies. What the copies still read (the SSD staging) is given back by the
+items only: known on the host once every layer is issued) without waiting for the device: the
+forward's stream already waits for every layer's copies. What the copies still read (the SSD staging) is given back by the
 engine's :class:`~saria.dataplane.transfer.retire.Retirer` once the device reached the last
 layer's events. :meth:`StepLoad.finish` is the blocking form (closing, tests, benchmarks).
 """
