@@ -331,6 +331,12 @@ class ControlPlane:
             orders += new
         return orders
 
+    def hints_active(self) -> bool:
+        """Whether any hint is in effect yet (a hinted commit or :meth:`turn_ended` came): until then
+        :meth:`hinted_prewarms` has nothing to do, and a caller may skip it. One read of a flag that
+        only ever turns on: no lock."""
+        return self._hints.active
+
     def next_hinted_prewarm(self) -> float | None:
         """When the next hinted prewarm is due (None: none is)."""
         with self._lock:
