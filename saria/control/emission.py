@@ -54,8 +54,12 @@ class OrderEmitter:
         """The orders for ``changes`` (after the waiting recovered drops), in a safe order; those
         that need a completion are registered in flight."""
         orders: list[Order] = []
-        waiting, self.waiting = self.waiting, PendingChanges()
-        recovered = waiting.recovered_drops + changes.recovered_drops
+        waiting = self.waiting
+        if waiting.recovered_drops:  # (nothing else of it is ever read: keep an empty one)
+            self.waiting = PendingChanges()
+            recovered = waiting.recovered_drops + changes.recovered_drops
+        else:
+            recovered = changes.recovered_drops
         if recovered:
             kv, state = split_keys(recovered)
             sizes = self._kv_bytes * len(kv) + self._state_bytes * len(state)

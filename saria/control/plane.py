@@ -117,7 +117,8 @@ class ControlPlane:
             hashes = check_hashes(chunk_hashes)
             nodes = self._resolve(hashes)
             # ---- valid: from here on, state changes
-            self._recovery.adopt_run(hashes, nodes, now, self._orders.waiting)
+            if self._tiers.recovered:  # (adopt_run's own first test: nothing recovered awaits a node)
+                self._recovery.adopt_run(hashes, nodes, now, self._orders.waiting)
             prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
             self._now = self._tree.clock = now
             n = prefix.length
@@ -181,8 +182,10 @@ class ControlPlane:
         with self._lock:
             now = check_now(now, self._now)
             hashes = check_hashes(chunk_hashes)
-            states = check_states(states, len(hashes))
-            check_hint_args(hints, tenant)
+            if states is not None:
+                states = check_states(states, len(hashes))
+            if hints is not None or tenant is not None:  # (None and None pass the check)
+                check_hint_args(hints, tenant)
             failed = check_names(failed)
             record = None if plan is None else self._plans.live(plan)
             if record is None and failed:
@@ -330,6 +333,12 @@ class ControlPlane:
                 self._hints.counters.prewarms_hinted += len(new)
             orders += new
         return orders
+
+    def hints_active(self) -> bool:
+        """Whether any hint is in effect yet (a hinted commit or :meth:`turn_ended` came): until then
+        :meth:`hinted_prewarms` has nothing to do, and a caller may skip it. One read of a flag that
+        only ever turns on: no lock."""
+        return self._hints.active
 
     def next_hinted_prewarm(self) -> float | None:
         """When the next hinted prewarm is due (None: none is)."""

@@ -99,12 +99,25 @@ def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int
     resumed one, brings all its blocks; a cached one appends its new blocks, unless it resumed
     after a preemption this step (vLLM 0.32, 0.33: :func:`~.compat.resumed_req_ids`)."""
     scheduled = out.num_scheduled_tokens
+    seen = 0  # followed requests among the new ones
     for new in out.scheduled_new_reqs:
         state = requests.get(new.req_id)
         if state is not None:
+            seen += 1
             state.block_ids = list(new.block_ids[fa]) if new.block_ids else []
             state.state_block_ids = list(new.block_ids[gdn]) if new.block_ids and gdn is not None else []
             state.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+    if seen < len(requests):  # some followed requests run from an earlier step (a request is new or cached, not both)
+        _follow_cached(requests, out, fa, gdn, scheduled)
+    for req_id in out.preempted_req_ids or ():
+        state = requests.get(req_id)
+        if state is not None:
+            state.block_ids, state.state_block_ids, state.computed = [], [], 0
+            state.captured.clear()
+
+
+def _follow_cached(requests: dict[str, RequestState], out: Any, fa: int, gdn: int | None, scheduled: dict) -> None:
+    """:func:`follow_blocks` for the followed requests among ``out.scheduled_cached_reqs``."""
     cached = out.scheduled_cached_reqs
     resumed = resumed_req_ids(cached)
     req_ids = cached.req_ids
@@ -126,11 +139,6 @@ def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int
             if gdn is not None:
                 state.state_block_ids += new_ids[gdn]
         state.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-    for req_id in out.preempted_req_ids or ():
-        state = requests.get(req_id)
-        if state is not None:
-            state.block_ids, state.state_block_ids, state.computed = [], [], 0
-            state.captured.clear()
 
 
 def reads_pages(order: Order) -> bool:

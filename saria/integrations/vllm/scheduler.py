@@ -71,6 +71,7 @@ HINT_WARN_EVERY_S = 60.0  # at most one warning about malformed or refused hints
 # the hint counters (saria.control.hints.HintCounters) in the connector's totals; pinned_bytes is a gauge
 HINT_TOTALS = ("hinted_admissions", "pinned_bytes", "pins_refused", "prewarms_hinted", "sessions_done")
 MAX_HINTED_REQUESTS = 1 << 16  # requests whose hints are kept (each is forgotten when it finishes)
+NO_HINTS = (None, None)  # hints_of a request without kv_transfer_params or session_id
 LAYOUT_WAIT_S = 30.0  # longest a lookup waits for the ranks' cluster layouts at start
 
 
@@ -126,6 +127,10 @@ class SariaScheduler:
                                     pin_bytes_per_tenant=None if pin_cap is None else pin_cap // workers)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
+        # read on every hook: kept here once (config and geometry are fixed for this scheduler's life)
+        self._chunk_tokens = self.config.chunk.chunk_tokens
+        self._hashes_per_chunk = self._chunk_tokens // geometry.hash_tokens
+        self._hybrid = geometry.hybrid
         if cluster is not None and settings.cluster_staging_bytes < self.config.chunk.kv_bytes:
             raise ValueError(f"saria: cluster_staging_bytes ({settings.cluster_staging_bytes}) holds no chunk: a chunk's "
                              f"object is {self.config.chunk.kv_bytes} bytes per rank; give at least that")
@@ -164,9 +169,10 @@ class SariaScheduler:
         every ``hash_block_size`` tokens, a block or, for hybrid models with partial prefix hits,
         a fraction of one). With a key file, each is the tenant's chunk id of that block hash
         (:class:`~.sealing.ChunkNames`): nothing past this method sees a block hash or a salt."""
-        k = self.config.chunk.chunk_tokens // self.geometry.hash_tokens  # hashes per chunk
-        chunks = min(len(request.block_hashes) // k, max(0, max_tokens) // self.config.chunk.chunk_tokens)
-        return self.names.names(request, [request.block_hashes[(i + 1) * k - 1] for i in range(chunks)])
+        k = self._hashes_per_chunk
+        block_hashes = request.block_hashes
+        chunks = min(len(block_hashes) // k, max(0, max_tokens) // self._chunk_tokens)
+        return self.names.names(request, block_hashes[k - 1:chunks * k:k])
 
     # --- vLLM scheduler hooks --------------------------------------------------------------------
 
@@ -174,15 +180,17 @@ class SariaScheduler:
         if (self.takeover.active and self.takeover.waiting()) or (self.cluster is not None and self._awaiting_layouts()):
             return None, False  # vLLM asks again next step
         req_id = request.request_id
-        self._drop_plan(req_id)  # a re-query (e.g. after preemption) plans afresh
+        if req_id in self._requests:
+            self._drop_plan(req_id)  # a re-query (e.g. after preemption) plans afresh
         state = RequestState(request)
         self._track(req_id, state)
         # the prompt's chunk hashes, kept for its commit (the same request, the same prompt)
-        full = state.prompt_hashes = self.chunk_hashes(request, request.num_prompt_tokens)
+        prompt_tokens = request.num_prompt_tokens
+        full = state.prompt_hashes = self.chunk_hashes(request, prompt_tokens)
         if self.prewarm.enabled and req_id not in self._sessions:  # its arrival
             self._sessions[req_id] = self.prewarm.arrived(list(full), self.clock())
         # vLLM must compute at least the prompt's last token itself.
-        hashes = full[:(request.num_prompt_tokens - 1) // self.config.chunk.chunk_tokens]
+        hashes = full[:(prompt_tokens - 1) // self._chunk_tokens]
         if not hashes:
             return 0, False
         plan = self.control.plan(hashes, self.clock())
@@ -211,7 +219,7 @@ class SariaScheduler:
             self._drop_plan(request.request_id)
             return
         plan = state.plan
-        chunk_tokens = self.config.chunk.chunk_tokens
+        chunk_tokens = self._chunk_tokens
         end = state.load_end
         start = end - num_external_tokens  # tokens vLLM holds already
         first = state.load_first = start // chunk_tokens
@@ -237,8 +245,8 @@ class SariaScheduler:
             h = self.config.chunk.chunk_tokens // self.geometry.hash_tokens
             audit_names = tuple(request.block_hashes[(c + 1) * h - 1] for c in range(first, first + sub.num_chunks))
         state.load = LoadSpec(request.request_id, sub,
-                              tuple([tuple(ids[c * k:(c + 1) * k]) for c in range(first, end // chunk_tokens)]), skip,
-                              state_blocks, cluster, audit_names, layerwise=self.layerwise)
+                              tuple([tuple(ids[c:c + k]) for c in range(first * k, end // chunk_tokens * k, k)]), skip,
+                              state_blocks, cluster, audit_names, self.layerwise)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the load by tier (``"dram"`` / ``"ssd"`` / ``"cluster"``), for vLLM's hit-source stats."""
@@ -253,7 +261,7 @@ class SariaScheduler:
     def _load_tokens(self, state: RequestState, num_external_tokens: int) -> tuple[tuple[str, int], ...]:
         """``(tier, tokens)`` per chunk that the load fills: the request's last ``num_external_tokens``
         tokens up to the end of its plan and cluster chunks (vLLM holds the ones before)."""
-        chunk_tokens, end = self.config.chunk.chunk_tokens, state.load_end
+        chunk_tokens, end = self._chunk_tokens, state.load_end
         start = end - num_external_tokens
         tiers = [TIER_NAMES[tier] for tier in state.plan.kv_sources]
         if state.cluster:
@@ -282,24 +290,26 @@ class SariaScheduler:
             if state.load is not None:
                 meta.loads.append(state.load)
                 state.load, state.load_sent = None, True
-        if self.geometry.hybrid:
+        if self._hybrid:
             meta.captures = self._captures(scheduler_output)
-        committed = [(req_id, state) for req_id, state in open_.items() if self._ready_to_commit(state)]
+        committed = [(req_id, state) for req_id, state in open_.items()
+                     if not state.committed and state.computed >= state.request.num_prompt_tokens
+                     and (not state.load_sent or state.load_report is not None)]  # _ready_to_commit, inlined
+        orders = meta.orders
         for req_id, state in committed:
             del open_[req_id]
-            meta.orders.append(self._commit(req_id, state))
+            orders.append(self._commit(req_id, state))
         if self.prewarm.enabled:
             warm = self.prewarm.due(self.clock())
             if warm:
-                meta.orders.append(RequestOrders(None, tuple(warm)))
-        warm = self.control.hinted_prewarms(self.clock())  # next_turn_s hints: their own schedule, no policy needed
-        if warm:
-            meta.orders.append(RequestOrders(None, tuple(warm)))
+                orders.append(RequestOrders(None, tuple(warm)))
+        if self.control.hints_active():  # next_turn_s hints: their own schedule, no policy needed
+            warm = self.control.hinted_prewarms(self.clock())
+            if warm:
+                orders.append(RequestOrders(None, tuple(warm)))
         in_flight, events = self._in_flight, self.events
-        for batch in meta.orders:
-            for o in batch.orders:
-                if completes(o):
-                    in_flight.add(o.order_id)
+        for batch in orders:
+            in_flight.update([o.order_id for o in batch.orders if completes(o)])
             if events is not None:
                 events.sent(batch.orders)
         return meta
@@ -349,17 +359,23 @@ class SariaScheduler:
         """Blocks of a request whose commit sent orders that read them (stores, promotions, writes
         from HBM) stay with vLLM until the worker reports the request sent (those orders no longer
         read them, :meth:`SariaWorker.get_finished`); any other request's are freed at once."""
-        self._drop_plan(request.request_id)
-        session = self._sessions.pop(request.request_id, None)
-        if session is not None:
-            self.prewarm.finished(session, self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if state is not None and state.plan is not None:
+            self._drop_plan(req_id)
+        if self._sessions:
+            session = self._sessions.pop(req_id, None)
+            if session is not None:
+                self.prewarm.finished(session, self.chunk_hashes(request, request.num_prompt_tokens), self.clock())
         hints, tenant = self.hints_of(request)
-        self._hints.pop(request.request_id, None)
+        if self._hints:
+            self._hints.pop(req_id, None)
         if hints is not None and hints.next_turn_s is not None:
             self.control.turn_ended(self.chunk_hashes(request, request.num_prompt_tokens), self.clock(), hints, tenant)
-        state = self._requests.pop(request.request_id, None)
-        self._open.pop(request.request_id, None)
-        self.names.forget(request.request_id)
+        if state is not None:
+            del self._requests[req_id]
+            self._open.pop(req_id, None)
+        self.names.forget(req_id)
         return state is not None and state.reads_pages, None
 
     def totals(self) -> dict[str, int]:
@@ -384,9 +400,11 @@ class SariaScheduler:
         found = self._hints.get(req_id)
         if found is not None:
             return found
+        params, session_id = getattr(request, "kv_transfer_params", None), getattr(request, "session_id", None)
+        if params is None and session_id is None:  # the common case: no hint to read (parse_hints: none, no problem)
+            return NO_HINTS
         try:
-            hints, problems = parse_hints(getattr(request, "kv_transfer_params", None),
-                                          getattr(request, "session_id", None))
+            hints, problems = parse_hints(params, session_id)
             tenant = self.names.tenant_of(request) if hints is not None else None
         except Exception:  # noqa: BLE001 - a salt of an odd type, say: no hints, one problem
             hints, problems, tenant = None, 1, None
@@ -484,7 +502,7 @@ class SariaScheduler:
         hashes = state.prompt_hashes
         if hashes is None:
             hashes = self.chunk_hashes(request, request.num_prompt_tokens)
-        states = sorted(i for i in state.captured if i < len(hashes)) if self.geometry.hybrid else None
+        states = sorted(i for i in state.captured if i < len(hashes)) if self._hybrid else None
         local = state.plan.num_chunks if state.plan is not None else 0
         hints, tenant = self.hints_of(request)
         refused = self.control.hint_counters().pins_refused if hints is not None and hints.pin is not None else None
@@ -494,12 +512,15 @@ class SariaScheduler:
             self._warn("refused", 1, "pin hint(s) refused (over pin_bytes_per_tenant, over half the SSD tier, or no "
                                      "SSD tier); those prompts are cached as any other")
         state.plan, state.committed = None, True
-        state.reads_pages = any(reads_pages(o) for o in orders)
+        for o in orders:
+            if reads_pages(o):
+                state.reads_pages = True
+                break
         if self.events is not None:  # what the events of the chunks these orders make resident carry
             self.events.remember(request, hashes, orders)
         k = self.blocks_per_chunk
         ids = state.block_ids
-        blocks = {h: tuple(ids[i * k:(i + 1) * k]) for i, h in enumerate(hashes)}
+        blocks = {h: tuple(ids[j:j + k]) for h, j in zip(hashes, range(0, len(hashes) * k, k))}
         if self.cluster is None:  # no chunk to share (_shares)
             return RequestOrders(req_id, tuple(orders), blocks, frozenset())
         computed = set(hashes[local:]) - set(state.cluster_loaded())
