@@ -529,28 +529,29 @@ def test_cuda_layer_saves_follow_the_forward_on_its_stream(tmp_path):
 
 def test_a_layerwise_loads_results_are_made_by_its_last_path_thread(tmp_path, monkeypatch):
     """StepLoad.end (get_finished) returns the results the last path thread made as it ended
-    the step: no LoadResult is made on the hook's thread; they are the jobs' own results."""
+    the step: no LoadResult is made on the hook's thread; they are the step job's own results
+    (made once for the step's plans)."""
     import threading
 
-    from saria.dataplane.transfer.load_job import LoadJob
+    from saria.dataplane.transfer.load_job import StepJob
 
     caches = caches_of(4, 2, 8)
     with rig(tmp_path, caches, 4096) as eng:
         eng.store(StoreOrder(1, ("x", "y"), (), 0), sources(["x", "y"])).result()
         made: list[str] = []
-        real = LoadJob.result
+        real = StepJob._make
 
-        def result(self):
+        def make(self):
             made.append(threading.current_thread().name)
             return real(self)
 
-        monkeypatch.setattr(LoadJob, "result", result)
+        monkeypatch.setattr(StepJob, "_make", make)
         load = eng.load_layers([(plan(["x"], Tier.DRAM), [[20, 21]], 0), (plan(["y", "z"], Tier.DRAM, 2),
                                                                            [[22, 23], [24, 25]], 0)])
         load.wait_all()
         me = threading.current_thread().name
         first, second = load.end()
-        assert me not in made and made == ["saria-layers-dram"] * 2
+        assert me not in made and made == ["saria-layers-dram"]
         assert first.ok and first.valid_chunks == 1
         assert second.failed == (ObjectKey("z", "kv"),) and second.valid_chunks == 1  # z is in no tier
         assert load.end() == [first, second]

@@ -158,6 +158,41 @@ def test_a_corrupt_ssd_object_fails_and_no_layer_of_its_pages_is_written(tmp_pat
         assert not store.contains(object_key("q", "kv"))
 
 
+def test_one_step_of_several_plans_fails_only_the_plans_whose_objects_failed(tmp_path):
+    """A step's plans are one job (StepJob): a corrupt SSD object of one plan and a missing DRAM
+    object of another fail those plans only, from their own chunk on; the other plans of the step
+    arrive whole, bit for bit, with their own byte counts."""
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        chunks = ["a", "b", "c", "d", "e", "f"]
+        tiers = [Tier.DRAM, Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM, Tier.SSD]
+        put(src, chunks, tiers)
+        part = store.info(object_key("c", "kv")).parts[0]
+        flip_byte(drive_file(tmp_path / "d"), Geometry.for_capacity(4096 + 24 * (4096 + 4096), 4096).payload_offset(part.slot) + 3)
+        dst.dram.drop(ObjectKey("d", "kv"))
+        loads = [(plan(["a", "b"], [Tier.DRAM, Tier.SSD], 1), [[40, 41], [42, 43]], 0),  # arrives
+                 (plan(["c", "e"], [Tier.SSD, Tier.DRAM], 2), [[44, 45], [46, 47]], 0),  # c corrupt: nothing valid
+                 (plan(["e", "d", "f"], [Tier.DRAM, Tier.DRAM, Tier.SSD], 3), [[48, 49], [50, 51], [52, 53]], 0),
+                 (plan(["f"], [Tier.SSD], 4), [[54, 55]], 0)]  # arrives
+        before = [t[44:46].clone() for t in dst.kv_table.tensors]
+        step = dst.load_layers(loads)
+        step.wait_all()
+        first, second, third, fourth = step.finish(timeout=30)
+        assert [r.plan_id for r in (first, second, third, fourth)] == [1, 2, 3, 4]
+        assert first.ok and first.valid_chunks == 2 and fourth.ok and fourth.valid_chunks == 1
+        assert second.failed == (ObjectKey("c", "kv"),) and second.valid_chunks == 0
+        assert third.failed == (ObjectKey("d", "kv"),) and third.valid_chunks == 1
+        kv = dst.kv_bytes
+        assert (first.dram_bytes, first.ssd_bytes, third.dram_bytes, third.ssd_bytes, fourth.ssd_bytes) == \
+            (kv, kv, 2 * kv, kv, kv)
+        src_pages = {c: [PAGES * i, PAGES * i + 1] for i, c in enumerate(chunks)}
+        for (_, targets, _), names in zip(loads, (["a", "b"], None, ["e"], ["f"])):
+            for name, pages in zip(names or (), targets):
+                assert all(same(t[pages], c[src_pages[name]]) for t, c in zip(dst.kv_table.tensors, caches))
+        for tensor, was in zip(dst.kv_table.tensors, before):
+            assert same(tensor[44:46], was)  # the corrupt object's pages untouched at every layer
+
+
 def test_a_missing_dram_object_fails_its_chunk_and_the_others_land(tmp_path):
     caches = caches_of(4, 2, 8)
     with rig(tmp_path, caches, 4096) as (src, dst, store):
@@ -352,3 +387,43 @@ def test_slot_layout_finds_every_page_where_the_per_tensor_reference_does(data):
         for g, a, c in got:
             assert torch.equal(a, by_segment[g.data_ptr()][0]) and torch.equal(c, by_segment[g.data_ptr()][1])
     pool.close()
+
+
+def test_a_plan_of_a_step_job_is_a_job_of_its_own_for_a_cluster_load(tmp_path):
+    """PlanLoad (what a cluster plan's CombinedLoad wraps in a layer-wise step): its outcome and
+    wait are its own plan's result of the step job, a failure of another plan never shows in it,
+    and CombinedLoad combines it with the cluster part as it did a plan's own job."""
+    from saria.dataplane.transfer.load_job import PlanLoad
+    from saria.integrations.vllm.cluster_loads import CombinedLoad
+
+    class Fetched:  # the cluster part's outcome as ClusterLoad reports it: (chunks loaded, missed)
+        def ready(self):
+            return True
+
+        def wait_on(self, streams):
+            pass
+
+        def outcome(self):
+            return (1, 0)
+
+        wait = outcome
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["g", "h"], [Tier.DRAM, Tier.SSD])
+        step = dst.load_layers([(plan(["g", "h"], [Tier.DRAM, Tier.SSD], 7), [[40, 41], [42, 43]], 0),
+                                (plan(["missing"], [Tier.DRAM], 8), [[44, 45]], 0)])
+        mine, other = PlanLoad(step.job, 0), PlanLoad(step.job, 1)
+        mine.wait_on(dst.layerwise().streams)
+        step.wait_all()
+        results = step.end(timeout=30)
+        assert mine.done() and mine.outcome() == results[0] and other.outcome() == results[1]
+        assert mine.outcome().ok and mine.outcome().plan_id == 7 and mine.plan.plan_id == 7
+        assert other.outcome().failed == (ObjectKey("missing", "kv"),)
+        combined = CombinedLoad(mine, 2, Fetched())
+        outcome = combined.outcome()
+        assert (outcome.failed, outcome.valid_chunks, outcome.cluster_failed) == ((), 3, 0)
+        failed = CombinedLoad(other, 1, Fetched())
+        assert (failed.outcome().failed, failed.outcome().valid_chunks) == ((ObjectKey("missing", "kv"),), 0)
+        assert mine.wait(timeout=30).ok and other.wait(timeout=30).plan_id == 8
+        step.finish(timeout=30)

@@ -67,7 +67,7 @@ from saria.dataplane.transfer.dram_loads import DramLoads
 from saria.dataplane.transfer.layer_saves import LayerSaves, StepSave
 from saria.dataplane.transfer.layerwise import LayerwiseLoads, StepLoad
 from saria.dataplane.transfer.retire import Retirer
-from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult
+from saria.dataplane.transfer.load_job import LoadItem, LoadJob, LoadResult, StepJob
 from saria.dataplane.transfer.packing import Packer
 from saria.dataplane.transfer.prewarm import Prewarms
 from saria.dataplane.transfer.results import Completion, EngineCounters, OrderRun, TransferCounters
@@ -213,9 +213,10 @@ class TransferEngine:
         return job
 
     def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int,
-                  checked: CheckedIds | None = None) -> list[LoadItem]:
+                  checked: CheckedIds | None = None, position: int = 0) -> list[LoadItem]:
         """The plan's kv objects as load items, their block ids checked (``ValueError``).
-        ``checked``: the step's ids checked in one batch already (:meth:`Tables.checked_ids`)."""
+        ``checked``: the step's ids checked in one batch already (:meth:`Tables.checked_ids`);
+        ``position``: the plan's position in a layer-wise step (:attr:`LoadItem.plan`)."""
         if len(kv_blocks) != plan.num_chunks:
             raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
         items = []
@@ -226,7 +227,8 @@ class TransferEngine:
             if ids is None:
                 ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
             items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, ids,
-                                   self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
+                                   self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized,
+                                   plan=position))
         if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
             raise ValueError(f"skip_pages must be in [0, {self.pages_per_chunk}) and needs a chunk, got {skip_pages}")
         if items:
@@ -272,27 +274,27 @@ class TransferEngine:
 
     def load_layers(self, loads: Sequence[tuple[ReloadPlan, Sequence[Blocks], int]]) -> StepLoad:
         """Start one step's reloads layer by layer: ``loads`` are ``(plan, kv_blocks, skip_pages)``
-        as for :meth:`load`, each plan one :class:`LoadJob` of the returned
-        :class:`~saria.dataplane.transfer.layerwise.StepLoad`. Call ``wait_layer(l)`` on it before
-        layer ``l`` reads its pages and ``finish()`` for the results. Raises (``ValueError``: a plan
+        as for :meth:`load`, all in one :class:`~saria.dataplane.transfer.load_job.StepJob` of the
+        returned :class:`~saria.dataplane.transfer.layerwise.StepLoad`. Call ``wait_layer(l)`` on it
+        before layer ``l`` reads its pages and ``end()`` (or ``finish()``) for the results, one per plan. Raises (``ValueError``: a plan
         :meth:`layerwise_ok` refuses, bad block ids, an SSD source without a store) only before
         anything started."""
         self._check_open()
         paths = self.layerwise()
-        jobs = []
+        plans, items = [], []
         after = self._streams.caller_event()  # the copies follow the caller's queued work
         checked = self._tables.checked_ids(KV, lambda: [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks])
         capable, fp8, no_ssd = paths.capable, self._tables.quantized(KV), self.ssd is None
-        for plan, kv_blocks, skip_pages in loads:
+        for p, (plan, kv_blocks, skip_pages) in enumerate(loads):
             if plan.state_chunk is not None or not capable or (fp8 and Tier.SSD in plan.kv_sources):  # layerwise_ok
                 raise ValueError(f"plan {plan.plan_id} cannot be reloaded layer by layer (a GDN state, an FP8 SSD "
                                  "object, or pages that straddle host slots): reload it whole with load()")
-            items = self._kv_items(plan, kv_blocks, skip_pages, checked)
-            if no_ssd and any(i.tier is Tier.SSD for i in items):
+            items += self._kv_items(plan, kv_blocks, skip_pages, checked, p)
+            if no_ssd and Tier.SSD in plan.kv_sources:
                 raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
-            jobs.append(LoadJob(plan, items, None, after=after))
-        self._counters.add(loads=len(jobs), load_objects=sum(len(j.items) for j in jobs))
-        return paths.submit(jobs)
+            plans.append(plan)
+        self._counters.add(loads=len(plans), load_objects=len(items))
+        return paths.submit(StepJob(plans, items, after))
 
     def retire(self, events: Sequence, then) -> None:
         """Run ``then()`` off the caller's thread once the device reached ``events`` (the hot-path

@@ -27,10 +27,11 @@ synchronously, so ``issued`` means done and the caller's thread waits on it (the
 device wait). A path that fails part-way still sets every layer's flag (a layer never waits
 forever); its objects are failed.
 
-Each plan is a :class:`~saria.dataplane.transfer.load_job.LoadJob` as for whole reloads. After the
-forward, :meth:`StepLoad.end` returns each job's result (failed objects, valid chunks: known on the
-host once every layer is issued) without waiting for the device: the forward's stream already
-waits for every layer's copies. What the copies still read (the SSD staging) is given back by the
+The step's plans are one :class:`~saria.dataplane.transfer.load_job.StepJob` (one job a step, not
+one per plan: it is made on the hook's thread), each item naming its plan. After the forward,
+:meth:`StepLoad.end` returns each plan's result (failed objects, valid chunks, from that plan's
+items only: known on the host once every layer is issued) without waiting for the device: the
+forward's stream already waits for every layer's copies. What the copies still read (the SSD staging) is given back by the
 engine's :class:`~saria.dataplane.transfer.retire.Retirer` once the device reached the last
 layer's events. :meth:`StepLoad.finish` is the blocking form (closing, tests, benchmarks).
 """
@@ -55,7 +56,7 @@ from saria.dataplane.ssd.keys import object_key
 from saria.dataplane.ssd.store import SSDStore
 from saria.dataplane.transfer.coordinator import Coordinator
 from saria.dataplane.transfer.flags import LayerFlags, LazyEvent
-from saria.dataplane.transfer.load_job import LoadItem, LoadJob
+from saria.dataplane.transfer.load_job import LoadItem, StepJob
 from saria.dataplane.transfer.results import TransferCounters
 from saria.dataplane.transfer.retire import Retirer
 from saria.dataplane.transfer.streams import Event, Streams
@@ -84,7 +85,7 @@ class _Path:
         """Set every layer not issued yet: a waiter never hangs (the items are failed by the caller)."""
         self.issued.set_all()
 
-    def finish(self, job: LoadJob, item: LoadItem, event: Event | None = None,
+    def finish(self, job: StepJob, item: LoadItem, event: Event | None = None,
                error: BaseException | None = None) -> None:
         self.finished.add(id(item))
         job.finish(item, event=event, error=error)
@@ -98,13 +99,14 @@ class _Path:
 
 
 class StepLoad:
-    """One step's layer-wise reloads in flight (module docstring): ``jobs`` (one per plan, in the
-    order submitted); :meth:`wait_layer` before the layer reads its pages, :meth:`end` once the
-    step's forward is queued."""
+    """One step's layer-wise reloads in flight (module docstring): ``job``, one
+    :class:`~saria.dataplane.transfer.load_job.StepJob` for every plan of the step (its results one
+    per plan, in the order submitted); :meth:`wait_layer` before the layer reads its pages,
+    :meth:`end` once the step's forward is queued."""
 
-    def __init__(self, jobs: list[LoadJob], paths: list[_Path], layers: int, streams: Streams,
+    def __init__(self, job: StepJob, paths: list[_Path], layers: int, streams: Streams,
                  counters: TransferCounters, retirer: Retirer):
-        self.jobs = jobs
+        self.job = job
         self.layers = layers
         self._paths = paths
         self._streams = streams
@@ -147,9 +149,9 @@ class StepLoad:
         for path in self._paths:
             if not path.done.wait(timeout):
                 raise TimeoutError(f"layer-wise {path.name} reloads not done after {timeout} s")
-        results = self._results  # made by the last path thread (every job issued by then)
+        results = self._results  # made by the last path thread (every item issued by then)
         if results is None:
-            results = [job.outcome(timeout) for job in self.jobs]
+            results = self.job.outcomes(timeout)
         if not self._paths:  # nothing to copy: no path thread hands the step to the retire thread
             with self._lock:
                 ended, self._ended = self._ended, True
@@ -168,7 +170,7 @@ class StepLoad:
             last = self._left == 0
         if last:
             try:
-                self._results = [job.outcome(0) for job in self.jobs]
+                self._results = self.job.outcomes(0)
             except Exception as exc:  # noqa: BLE001 - end() makes them itself
                 log.warning("layer-wise reloads' results: %s", exc)
         path.done.set()
@@ -180,7 +182,7 @@ class StepLoad:
         """:meth:`end`, then wait until every copy of the step ran (host and device): the blocking
         form, for closing and for callers without a stream to order (benchmarks, tests)."""
         self.end(timeout)
-        results = [job.wait(timeout) for job in self.jobs]
+        results = self.job.wait(timeout)
         if not self._released.wait(timeout):
             raise TimeoutError(f"layer-wise reloads' staging not given back after {timeout} s")
         return results
@@ -259,16 +261,16 @@ class LayerwiseLoads:
 
     # --- submission (the caller's thread) --------------------------------------------------------
 
-    def submit(self, jobs: list[LoadJob]) -> StepLoad:
-        """Start a step's reloads: ``jobs`` whose items are kv objects from DRAM or SSD (checked by
-        the engine). Returns at once; never raises after a job was created (an object that cannot
-        be moved is a failed object of its job)."""
+    def submit(self, job: StepJob) -> StepLoad:
+        """Start a step's reloads: ``job``, whose items are kv objects from DRAM or SSD (checked by
+        the engine). Returns at once; never raises after the job was created (an object that
+        cannot be moved is a failed object of its plan)."""
         items = {name: [] for name in PATHS}
-        for job in jobs:
-            for item in job.items:
-                items["dram" if item.tier is Tier.DRAM else "ssd"].append((job, item))
+        dram, ssd = items["dram"], items["ssd"]
+        for item in job.items:
+            (dram if item.tier is Tier.DRAM else ssd).append((job, item))
         paths = [_Path(name, len(self.layers), [i for _, i in work]) for name, work in items.items() if work]
-        step = StepLoad(jobs, paths, len(self.layers), self.streams, self.counters, self.retirer)
+        step = StepLoad(job, paths, len(self.layers), self.streams, self.counters, self.retirer)
         self.counters.add(layerwise_steps=1, layerwise_objects=sum(len(w) for w in items.values()))
         for path in paths:
             self._queues[path.name].put((step, path, items[path.name]))
@@ -305,7 +307,7 @@ class LayerwiseLoads:
                 path.give_up()
                 step._path_ended(path)  # sets path.done
 
-    def _run_dram(self, step: StepLoad, path: _Path, work: list[tuple[LoadJob, LoadItem]]) -> None:
+    def _run_dram(self, step: StepLoad, path: _Path, work: list[tuple[StepJob, LoadItem]]) -> None:
         present = []
         for job, item in work:
             obj = self.dram.get(item.key)
@@ -322,7 +324,7 @@ class LayerwiseLoads:
         self.counters.add(dram_to_gpu_bytes=sum(item.nbytes for _, item, _ in present),
                           dram_to_gpu_seconds=time.perf_counter() - t0)
 
-    def _run_ssd(self, step: StepLoad, path: _Path, work: list[tuple[LoadJob, LoadItem]]) -> None:
+    def _run_ssd(self, step: StepLoad, path: _Path, work: list[tuple[StepJob, LoadItem]]) -> None:
         t0 = time.perf_counter()
         total = sum(item.nbytes for _, item in work)
         if self.streams.cuda:  # pinned: the copy kernel reads it by address (torch's host allocator reuses it)
@@ -366,7 +368,7 @@ class LayerwiseLoads:
         """Prepare every layer's copy at once (``prepare``: one pass, its work array uploaded on the
         path's stream), then queue each layer's launch on that stream (after the caller's queued
         work), record its event, set ``issued``: per layer a launch and an event."""
-        after = step.jobs[0].after if step.jobs else None
+        after = step.job.after
         with self.streams.on(path.name):
             if after is not None:
                 self.streams.wait(path.name, after)
@@ -391,7 +393,7 @@ class LayerwiseLoads:
 
     # --- what each layer copies (worked out once per step) ---------------------------------------
 
-    def _dram_copies(self, present: list[tuple[LoadJob, LoadItem, list[int]]]) -> LayeredCopy:
+    def _dram_copies(self, present: list[tuple[StepJob, LoadItem, list[int]]]) -> LayeredCopy:
         """Every layer's copy out of the host slots (:func:`slot_layout`), the leading pages an
         item skips left out."""
         ids = torch.stack([item.blocks.on(torch.device("cpu")) for _, item, _ in present])  # [object, page]
@@ -404,7 +406,7 @@ class LayerwiseLoads:
                                                       [slots for _, _, slots in present], ids, keep)
         return self.prepare(buffers, chosen, where, offsets, pack=False)
 
-    def _ssd_copies(self, staging: torch.Tensor, arrived: list[tuple[LoadJob, LoadItem, int]]) -> LayeredCopy:
+    def _ssd_copies(self, staging: torch.Tensor, arrived: list[tuple[StepJob, LoadItem, int]]) -> LayeredCopy:
         """Every layer's copy out of the step's SSD staging."""
         offsets = torch.stack(self.page_offsets)  # [tensor, page of an object]
         offs = torch.cat([offsets[:, item.skip:] + base for _, item, base in arrived], dim=1)

@@ -58,6 +58,7 @@ class LoadItem:
     nbytes: int
     skip: int = 0
     quantized: bool = False
+    plan: int = 0  # in a layer-wise step's StepJob: the position of its plan in the step
 
 
 class LoadJob:
@@ -206,9 +207,148 @@ class LoadJob:
         if not self._failed:  # the common case: everything arrived
             return LoadResult(plan.plan_id, (), len(plan.chunk_hashes), self.dram_bytes, self.ssd_bytes,
                               (self._end or time.perf_counter()) - self._start)
-        failed = sorted(self._failed, key=lambda i: (i.index, i.key.kind))
-        valid = plan.num_chunks
-        for item in failed:
-            valid = 0 if item.key.kind == STATE else min(valid, item.index)
-        return LoadResult(plan.plan_id, tuple(i.key for i in failed), valid, self.dram_bytes, self.ssd_bytes,
-                          (self._end or time.perf_counter()) - self._start)
+        return _failed_result(plan, self._failed, self.dram_bytes, self.ssd_bytes,
+                              (self._end or time.perf_counter()) - self._start)
+
+
+def _failed_result(plan: ReloadPlan, failed: list[LoadItem], dram_bytes: int, ssd_bytes: int,
+                   seconds: float) -> LoadResult:
+    """A plan's result when ``failed`` (not empty) did not arrive: every chunk from the first failed
+    one on is invalid (a failed state object: the whole plan)."""
+    failed = sorted(failed, key=lambda i: (i.index, i.key.kind))
+    valid = plan.num_chunks
+    for item in failed:
+        valid = 0 if item.key.kind == STATE else min(valid, item.index)
+    return LoadResult(plan.plan_id, tuple(i.key for i in failed), valid, dram_bytes, ssd_bytes, seconds)
+
+
+class StepJob:
+    """One layer-wise step's reloads of several plans as one job (built on the hook's thread once
+    per step, not once per plan): ``items`` of every plan, each naming its plan's position in
+    ``plans`` (:attr:`LoadItem.plan`). The engine finishes items on it as on a :class:`LoadJob`;
+    :meth:`outcomes` / :meth:`wait` give one :class:`LoadResult` per plan, in order, each from its
+    own items only (one plan's failed object never touches another plan's result).
+    ``after``: as for :class:`LoadJob`."""
+
+    timeline = None  # a layer-wise step keeps none
+    timed = False
+
+    def __init__(self, plans: list[ReloadPlan], items: list[LoadItem], after=None):
+        self.plans = plans
+        self.after = after
+        self.items = items
+        self._pending = len(items)
+        self._lock = threading.Lock()
+        self._issued = LazyEvent()
+        self._events: list = []
+        self._failed: list[LoadItem] = []
+        self._start = time.perf_counter()
+        self._end: float | None = None
+        self._results: list[LoadResult] | None = None  # made once every item is issued
+        if not items:
+            self._issued.set()
+
+    def finish(self, items: LoadItem | Iterable[LoadItem], event=None, error: BaseException | None = None) -> None:
+        """As :meth:`LoadJob.finish`."""
+        items = [items] if isinstance(items, LoadItem) else list(items)
+        if not items:
+            return
+        with self._lock:
+            if len(items) > self._pending:
+                raise RuntimeError(f"layer-wise reloads: {len(items)} objects finished but only {self._pending} "
+                                   "are pending")
+            if event is not None:
+                self._events.append(event)
+            if error is not None:
+                self._failed.extend(items)
+            self._pending -= len(items)
+            last = self._pending == 0
+        if last:
+            self._issued.set()
+
+    def done(self) -> bool:
+        return self._issued.is_set()
+
+    def ready(self) -> bool:
+        return self._issued.is_set() and all(event.query() for event in self._events)
+
+    @property
+    def events(self) -> tuple:
+        with self._lock:
+            return tuple(self._events)
+
+    def wait_on(self, streams, name: str | None = None) -> None:
+        """As :meth:`LoadJob.wait_on`, for every plan of the step."""
+        self._issued.wait()
+        for event in self._events:
+            streams.wait(name, event)
+
+    def outcomes(self, timeout: float | None = None) -> list[LoadResult]:
+        """Each plan's result once every object is issued or failed, without waiting for the device
+        (as :meth:`LoadJob.outcome`); made once."""
+        if not self._issued.wait(timeout):
+            raise TimeoutError(f"layer-wise reloads of plans {[p.plan_id for p in self.plans]} not issued after "
+                               f"{timeout} s")
+        results = self._results
+        if results is None:
+            results = self._results = self._make()
+        return results
+
+    def wait(self, timeout: float | None = None) -> list[LoadResult]:
+        """:meth:`outcomes` once every copy ran (the host waits for the device: closing, tests)."""
+        self.outcomes(timeout)
+        for event in self._events:
+            event.synchronize()
+        if self._end is None:
+            self._end = time.perf_counter()
+            self._results = self._make()
+        return self._results
+
+    def _make(self) -> list[LoadResult]:
+        n = len(self.plans)
+        dram, ssd = [0] * n, [0] * n
+        for item in self.items:
+            if item.tier is Tier.DRAM:
+                dram[item.plan] += item.nbytes
+            elif item.tier is Tier.SSD:
+                ssd[item.plan] += item.nbytes
+        seconds = (self._end or time.perf_counter()) - self._start
+        failed: dict[int, list[LoadItem]] = {}
+        for item in self._failed:
+            failed.setdefault(item.plan, []).append(item)
+        out = []
+        for p, plan in enumerate(self.plans):
+            bad = failed.get(p)
+            out.append(LoadResult(plan.plan_id, (), len(plan.chunk_hashes), dram[p], ssd[p], seconds) if bad is None
+                       else _failed_result(plan, bad, dram[p], ssd[p], seconds))
+        return out
+
+
+class PlanLoad:
+    """One plan of a :class:`StepJob` as a job of its own (``ready``, ``wait``, ``wait_on``,
+    ``outcome``: those of the step's job, the result this plan's): for a caller that combines it
+    with other work (a cluster fetch)."""
+
+    __slots__ = ("step", "index")
+
+    def __init__(self, step: StepJob, index: int):
+        self.step, self.index = step, index
+
+    @property
+    def plan(self) -> ReloadPlan:
+        return self.step.plans[self.index]
+
+    def ready(self) -> bool:
+        return self.step.ready()
+
+    def done(self) -> bool:
+        return self.step.done()
+
+    def wait_on(self, streams, name: str | None = None) -> None:
+        self.step.wait_on(streams, name)
+
+    def outcome(self, timeout: float | None = None) -> LoadResult:
+        return self.step.outcomes(timeout)[self.index]
+
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        return self.step.wait(timeout)[self.index]

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from saria.dataplane.transfer.engine import TransferEngine
 from saria.dataplane.transfer.layerwise import StepLoad
-from saria.dataplane.transfer.load_job import LoadResult
+from saria.dataplane.transfer.load_job import LoadResult, PlanLoad
 
 from .cluster_loads import CombinedLoad
 from .metadata import LoadSpec
@@ -72,7 +72,8 @@ class LayerLoads:
 
     def _reset(self) -> None:
         """No step in flight."""
-        self._loads: list[tuple[LoadSpec, Any]] = []  # this step's loads: (spec, job)
+        # this step's loads: (spec, job), the job of a plan of a layer-wise step (step, its position)
+        self._loads: list[tuple[LoadSpec, Any]] = []
         self._steps: list[StepLoad] = []
         self._before_first: list[Any] = []  # jobs that land whole before the first layer reads its pages
         self._first_waited = False
@@ -113,21 +114,22 @@ class LayerLoads:
                 self._fail(spec, job, count=False)
                 continue
             if spec.cluster:
+                local = PlanLoad(job[0].job, job[1]) if job is not None else None  # its plan as a job
                 try:
                     fetch = cluster_load(spec, spec.plan.num_chunks)
                 except Exception as exc:
-                    self._fail(spec, exc, job)  # its local part still lands; the load fails whole
+                    self._fail(spec, exc, local)  # its local part still lands; the load fails whole
                     continue
                 self._before_first.append(fetch)
-                job = CombinedLoad(job, spec.plan.num_chunks, fetch)
+                job = CombinedLoad(local, spec.plan.num_chunks, fetch)
             self._loads.append((spec, job))
         if self._loads:
             self.counters.steps += 1
 
     def _start_layers(self, engine: TransferEngine, specs: list[LoadSpec]) -> dict[int, Any]:
-        """One layer-wise step for ``specs``: ``id(spec)`` -> its job, or, if the engine refused the
-        step (it started nothing of it), the exception for every one of them (one fault: vLLM
-        recomputes their blocks)."""
+        """One layer-wise step for ``specs``: ``id(spec)`` -> ``(step, its plan's position)``, or,
+        if the engine refused the step (it started nothing of it), the exception for every one of
+        them (one fault: vLLM recomputes their blocks)."""
         if not specs:
             return {}
         try:
@@ -136,7 +138,7 @@ class LayerLoads:
             self.failures.append(exc)
             return {id(s): exc for s in specs}
         self._steps.append(step)
-        return {id(s): job for s, job in zip(specs, step.jobs)}
+        return {id(s): (step, i) for i, s in enumerate(specs)}
 
     def _fail(self, spec: LoadSpec, exc: BaseException, job: Any = None, *, count: bool = True) -> None:
         log.warning("saria: load of request %s not started: %s", spec.req_id, exc)
@@ -179,14 +181,13 @@ class LayerLoads:
                 self._first_waited = True
                 for job in self._before_first:
                     job.wait_on(self.streams)
-        ended = {}  # id(job) -> its result (StepLoad.end computes each job's once)
-        for step in self._steps:
-            ended.update(zip(map(id, step.jobs), step.end()))
+        ended = {id(step): step.end() for step in self._steps}  # each plan's result, by position
         if missed:
             self.counters.missed_steps += 1
             log.warning("saria: a step's forward did not wait for every layer it reloaded; its reloaded blocks are "
                         "recomputed (a full CUDA graph? layerwise needs piecewise graphs)")
-        out = [(spec, ended[id(job)] if id(job) in ended else job.outcome(), missed) for spec, job in self._loads]
+        out = [(spec, ended[id(job[0])][job[1]] if type(job) is tuple else job.outcome(), missed)
+               for spec, job in self._loads]
         self._reset()
         return out
 

@@ -58,6 +58,13 @@ class LoadResults:
         error blocks, so vLLM drops the step's output for the request and recomputes from there.
         ``result`` ``None``: it could not start (reported as a fault's load); ``unsure``: the
         forward may have read a layer before it landed, so every block it loaded is in error."""
+        if result is not None and not unsure and audit is None and not result.failed \
+                and not getattr(result, "cluster_failed", 0):  # the common case: all arrived, nothing to check
+            req_id = spec.req_id
+            self.reports.append(LoadReport(req_id, spec.plan.plan_id, (), result.valid_chunks))
+            self.finished.discard(req_id)
+            self.failed_requests.discard(req_id)
+            return
         if result is None:
             self.fail_load(spec)
             self.finished.discard(spec.req_id)
