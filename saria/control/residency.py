@@ -208,21 +208,11 @@ class Residency:
         """Reserve DRAM slots (``FILLING``) for lazy partial promotion: as many of ``groups`` (each a
         chunk's objects, ``need`` bytes of charges in all), from the first, as free DRAM plus the copies
         :meth:`idle_candidates` offers can take; those candidates are evicted as far as needed."""
-        dram = self.dram
-        shortfall = need - dram.free
-        candidates = self.idle_candidates(idle_before, shortfall) if shortfall > 0 else []
-        room = dram.free + sum([obj.dram_charge for obj in candidates])
-        while need > room:  # take fewer chunks, from the end
-            need -= sum([obj.dram_charge for obj in groups.pop()])
+        counters = self._counters
+        counters.promotion_evictions += self._room_from_idle(groups, need, idle_before, None, changes)
         if not groups:
             return
-        counters = self._counters
-        for victim in candidates:
-            if dram.free >= need:
-                break
-            del dram.lru[victim]
-            self.evict_dram(victim, changes)
-            counters.promotion_evictions += 1
+        dram = self.dram
         for objs in groups:
             for obj in objs:
                 dram.used += obj.dram_charge
@@ -335,22 +325,29 @@ class Residency:
         free): evict :meth:`idle_candidates` (idle since ``idle_before``, not of ``keep``) as far as
         needed, after dropping from the end of ``groups`` the chunks that free DRAM plus every
         candidate cannot take. ``groups`` is shortened in place."""
+        self._counters.prewarm_evictions += self._room_from_idle(groups, need, idle_before, keep, changes)
+
+    def _room_from_idle(self, groups: list[list[CacheObject]], need: int, idle_before: float,
+                        keep: set[Node] | None, changes: PendingChanges) -> int:
+        """Shorten ``groups`` (``need`` bytes of charges) from the end to what free DRAM plus the
+        :meth:`idle_candidates` can take, and evict those candidates as far as needed. Returns how
+        many were evicted."""
         dram = self.dram
-        candidates = self.idle_candidates(idle_before, need - dram.free, keep)
+        shortfall = need - dram.free
+        candidates = self.idle_candidates(idle_before, shortfall, keep) if shortfall > 0 else []
         room = dram.free + sum([obj.dram_charge for obj in candidates])
         while groups and need > room:  # take fewer chunks, from the end
             need -= sum([obj.dram_charge for obj in groups.pop()])
-        if not groups:
-            return
-        counters = self._counters
+        evicted = 0
         for victim in candidates:
-            if dram.free >= need:
+            if not groups or dram.free >= need:
                 break
             del dram.lru[victim]
             self.evict_dram(victim, changes)
-            counters.prewarm_evictions += 1
+            evicted += 1
         while groups and need > dram.free:  # (candidates free their slots at once: never taken)
             need -= sum([obj.dram_charge for obj in groups.pop()])
+        return evicted
 
     def prewarm(self, groups: list[list[CacheObject]], changes: PendingChanges) -> None:
         """Reserve DRAM slots (``FILLING``) for a prewarm of ``groups`` (each a chunk's objects, whose
