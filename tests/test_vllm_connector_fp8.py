@@ -50,6 +50,8 @@ def test_the_ssd_holds_and_moves_fp8_sizes(fp8):
     assert ssd_chunks >= 4 and engine["ssd_to_gpu_bytes"] == ssd_chunks * stored
 
 
+@pytest.mark.long  # a second engine run; make test has the same wipe through a real rank's start:
+# test_vllm_connector_layout.py::test_an_fp8_store_is_served_after_a_restart_and_wiped_by_a_bf16_one
 def test_a_bf16_server_wipes_the_fp8_store_instead_of_reading_it(fp8):
     config = dict(fp8["config"], ssd_dtype="auto")
     spec = dict(fp8["spec"], prompts=fp8["prompts"][:1])
