@@ -16,8 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from saria.config import Capacity, Policy, SariaConfig
-from saria.control import ControlPlane, DropOrder, WriteOrder
+from saria.control import ControlPlane, WriteOrder
 from saria.control.hints import Hints
+
+from test_control_hints import drive  # commit a request, complete every order it leads to
 
 KV = DENSE.kv_bytes
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,20 +29,6 @@ def make_plane(dram: int = 4, ssd: int = 6) -> ControlPlane:
     config = SariaConfig(dram=Capacity(nbytes=dram * KV), ssd=Capacity(nbytes=ssd * KV), chunk=DENSE,
                          policy=Policy.preset("saria", metadata_window_s=1e6, prewrite_depth=0))
     return ControlPlane(config)
-
-
-def drive(cp: ControlPlane, hashes, now, **kw) -> list:
-    """Commit a request and complete every order it leads to; the orders, all of them."""
-    orders = cp.commit_prefill(hashes, now, plan=cp.plan(hashes, now), **kw)
-    out = list(orders)
-    while orders:
-        follow = []
-        for o in orders:
-            if not isinstance(o, DropOrder):
-                follow += cp.complete(o.order_id, True, now)
-        out += follow
-        orders = follow
-    return out
 
 
 def written(orders) -> set:
