@@ -210,12 +210,15 @@ def run_cli(argv, *, timeout: float | None = None, memory: int = RUN_MEMORY) -> 
     _LIMIT[0] = limit
     old_handler = signal.signal(signal.SIGALRM, _on_alarm)
     guard = _guard(argv)
+    # a junk value of an option that names a folder (``cluster start --logdir 0``) is a relative path that a run
+    # may create: each run works in a scratch folder of its own, never in the checkout it was started from
+    scratch = tempfile.mkdtemp(prefix="saria-fuzz-cwd-")
     t0 = time.monotonic()
     try:
         try:
             resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
             signal.setitimer(signal.ITIMER_REAL, limit)
-            with guard, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            with guard, contextlib.chdir(scratch), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 code = saria.commands.cli.main(argv)
         finally:  # disarmed before anything below runs
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -232,6 +235,7 @@ def run_cli(argv, *, timeout: float | None = None, memory: int = RUN_MEMORY) -> 
         escaped, escaped_tb = exc, "".join(traceback.format_exception(exc))
     finally:
         signal.signal(signal.SIGALRM, old_handler)
+        shutil.rmtree(scratch, ignore_errors=True)
     if _TIMED_OUT[0] and not isinstance(escaped, RunTimeout):
         escaped = RunTimeout(f"no answer within {limit:g} s (the first alarm was swallowed)")
         escaped_tb = f"{escaped}\n"
@@ -1539,3 +1543,15 @@ def test_harness_reports_escaped_exceptions_and_timeouts(monkeypatch):
     assert isinstance(run.escaped, RunTimeout)
     with pytest.raises(ContractViolation, match="timeout"):
         check(run)
+
+
+def test_runs_leave_the_starting_folder_alone(tmp_path, monkeypatch):
+    """A fuzzed folder option is a relative path a run may create (``cluster start --logdir 0`` makes ``0``):
+    the harness runs every command in a scratch folder, so a fuzz run never litters the checkout it runs in."""
+    start = tmp_path / "start"
+    start.mkdir()
+    monkeypatch.chdir(start)
+    argv, _, _ = build_argv("cluster start", tmp_path, [])
+    run = run_cli([*argv, "--logdir", "made-by-the-run"])
+    assert run.escaped is None, run.describe()
+    assert os.listdir(start) == [], run.describe()
