@@ -80,7 +80,7 @@ def session_against_its_replay(model: str, root: Path) -> tuple[dict, dict]:
     config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
               "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0, "audit_kv": True}
     spec = {"model": model, "prompts": prompts, "max_tokens": 6, "enforce_eager": True}
-    saria = run_in_subprocess(dict(spec, extra_config=config, corrupt_before=[3]))
+    saria = run_in_subprocess(dict(spec, extra_config=config, corrupt_before=[3], settle=True))
     replay = run_in_subprocess(dict(spec, reference=reference_job(saria, baseline=True)))
     return saria, replay
 

@@ -56,7 +56,9 @@ def dense(tmp_path_factory, dense_session):
     plain vLLM's reference, shared with other modules), then vLLM with saria whose DRAM holds only
     4 chunks (theta_E=1: a chunk goes to SSD at its first eviction), the SSD corrupted before the
     last turn. Turn 1 (6 chunks) leaves chunks 0-3 in DRAM (no room for 4-5); turn 2 reuses them
-    and its commit evicts them to SSD; turn 3 reloads them from SSD. The reference holds each turn
+    and its commit evicts them to SSD; turn 3 reloads them from SSD (``settle``: turn 2's SSD writes
+    end before turn 3 starts, else a loaded machine serves turn 3 from the DRAM copies the writes
+    still hold). The reference holds each turn
     in full and over vLLM's own prefix cache holding those 4 chunks; the last turn, which reuses
     less after the corruption, is compared with the full computation."""
     root = tmp_path_factory.mktemp("dense")
@@ -67,7 +69,7 @@ def dense(tmp_path_factory, dense_session):
     try:
         events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": router.endpoint,
                          "topic": "kv"}
-        saria = run_in_subprocess(dict(dense_session["spec"], extra_config=saria_config, corrupt_before=[3],
+        saria = run_in_subprocess(dict(dense_session["spec"], extra_config=saria_config, corrupt_before=[3], settle=True,
                                        record_block_hashes=True, engine_args={"kv_events_config": events_config}))
     finally:
         router.close()

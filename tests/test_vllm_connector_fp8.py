@@ -26,7 +26,7 @@ def fp8(tmp_path_factory, dense_session):
     config = {"chunk_tokens": CHUNK, "dram_bytes": 4 * CHUNK * KV_BYTES_PER_TOKEN, "ssd_paths": [str(root / "ssd")],
               "ssd_bytes": 64 << 20, "policy": "saria", "theta_E": 1, "log_interval_s": 0, "audit_kv": True,
               "ssd_dtype": "fp8"}
-    run = run_in_subprocess(dict(dense_session["spec"], extra_config=config))
+    run = run_in_subprocess(dict(dense_session["spec"], extra_config=config, settle=True))  # see tests/test_vllm_connector.py
     return dict(dense_session, saria=run, config=config, root=root)
 
 

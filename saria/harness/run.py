@@ -60,7 +60,7 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                 corrupt_rank: int | None = None, enforce_eager: bool = False, batches: list[int] | None = None,
                 num_gpu_blocks: int | None = None, slow_stores_s: float = 0.0,
-                abort_turns: list[int] = (), gap_s: float = 0.0, kv_cache_dtype: str = "auto",
+                abort_turns: list[int] = (), gap_s: float = 0.0, settle: bool = False, kv_cache_dtype: str = "auto",
                 emulate_ssd_fp8: bool | str = False, reference: dict | None = None,
                 cache_salts: list[str | None] | None = None, record_block_hashes: bool = False,
                 engine_args: dict | None = None, sampling: dict | None = None,
@@ -94,7 +94,10 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
     is aborted as soon as it has its first output token (its prompt's stores just started).
     ``gap_s``: an idle gap after every turn but the last, during which the engine (in this process)
     steps whenever saria has pending work, as a server's engine does (orders completing, a prewarm
-    falling due), and sleeps otherwise. ``kv_cache_dtype``: vLLM's (``auto``: the model's dtype;
+    falling due), and sleeps otherwise. ``settle``: after every turn but the last, the engine (in this
+    process) steps until saria has nothing pending (every order sent and completed: the SSD writes of
+    the turn's evictions ended, their DRAM copies dropped), for at most 60 s, so which tier serves the
+    next turn does not depend on how loaded the machine is. ``kv_cache_dtype``: vLLM's (``auto``: the model's dtype;
     ``fp8``: vLLM's own FP8 KV cache, scales 1.0 without calibrated ones). ``emulate_ssd_fp8``: every
     kv object saria reloads from SSD goes through an FP8 round trip first: True or ``"saria"`` the
     SSD tier's format, ``"vllm"`` vLLM's FP8 KV format with scale 1.0
@@ -188,6 +191,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
         if guard is None:
             raise ValueError("slow_stores_s needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         restore = slow_packs(slow_stores_s, restore)
+    if settle and extra_config is not None and guard is None:
+        raise ValueError("settle needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     if emulate_ssd_fp8:
         if guard is None:
             raise ValueError("emulate_ssd_fp8 needs saria in an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
@@ -253,6 +258,8 @@ def run_session(model: str, prompts: list[list[int]], *, extra_config: dict | No
                       f"TTFT {t.ttft_s * 1e3:7.1f} ms", flush=True)
         if gap_s and first < len(prompts):
             idle(llm, guard, gap_s)
+        if settle and guard is not None and first < len(prompts):
+            idle(llm, guard, 60.0, until_done=True)
     result.seconds = time.perf_counter() - start
     worker = getattr(worker_side, "_worker", None)
     if extra_config and extra_config.get("cluster") and guard is not None:
