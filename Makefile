@@ -44,9 +44,11 @@ $(STAMP): pyproject.toml
 # pytest exits 5 when it collected nothing: a test run that tested nothing is a failure.
 # TEST_WORKERS pytest processes (pytest-xdist), a test module each at a time: their vLLM engines
 # bind cores of their own (tests/conftest.py); TEST_WORKERS=0 runs everything in this process.
+# --no-loadscope-reorder: modules go out in the order tests/conftest.py gives (the slowest first), not
+# xdist's most-tests-first, which handed the few-test engine modules out last.
 TEST_WORKERS ?= 2
 test: os-libs $(STAMP)
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo: os-libs $(STAMP)
