@@ -36,7 +36,7 @@ def pytest_configure(config):
 # a module not listed (or renamed) keeps its place after these. Refresh with `pytest --durations=0`.
 SLOW_MODULES = {
     "test_vllm_connector.py": 254, "test_vllm_connector_tp.py": 185, "test_vllm_connector_sealed.py": 175,
-    "test_control_differential.py": 143, "test_serve.py": 130, "test_emulated_cpus.py": 129,
+    "test_control_differential.py": 75, "test_serve.py": 130, "test_emulated_cpus.py": 129,
     "test_serve_hints.py": 110, "test_vllm_connector_cluster_engines.py": 85, "test_control_soak.py": 71,
     "test_doctor.py": 70, "test_vllm_features.py": 58, "test_vllm_connector_stores.py": 54,
     "test_cli_fuzz.py": 52, "test_vllm_connector_prewarm.py": 42, "test_vllm_connector_resets.py": 31,
