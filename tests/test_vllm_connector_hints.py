@@ -108,3 +108,51 @@ def test_pinned_bytes_is_a_gauge_that_falls_and_the_other_hint_metrics_count():
     assert 'vllm:saria_pins_refused_total{engine="0",model_name="m"} 1.0' in text
     assert 'vllm:saria_hinted_admissions_total{engine="0",model_name="m"} 6.0' in text
     assert 'vllm:saria_sessions_done_total{engine="0",model_name="m"} 1.0' in text
+
+
+def test_the_retain_cap_option_reaches_the_control_plane_and_a_retain_past_it_is_refused_and_warned(caplog, tmp_path):
+    """``retain_bytes_per_tenant`` (the server's, per tenant): a ``retain_s`` that would pass it is
+    refused whole, counted in the connector's totals (``vllm:saria_retains_refused``) and warned
+    about once, without a salt; another tenant has a cap of its own. Through the scheduler's hooks."""
+    import types
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from saria.integrations.vllm.geometry import engine_geometry
+    from saria.integrations.vllm.scheduler import SariaScheduler
+    from saria.integrations.vllm.settings import ConnectorSettings
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    geometry = engine_geometry(kv, types.SimpleNamespace(cache_dtype="auto", mamba_cache_mode="none"))
+    charge = 64 * 2 * 2 * 64 * 2  # a chunk's SSD charge: 64 tokens, one layer's K and V, 2 heads of 64, bf16
+    with pytest.raises(ValueError, match="give retain_gb_per_tenant or retain_bytes_per_tenant, not both"):
+        ConnectorSettings.from_extra_config({"retain_gb_per_tenant": 1, "retain_bytes_per_tenant": 5})
+    with pytest.raises(ValueError, match="retain_bytes_per_tenant must be an int >= 0"):
+        ConnectorSettings.from_extra_config({"retain_bytes_per_tenant": -1})
+    settings = ConnectorSettings.from_extra_config({
+        "chunk_tokens": 64, "dram_bytes": 16 * charge, "ssd_paths": [str(tmp_path)], "ssd_bytes": 64 * charge,
+        "retain_bytes_per_tenant": 3 * charge})
+    assert settings.retain_bytes_per_tenant == 3 * charge
+    assert ConnectorSettings.from_extra_config({"retain_gb_per_tenant": 0.5}).retain_bytes_per_tenant == 1 << 29
+    scheduler = SariaScheduler(settings, geometry)
+
+    def turn(name, salt):  # two whole chunks and one token more, retained for 10 minutes
+        r = types.SimpleNamespace(request_id=name, block_hashes=[f"{name}{i}".encode() for i in range(4)],
+                                  num_prompt_tokens=129, kv_transfer_params={"retain_s": 600}, session_id=None,
+                                  cache_salt=salt)
+        assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+        new = [types.SimpleNamespace(req_id=name, block_ids=([10, 11, 12, 13, 14],), num_computed_tokens=0)]
+        cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+        scheduler.build_connector_meta(types.SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                                                             num_scheduled_tokens={name: 129}, preempted_req_ids=set()))
+        return scheduler.totals()["retains_refused"]
+
+    with caplog.at_level(logging.WARNING, logger="saria.vllm"):
+        assert turn("a1", "salt-tenant-a") == 0  # 2 chunks of a cap of 3
+        assert turn("a2", "salt-tenant-a") == 1  # 2 more would pass it: refused whole
+        assert turn("b1", "salt-tenant-b") == 1  # another tenant: its own cap
+    lines = [r.getMessage() for r in caplog.records if "retain_s" in r.getMessage()]
+    assert len(lines) == 1 and "1 retain_s hint(s) refused (over retain_bytes_per_tenant" in lines[0], lines
+    assert not any("salt-tenant" in r.getMessage() for r in caplog.records)

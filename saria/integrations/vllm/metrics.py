@@ -54,6 +54,8 @@ counter                                        what it counts
 ``vllm:saria_pinned_bytes`` (a gauge)          SSD bytes the ``pin`` hints of every tenant hold now
 ``vllm:saria_pins_refused``                    ``pin`` hints refused: over ``pin_bytes_per_tenant``
                                                or half the SSD tier, or no SSD tier
+``vllm:saria_retains_refused``                 ``retain_s`` hints refused: over
+                                               ``retain_bytes_per_tenant``, or no SSD tier
 ``vllm:saria_hinted_prewarms``                 prewarm orders (SSD to DRAM) issued for
                                                ``next_turn_s`` hints
 ``vllm:saria_sessions_done``                   ``done`` hints applied
@@ -139,6 +141,8 @@ METRICS: tuple[Metric, ...] = (
            {"pinned_bytes": None}),
     Metric("vllm:saria_pins_refused", "Pin cache hints refused (over pin_bytes_per_tenant or half the SSD tier, or "
            "no SSD tier); never an error to the request.", None, {"pins_refused": None}),
+    Metric("vllm:saria_retains_refused", "retain_s cache hints refused (over retain_bytes_per_tenant, or no SSD "
+           "tier); never an error to the request.", None, {"retains_refused": None}),
     Metric("vllm:saria_hinted_prewarms", "Prewarm orders (SSD to DRAM) issued for next_turn_s cache hints.", None,
            {"prewarms_hinted": None}),
     Metric("vllm:saria_sessions_done", "done cache hints applied (the session's private chunks unwritten, evicted "

@@ -69,7 +69,8 @@ log = logging.getLogger("saria.vllm")
 RECOVER_WAIT_S = 30.0  # longest a lookup waits for the ranks' SSD inventories at start
 HINT_WARN_EVERY_S = 60.0  # at most one warning about malformed or refused hints per this many seconds
 # the hint counters (saria.control.hints.HintCounters) in the connector's totals; pinned_bytes is a gauge
-HINT_TOTALS = ("hinted_admissions", "pinned_bytes", "pins_refused", "prewarms_hinted", "sessions_done")
+HINT_TOTALS = ("hinted_admissions", "pinned_bytes", "pins_refused", "retains_refused", "prewarms_hinted",
+               "sessions_done")
 MAX_HINTED_REQUESTS = 1 << 16  # requests whose hints are kept (each is forgotten when it finishes)
 NO_HINTS = (None, None)  # hints_of a request without kv_transfer_params or session_id
 LAYOUT_WAIT_S = 30.0  # longest a lookup waits for the ranks' cluster layouts at start
@@ -121,10 +122,12 @@ class SariaScheduler:
                                             kv_element_bytes=geometry.kv_element_bytes)
         # each worker rank lays out its host pool and drive files by the same rule (open_data_plane,
         # one drive file per ssd_paths entry): charged whole slots and parts, what it admits fits there
-        # the pin cap is the server's, per tenant; the control plane counts one shard's bytes
+        # the pin and retain caps are the server's, per tenant; the control plane counts one shard's bytes
         pin_cap = settings.pin_bytes_per_tenant if pin_bytes_per_tenant is None else pin_bytes_per_tenant
+        retain_cap = settings.retain_bytes_per_tenant
         self.control = ControlPlane(self.config, sizing=size_tiers(self.config, drives=len(self.config.ssd_paths)),
-                                    pin_bytes_per_tenant=None if pin_cap is None else pin_cap // workers)
+                                    pin_bytes_per_tenant=None if pin_cap is None else pin_cap // workers,
+                                    retain_bytes_per_tenant=None if retain_cap is None else retain_cap // workers)
         self.block_size = block_size
         self.blocks_per_chunk = self.config.chunk.chunk_tokens // block_size
         # read on every hook: kept here once (config and geometry are fixed for this scheduler's life)
@@ -153,7 +156,7 @@ class SariaScheduler:
         self.names = names or ChunkNames(None)  # block hashes, or with a key file the tenant's chunk ids
         self._hints: dict[str, tuple] = {}  # request id -> (Hints or None, tenant), read once per request
         self.hints_malformed = 0  # malformed or unknown hint keys ignored
-        self._warned = {"malformed": (0, -HINT_WARN_EVERY_S), "refused": (0, -HINT_WARN_EVERY_S)}  # (count, when)
+        self._warned = {kind: (0, -HINT_WARN_EVERY_S) for kind in ("malformed", "refused", "retain_refused")}  # (count, when)
         # vLLM's KV events for saria's tiers (shared by every control plane of this server): this one holds nothing yet
         self.events = events
         if events is not None:
@@ -505,12 +508,20 @@ class SariaScheduler:
         states = sorted(i for i in state.captured if i < len(hashes)) if self._hybrid else None
         local = state.plan.num_chunks if state.plan is not None else 0
         hints, tenant = self.hints_of(request)
-        refused = self.control.hint_counters().pins_refused if hints is not None and hints.pin is not None else None
+        capped = hints is not None and (hints.pin is not None or hints.retain_s is not None)
+        if capped:
+            before = self.control.hint_counters()
+            refused = (before.pins_refused, before.retains_refused)
         orders = self.control.commit_prefill(hashes, self.clock(), plan=state.plan, failed=state.failed, states=states,
                                              hints=hints, tenant=tenant)
-        if refused is not None and self.control.hint_counters().pins_refused > refused:
-            self._warn("refused", 1, "pin hint(s) refused (over pin_bytes_per_tenant, over half the SSD tier, or no "
-                                     "SSD tier); those prompts are cached as any other")
+        if capped:
+            after = self.control.hint_counters()
+            if after.pins_refused > refused[0]:
+                self._warn("refused", 1, "pin hint(s) refused (over pin_bytes_per_tenant, over half the SSD tier, or "
+                                         "no SSD tier); those prompts are cached as any other")
+            if after.retains_refused > refused[1]:
+                self._warn("retain_refused", 1, "retain_s hint(s) refused (over retain_bytes_per_tenant, or no SSD tier); "
+                                         "those prompts are cached as any other")
         state.plan, state.committed = None, True
         for o in orders:
             if reads_pages(o):

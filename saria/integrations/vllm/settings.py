@@ -76,6 +76,11 @@ key                           meaning (default)
                               is refused, counted (``vllm:saria_pins_refused``) and warned about,
                               never an error; all tenants' pins together never pass half the SSD
                               tier (a tenth of the SSD tier)
+``retain_bytes_per_tenant`` / the most bytes one tenant's chunks inside a ``retain_s`` retention may
+``retain_gb_per_tenant``      hold in the SSD tier; a ``retain_s`` past it is refused whole, counted
+                              (``vllm:saria_retains_refused``) and warned about, never an error; a chunk
+                              the tenant already retains is extended at no charge (a tenth of the SSD
+                              tier)
 ``on_load_failure``           ``recompute``: a reload that fails (corrupt SSD object, I/O error)
                               makes vLLM recompute those tokens; ``fail``: the request fails.
                               Sets vLLM's ``kv_load_failure_policy`` (``recompute``)
@@ -99,7 +104,7 @@ _KEYS = {"policy", "dram_gb", "dram_bytes", "ssd_paths", "ssd_gb", "ssd_bytes", 
          "log_interval_s", "on_load_failure", "audit_kv", "audit_kv_with_key", "ssd_dtype", "cluster", "cluster_host", "cluster_admission",
          "cluster_timeout_s", "cluster_lookup_timeout_s", "cluster_staging_gb", "cluster_staging_bytes",
          "cluster_insecure", "secret_file", "layerwise", "layerwise_max_programs", "kv_events_max_chunks",
-         "pin_bytes_per_tenant", "pin_gb_per_tenant"} | _POLICY_FIELDS
+         "pin_bytes_per_tenant", "pin_gb_per_tenant", "retain_bytes_per_tenant", "retain_gb_per_tenant"} | _POLICY_FIELDS
 CLUSTER_ADMISSIONS = ("all", "evicted")
 # layerwise=auto, per device type: what the measurements support (docs/vllm.md, "Layer-wise reloads
 # and saves", has them). CPU: bench/bench_layerwise_ttft.py, turn-2 TTFT whole / layer-wise 1.01x
@@ -150,6 +155,19 @@ def _size(extra: Mapping[str, Any], name: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BYTES:
         raise ValueError(f"{name}_bytes must be an int >= 0 and <= 2**60, got {value!r:.60}")
     return value
+
+
+def _tenant_cap(extra: Mapping[str, Any], name: str) -> int | None:
+    """``{name}_bytes_per_tenant`` or ``{name}_gb_per_tenant`` (``pin``, ``retain``), at most one of them;
+    None when neither is given (saria.control.hints' default)."""
+    gb, nbytes = f"{name}_gb_per_tenant", f"{name}_bytes_per_tenant"
+    if extra.get(gb) is None and extra.get(nbytes) is None:
+        return None
+    try:
+        return _size({(f"{name}_gb" if k == gb else f"{name}_bytes"): v for k, v in extra.items() if k in (gb, nbytes)},
+                     name, 0)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(f"{name}_gb", gb).replace(f"{name}_bytes", nbytes)) from None
 
 
 def _address(extra: Mapping[str, Any], key: str) -> str:
@@ -232,6 +250,7 @@ class ConnectorSettings:
     layerwise_max_programs: int | None = None  # None: auto (saria.kernels.COPY_MAX_PROGRAMS on CUDA); 0: no cap
     kv_events_max_chunks: int = 65_536  # chunks whose KV event payload the scheduler keeps (events.py)
     pin_bytes_per_tenant: int | None = None  # None: a tenth of the SSD tier (saria.control.hints)
+    retain_bytes_per_tenant: int | None = None  # None: a tenth of the SSD tier (saria.control.hints)
 
     def layerwise_for(self, device_type: str, hybrid: bool, drafter: bool = False, ubatching: bool = False) -> bool:
         """Whether reloads go layer by layer on this engine: never for a hybrid model (module
@@ -293,14 +312,7 @@ class ConnectorSettings:
             raise ValueError("admission=oracle (policy oracle) knows every chunk's next use, which only a replay of a "
                              "recorded trace can tell it; a serving engine cannot use it: choose an online policy "
                              "(saria, paper, ...) or evaluate the oracle with saria replay --policy oracle")
-        pin_cap = None
-        if extra.get("pin_gb_per_tenant") is not None or extra.get("pin_bytes_per_tenant") is not None:
-            try:
-                pin_cap = _size({("pin_gb" if k == "pin_gb_per_tenant" else "pin_bytes"): v for k, v in extra.items()
-                                 if k in ("pin_gb_per_tenant", "pin_bytes_per_tenant")}, "pin", 0)
-            except ValueError as exc:
-                raise ValueError(str(exc).replace("pin_gb", "pin_gb_per_tenant").replace("pin_bytes",
-                                                                                      "pin_bytes_per_tenant")) from None
+        pin_cap, retain_cap = _tenant_cap(extra, "pin"), _tenant_cap(extra, "retain")
         cluster = _cluster_options(extra)
         secret_file = _secret_file(extra, cluster["cluster"], cluster["cluster_insecure"])
         if audit_kv and secret_file and not audit_kv_with_key:
@@ -318,7 +330,7 @@ class ConnectorSettings:
                    audit_kv=audit_kv, audit_kv_with_key=audit_kv_with_key, secret_file=secret_file, layerwise=None if layerwise == "auto" else layerwise,
                    layerwise_max_programs=None if max_programs == "auto" else max_programs,
                    kv_events_max_chunks=_positive_int(extra, "kv_events_max_chunks") or 65_536,
-                   pin_bytes_per_tenant=pin_cap, **cluster)
+                   pin_bytes_per_tenant=pin_cap, retain_bytes_per_tenant=retain_cap, **cluster)
 
     def chunk_tokens_for(self, block_size: int, hybrid: bool) -> int:
         """Tokens per chunk: the option, else one vLLM block for hybrid models (GDN states exist only
