@@ -343,3 +343,15 @@ def test_a_step_commits_the_open_requests_in_lookup_order_also_after_a_committed
     assert list(scheduler._open) == ["a", "c"] and list(scheduler._requests) == ["a", "b", "c"]
     assert step(new=(c, a), running=40) == ["a", "c"]
     assert step(cached=(a, b, c), running=40) == [] and all(s.committed for s in scheduler._requests.values())
+
+
+def test_the_schedulers_makers_build_what_the_metadatas_constructors_build():
+    """The scheduler half builds its per-request LoadSpec and RequestOrders with makers
+    (saria.control.makers: instances with a __dict__); each is what the constructor builds."""
+    from saria.control import StoreOrder
+    from saria.integrations.vllm.metadata import RequestOrders
+    from test_control_makers import check_maker
+    plan = ReloadPlan(7, (b"a" * 32,), (Tier.DRAM,), None, None, 512, 100, 0, False)
+    check_maker(LoadSpec, ("req-1", plan, ((1, 2), (3, 4)), 1, None, (), (), True))
+    check_maker(LoadSpec, ("req-1", plan, ((1, 2),), 0, (9,), (b"c",), (b"d",), False))
+    check_maker(RequestOrders, ("req-2", (StoreOrder(3, (1,), (), 100),), {1: (5, 6)}, frozenset({1})))

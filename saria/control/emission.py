@@ -11,7 +11,9 @@ until they end), stores, the other writes by reason, promotions, prewarms.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from saria.control.makers import frozen_maker
 from saria.control.residency import WRITE_REASONS, PendingChanges
 from saria.control.tree import CacheObject
 from saria.orders import DRAM, GPU, SSD, DropOrder, Order, PromoteOrder, StoreOrder, Tier, WriteOrder, split_keys
@@ -63,27 +65,29 @@ class OrderEmitter:
         if recovered:
             kv, state = split_keys(recovered)
             sizes = self._kv_bytes * len(kv) + self._state_bytes * len(state)
-            orders.append(DropOrder(self.take_id(), kv, state, sizes, tier=SSD))
+            orders.append(_make_drop(self.take_id(), kv, state, sizes, SSD))
         if changes.dram_drops:
-            orders.append(self._order(DropOrder, changes.dram_drops, tier=DRAM))
+            orders.append(self._order(_make_drop, changes.dram_drops, DRAM))
         if changes.ssd_drops:
-            orders.append(self._order(DropOrder, changes.ssd_drops, tier=SSD))
+            orders.append(self._order(_make_drop, changes.ssd_drops, SSD))
         writes = sorted(changes.writes.items(), key=_write_rank) if changes.writes else ()
         for (reason, source), objs in writes:
             if reason == "eviction":
-                orders.append(self._order(WriteOrder, objs, source=source, reason=reason))
+                orders.append(self._order(_make_write, objs, source, reason))
         if changes.stores:
-            orders.append(self._order(StoreOrder, changes.stores))
+            orders.append(self._order(_make_store, changes.stores))
         for (reason, source), objs in writes:
             if reason != "eviction":
-                orders.append(self._order(WriteOrder, objs, source=source, reason=reason))
+                orders.append(self._order(_make_write, objs, source, reason))
         if changes.promotions:
-            orders.append(self._order(PromoteOrder, changes.promotions))
+            orders.append(self._order(_make_promote, changes.promotions, GPU))
         if changes.prewarms:
-            orders.append(self._order(PromoteOrder, changes.prewarms, source=SSD))
+            orders.append(self._order(_make_promote, changes.prewarms, SSD))
         return orders
 
-    def _order(self, kind: type[Order], objs: list[CacheObject], **extra: object) -> Order:
+    def _order(self, make: Callable[..., Order], objs: list[CacheObject], *extra: object) -> Order:
+        """The order ``make`` builds (one of the makers below) for ``objs``, with its fields after
+        ``nbytes`` (``extra``); registered in flight unless it is a drop."""
         if self._hybrid:
             kv, state = split_keys(objs)  # a CacheObject names its chunk and kind as an ObjectKey does
             nbytes = sum([obj.nbytes for obj in objs])
@@ -91,10 +95,18 @@ class OrderEmitter:
             kv = tuple([node.key for node in objs])
             state = ()
             nbytes = len(objs) * self._kv_bytes
-        order = kind(self.take_id(), kv, state, nbytes, **extra)
-        if kind is not DropOrder:
+        order = make(self.take_id(), kv, state, nbytes, *extra)
+        if make is not _make_drop:
             self.in_flight[order.order_id] = InFlight(order, objs)
         return order
+
+
+# The orders as their classes build them (saria.control.makers), every field given: the order's
+# fields, then DropOrder's tier, WriteOrder's source and reason, PromoteOrder's source.
+_make_drop = frozen_maker(DropOrder)
+_make_store = frozen_maker(StoreOrder)
+_make_write = frozen_maker(WriteOrder)
+_make_promote = frozen_maker(PromoteOrder)
 
 
 def _write_rank(item: tuple[tuple[str, Tier], list]) -> tuple[int, int]:

@@ -42,7 +42,9 @@ class Placement:
         self._write_through = policy.write_through and config.ssd_bytes > 0
         self._ratio = config.promotion_ratio
         self._p_tau = policy.p_tau_s
-        self._prewrite_depth = policy.prewrite_depth if policy.prewrite else 0
+        self._promote_ssd_hits = self._ratio > 0.0 and self._store_new
+        # (admission.enabled, an SSD tier, is fixed for the plane's life: with none nothing is prewritten)
+        self._prewrite_depth = policy.prewrite_depth if policy.prewrite and admission.enabled else 0
 
     def after_prefill(self, nodes: list[Node], usable: int, plan: ReloadPlan | None, state: CacheObject | None,
                       states: frozenset[int] | None, now: float, changes: PendingChanges) -> None:
@@ -51,7 +53,7 @@ class Placement:
         ``states``: the chunks whose state objects prefill left readable (None: all)."""
         loaded_state = state if plan is not None and plan.state_source is not None else None
         self._store_and_write(nodes, usable, loaded_state, states, changes)
-        if usable and self._ratio > 0.0 and self._store_new:
+        if usable and self._promote_ssd_hits and plan.kv_sources[:usable].count(DRAM) < usable:  # an SSD hit to promote
             self._promote(nodes[:usable], plan, state if plan.state_source is SSD else None, now, changes)
         if self._prewrite_depth:
             self._prewrite(changes)

@@ -27,7 +27,7 @@ from saria.control.emission import OrderEmitter
 from saria.control.governor import EnduranceGovernor
 from saria.control.hints import HintBook, HintCounters, Hints
 from saria.control.placement import Placement
-from saria.control.planner import find_prefix, reload_plan
+from saria.control.planner import find_and_pin, find_prefix, reload_plan
 from saria.control.plans import LivePlans, PlanRecord, finish_reads
 from saria.control.prewarm import prewarm_groups
 from saria.control.recovery import SsdRecovery
@@ -36,6 +36,9 @@ from saria.control.snapshots import ChunkInfo, CopyInfo, Usage, chunk_info
 from saria.control.tree import ContextTree, Node
 from saria.orders import SSD, ControlPlaneError, ObjectKey, Order, ReloadPlan, StoreOrder, WriteOrder
 from saria.sizing import TierSizing
+
+_INF = math.inf
+_NONE_BAD: frozenset = frozenset()  # no failed read (never changed)
 
 __all__ = ["ChunkInfo", "ControlPlane", "CopyInfo", "Usage"]
 
@@ -113,24 +116,35 @@ class ControlPlane:
         """Plan the reload of the longest reusable prefix of a request's chunks and pin every
         object it reads until :meth:`release` or :meth:`commit_prefill`."""
         with self._lock:
-            now = check_now(now, self._now)
-            hashes = check_hashes(chunk_hashes)
+            if type(now) is float and -_INF < now < _INF:  # check_now's common case, inlined
+                if now < self._now:
+                    now = self._now
+            else:
+                now = check_now(now, self._now)
+            hashes = chunk_hashes if type(chunk_hashes) is tuple else check_hashes(chunk_hashes)
             nodes = self._resolve(hashes)
             # ---- valid: from here on, state changes
-            if self._tiers.recovered:  # (adopt_run's own first test: nothing recovered awaits a node)
+            tiers = self._tiers
+            if tiers.recovered:  # (adopt_run's own first test: nothing recovered awaits a node)
                 self._recovery.adopt_run(hashes, nodes, now, self._orders.waiting)
-            prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=self._hybrid)
-            self._now = self._tree.clock = now
-            n = prefix.length
-            sources = tuple(prefix.kv_sources)
-            self._tiers.pin_all(nodes[:n], sources)
-            state = prefix.state
-            if state is not None:
-                self._tiers.pin(state, prefix.state_source)
-            plan = reload_plan(self._orders.take_id(), hashes[:n], sources, state, prefix.state_source,
+            tree = self._tree
+            self._now = tree.clock = now
+            if self._hybrid:
+                prefix = find_prefix(nodes, tier_prefix=self._tier_prefix, hybrid=True)
+                n = prefix.length
+                sources = tuple(prefix.kv_sources)
+                tiers.pin_all(nodes[:n], sources)
+                state, state_source = prefix.state, prefix.state_source
+                if state is not None:
+                    tiers.pin(state, state_source)
+            else:  # find_prefix and pin_all in one walk (a dense model's prefix is not cut back)
+                sources = find_and_pin(nodes, tiers.dram.lru, tiers.ssd.lru, tier_prefix=self._tier_prefix)
+                n = len(sources)
+                state = state_source = None
+            plan = reload_plan(self._orders.take_id(), hashes[:n], sources, state, state_source,
                                kv_bytes=self._kv_bytes, chunk_tokens=self._chunk_tokens, serial=self._serial,
                                ssd_kv_bytes=self._ssd_kv_bytes)
-            self._plans.add(PlanRecord(plan, hashes, nodes, self._tree.generation, state))
+            self._plans.add(PlanRecord(plan, hashes, nodes, tree.generation, state))
             self._counters.plans += 1
             self._finish(None, now)  # plan() returns no orders: drops it decided wait in the emitter
             return plan
@@ -180,14 +194,24 @@ class ControlPlane:
         step ended); None: every checkpoint the prefill computed.
         Returns the orders to execute, in a safe order."""
         with self._lock:
-            now = check_now(now, self._now)
-            hashes = check_hashes(chunk_hashes)
+            if type(now) is float and -_INF < now < _INF:  # check_now's common case, inlined
+                if now < self._now:
+                    now = self._now
+            else:
+                now = check_now(now, self._now)
+            hashes = chunk_hashes if type(chunk_hashes) is tuple else check_hashes(chunk_hashes)
             if states is not None:
                 states = check_states(states, len(hashes))
             if hints is not None or tenant is not None:  # (None and None pass the check)
                 check_hint_args(hints, tenant)
-            failed = check_names(failed)
-            record = None if plan is None else self._plans.live(plan)
+            if type(failed) is not tuple or failed:  # (check_names' common case: none failed)
+                failed = check_names(failed)
+            if plan is None:
+                record = None
+            else:  # the live plan handed out (LivePlans.live's common case), else live() says what is wrong
+                record = self._plans.get(plan.plan_id) if type(plan) is ReloadPlan else None
+                if record is None or record.plan is not plan:
+                    record = self._plans.live(plan)
             if record is None and failed:
                 raise ControlPlaneError(f"failed names {len(failed)} read(s), but no plan is committed")
             planned = 0 if record is None else len(record.plan.chunk_hashes)
@@ -195,7 +219,7 @@ class ControlPlane:
                 differ = first_difference(record.plan.chunk_hashes, hashes)
                 raise ControlPlaneError(f"plan {record.plan.plan_id} covers {planned} chunks which do not begin the "
                                         f"committed chunk hashes ({len(hashes)}; they differ from chunk {differ} on)")
-            bad, first_bad = (set(), planned) if record is None else record.read_failures(failed)
+            bad, first_bad = (_NONE_BAD, planned) if not failed else record.read_failures(failed)
             if record is not None and record.generation == self._tree.generation and record.hashes == hashes:
                 nodes = record.nodes.copy()  # resolved by plan() and the tree has not changed since
             else:
@@ -435,13 +459,16 @@ class ControlPlane:
         except ValueError:
             known = len(nodes)
         if known:
+            seen = nodes[:known] if known < len(nodes) else nodes  # (read, never kept)
             if self._tracker is not None:
-                self._tracker.referenced(nodes[:known], now)
-            self._tree.reuse(nodes[:known], now)
-            self._tiers.touch(nodes[:known])
+                self._tracker.referenced(seen, now)
+            self._tree.reuse(seen, now)
+            self._tiers.touch(seen)
         if known < len(nodes):
-            nodes[known:] = self._tree.extend(hashes[known:], nodes[known - 1] if known else None, now)
-            self._recovery.adopt(nodes[known:], self._orders.waiting)
+            made = self._tree.extend(hashes[known:], nodes[known - 1] if known else None, now)
+            nodes[known:] = made
+            if self._tiers.recovered:  # (adopt's own first test)
+                self._recovery.adopt(made, self._orders.waiting)
         if self._sessions is not None:
             self._sessions.commit(nodes, known, now)
         plan = record.plan if usable else None
@@ -470,14 +497,16 @@ class ControlPlane:
         """End of a mutating call: expire metadata, let the governor (if any) set theta_E and theta_R for the
         next calls, emit the orders (none for ``changes`` None: a call that returns no orders),
         free reclaimed nodes."""
-        self._tree.expire(now)
+        tree = self._tree
+        tree.expire(now)
         if self._hints.active:
             self._hints.expire(now)
         if self._governor is not None:
             self._admission.theta_E = self._governor.update(now, self._counters.ssd_bytes_written)
             self._admission.theta_R = self._governor.theta_R
         orders = self._orders.emit(changes) if changes is not None else []
-        self._tree.bury()
+        if tree.reclaimed:  # (bury's own first test)
+            tree.bury()
         return orders
 
     # ======================================================================== ids and lookups

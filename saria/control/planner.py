@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Hashable, NamedTuple, Sequence
 
 from saria.orders import DRAM, SSD, ReloadPlan, Tier
+from saria.control.makers import frozen_maker
 from saria.control.tree import DRAINING, READY, CacheObject, Node
 
 
@@ -71,6 +72,34 @@ def find_prefix(nodes: Sequence[Node | None], *, tier_prefix: bool, hybrid: bool
     return Prefix(state_length, sources, state, state_source)
 
 
+def find_and_pin(nodes: Sequence[Node | None], dram_lru: dict, ssd_lru: dict, *, tier_prefix: bool) -> tuple[Tier, ...]:
+    """A dense model's plan in one walk: :func:`find_prefix` (``hybrid=False``) and each chunk of
+    the prefix pinned in its source tier as it is found (``Residency.pin_all``; ``dram_lru`` and
+    ``ssd_lru`` are the tiers' LRUs). Returns the prefix's kv sources."""
+    dram, ssd = DRAM, SSD
+    sources: list[Tier] = []
+    append = sources.append
+    in_dram_phase = True
+    for node in nodes:
+        if node is None:
+            break
+        status = node.dram
+        if (status == READY or status == DRAINING) and (in_dram_phase or not tier_prefix):
+            append(dram)
+            if node.dram_pins == 0 and status == READY:
+                del dram_lru[node]
+            node.dram_pins += 1
+        elif node.ssd == READY:
+            in_dram_phase = False
+            append(ssd)
+            if node.ssd_pins == 0:
+                del ssd_lru[node]
+            node.ssd_pins += 1
+        else:
+            break
+    return tuple(sources)
+
+
 def reload_plan(plan_id: int, chunk_hashes: tuple[Hashable, ...], kv_sources: tuple[Tier, ...],
                 state: CacheObject | None, state_source: Tier | None, *, kv_bytes: int, chunk_tokens: int,
                 serial: bool, ssd_kv_bytes: int | None = None) -> ReloadPlan:
@@ -86,5 +115,8 @@ def reload_plan(plan_id: int, chunk_hashes: tuple[Hashable, ...], kv_sources: tu
             dram_bytes += state.nbytes
         else:
             ssd_bytes += state.ssd_nbytes
-    return ReloadPlan(plan_id, chunk_hashes, kv_sources, None if state is None else state.node.key, state_source,
+    return _make_plan(plan_id, chunk_hashes, kv_sources, None if state is None else state.node.key, state_source,
                       len(chunk_hashes) * chunk_tokens, dram_bytes, ssd_bytes, serial)
+
+
+_make_plan = frozen_maker(ReloadPlan)  # ReloadPlan(...), without the frozen __init__'s per-field stores

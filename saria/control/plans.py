@@ -71,6 +71,10 @@ class LivePlans:
     def add(self, record: PlanRecord) -> None:
         self._records[record.plan.plan_id] = record
 
+    def get(self, plan_id: int) -> PlanRecord | None:
+        """The record of live plan ``plan_id``, or None (unchecked: :meth:`live` says what a wrong id is)."""
+        return self._records.get(plan_id)
+
     def remove(self, record: PlanRecord) -> None:
         del self._records[record.plan.plan_id]
 
@@ -90,16 +94,16 @@ class LivePlans:
         return record
 
 
-def finish_reads(record: PlanRecord, bad: set[CacheObject], used: bool, tiers: Residency, counters: Counters,
+def finish_reads(record: PlanRecord, bad: set[CacheObject] | frozenset, used: bool, tiers: Residency, counters: Counters,
                  changes: PendingChanges) -> None:
     """Mark the plan's failed SSD reads (``bad``) bad, count its completed reads (of a ``used``
     plan: a committed request's; SSD bytes, as ``plan.ssd_bytes`` counts them), unpin everything the plan pinned."""
     plan = record.plan
     objs = record.nodes[:len(plan.chunk_hashes)]
-    sources = list(plan.kv_sources)
+    sources = plan.kv_sources
     if record.state is not None:
         objs.append(record.state)
-        sources.append(plan.state_source)
+        sources = sources + (plan.state_source,)
     for obj in bad:
         tiers.mark_bad(obj)
     if used and plan.ssd_bytes:

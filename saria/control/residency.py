@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from itertools import islice
+from typing import Sequence
 
 from saria.control.admission import Admission
 from saria.control.counters import Counters
@@ -433,7 +434,7 @@ class Residency:
                     del ssd_lru[obj]
                 obj.ssd_pins += 1
 
-    def unpin_all(self, objs: list[CacheObject], tiers: list[Tier], changes: PendingChanges) -> None:
+    def unpin_all(self, objs: list[CacheObject], tiers: Sequence[Tier], changes: PendingChanges) -> None:
         """:meth:`unpin` ``objs[i]`` from ``tiers[i]``, for every i."""
         dram_lru, dram, unpin = self.dram.lru, DRAM, self.unpin
         for obj, tier in zip(objs, tiers):

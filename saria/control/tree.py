@@ -197,7 +197,7 @@ class ContextTree:
         self._counters = counters
         self.generation = 0  # bumped whenever a node is created or reclaimed
         self._expiry_floor = -math.inf  # no awake node expires before this time
-        self._reclaimed: list[Node] = []  # reclaimed in the current call, see bury()
+        self.reclaimed: list[Node] = []  # reclaimed in the current call, see bury() (read by the plane)
         self.clock = -math.inf  # the current call's time, set by the control plane
 
     def __len__(self) -> int:
@@ -220,6 +220,9 @@ class ContextTree:
         for i in range(start, len(hashes)):
             node = get(hashes[i])
             if node is None:
+                if i == len(hashes) - 1:  # the last chunk alone is new (a request's own chunk): nothing to check
+                    append(None)
+                    break
                 # The first unknown chunk: every later one must be unknown too, and distinct (a
                 # repeat among known chunks breaks the parent links above).
                 unknown = hashes[i:]
@@ -333,7 +336,7 @@ class ContextTree:
             del self.nodes[node.key]
             self.generation += 1
             self._counters.nodes_reclaimed += 1
-            self._reclaimed.append(node)
+            self.reclaimed.append(node)
             node = node.parent
             if node is not None:
                 node.children -= 1
@@ -343,12 +346,12 @@ class ContextTree:
         kv object and evidence; a state object points back at its node), so that reference
         counting frees them at once instead of the next full garbage collection. Called once the
         orders naming them have been built."""
-        for node in self._reclaimed:
+        for node in self.reclaimed:
             node.node = node.evidence = node.parent = None  # type: ignore[assignment]
             if node.state is not None:
                 node.state.node = node.state.evidence = None  # type: ignore[assignment]
                 node.state = None
-        self._reclaimed.clear()
+        self.reclaimed.clear()
 
     def queue_entries(self) -> dict[int, int]:
         """Window-queue entries per node (``id(node)``), counted from scratch (audits)."""

@@ -70,7 +70,7 @@ class RequestState:
     cluster_start: int = 0
     load_end: int = 0  # tokens: where the planned load ends (the plan's end, or its cluster chunks')
     load_first: int = 0  # the load's first chunk (vLLM holds the ones before)
-    prompt_hashes: list | None = None  # the prompt's chunk hashes (names), from its lookup
+    prompt_hashes: tuple | None = None  # the prompt's chunk hashes (names), from its lookup
 
     def cluster_loaded(self) -> tuple:
         """The cluster chunks the load delivered into the request's blocks."""

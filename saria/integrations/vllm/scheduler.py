@@ -48,7 +48,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from saria.control import ControlPlane, DropOrder, Order, Tier
+from saria.control import ControlPlane, DropOrder, Order, StoreOrder, Tier
+from saria.control.makers import frozen_maker
 from saria.control.hints import parse_hints
 from saria.dataplane.cluster.index import ClusterIndex
 from saria.dataplane.ssd.keys import object_key
@@ -74,6 +75,10 @@ HINT_TOTALS = ("hinted_admissions", "pinned_bytes", "pins_refused", "retains_ref
 MAX_HINTED_REQUESTS = 1 << 16  # requests whose hints are kept (each is forgotten when it finishes)
 NO_HINTS = (None, None)  # hints_of a request without kv_transfer_params or session_id
 LAYOUT_WAIT_S = 30.0  # longest a lookup waits for the ranks' cluster layouts at start
+# LoadSpec(...) and RequestOrders(...), once per request each, every field given (saria.control.makers)
+_make_load = frozen_maker(LoadSpec)
+_make_orders = frozen_maker(RequestOrders)
+_NO_SHARE: frozenset = frozenset()
 
 
 def uncount_failed(state: RequestState, load: LoadReport) -> None:
@@ -187,9 +192,10 @@ class SariaScheduler:
             self._drop_plan(req_id)  # a re-query (e.g. after preemption) plans afresh
         state = RequestState(request)
         self._track(req_id, state)
-        # the prompt's chunk hashes, kept for its commit (the same request, the same prompt)
+        # the prompt's chunk hashes, kept for its commit (the same request, the same prompt); a
+        # tuple, as the control plane takes them (a list would be copied at its plan and its commit)
         prompt_tokens = request.num_prompt_tokens
-        full = state.prompt_hashes = self.chunk_hashes(request, prompt_tokens)
+        full = state.prompt_hashes = tuple(self.chunk_hashes(request, prompt_tokens))
         if self.prewarm.enabled and req_id not in self._sessions:  # its arrival
             self._sessions[req_id] = self.prewarm.arrived(list(full), self.clock())
         # vLLM must compute at least the prompt's last token itself.
@@ -231,7 +237,7 @@ class SariaScheduler:
             groups = blocks.get_block_ids()
         ids = groups[self.geometry.attention_group]
         k = self.blocks_per_chunk
-        if first < plan.num_chunks:  # the chunks vLLM does not hold, with their totals
+        if first < len(plan.chunk_hashes):  # the chunks vLLM does not hold, with their totals
             # from chunk 0 that is the live plan this state holds (what plan_from answers)
             sub = plan if first == 0 else self.control.plan_from(plan, first)
         else:  # vLLM holds the whole local plan: the load is cluster chunks only
@@ -247,9 +253,9 @@ class SariaScheduler:
         if self.settings.audit_kv and self.names.renamed:  # a verification mode (docs/security.md)
             h = self.config.chunk.chunk_tokens // self.geometry.hash_tokens
             audit_names = tuple(request.block_hashes[(c + 1) * h - 1] for c in range(first, first + sub.num_chunks))
-        state.load = LoadSpec(request.request_id, sub,
-                              tuple([tuple(ids[c:c + k]) for c in range(first * k, end // chunk_tokens * k, k)]), skip,
-                              state_blocks, cluster, audit_names, self.layerwise)
+        state.load = _make_load(request.request_id, sub,
+                                tuple([tuple(ids[c:c + k]) for c in range(first * k, end // chunk_tokens * k, k)]),
+                                skip, state_blocks, cluster, audit_names, self.layerwise)
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Tokens of the load by tier (``"dram"`` / ``"ssd"`` / ``"cluster"``), for vLLM's hit-source stats."""
@@ -266,14 +272,18 @@ class SariaScheduler:
         tokens up to the end of its plan and cluster chunks (vLLM holds the ones before)."""
         chunk_tokens, end = self._chunk_tokens, state.load_end
         start = end - num_external_tokens
-        tiers = [TIER_NAMES[tier] for tier in state.plan.kv_sources]
+        names = TIER_NAMES
+        tiers = [names[tier] for tier in state.plan.kv_sources]
         if state.cluster:
             tiers += ["vllm"] * (state.cluster_start - len(tiers)) + ["cluster"] * len(state.cluster)
         out = []
-        for i, tier in enumerate(tiers):
-            tokens = min((i + 1) * chunk_tokens, end) - max(i * chunk_tokens, start)
+        low = 0  # chunk i covers tokens [low, low + chunk_tokens)
+        for tier in tiers:
+            high = low + chunk_tokens
+            tokens = (high if high < end else end) - (low if low > start else start)
             if tokens > 0:
                 out.append((tier, tokens))
+            low = high
         return tuple(out)
 
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
@@ -524,7 +534,7 @@ class SariaScheduler:
                                          "those prompts are cached as any other")
         state.plan, state.committed = None, True
         for o in orders:
-            if reads_pages(o):
+            if type(o) is StoreOrder or reads_pages(o):  # (a store, the common case, first)
                 state.reads_pages = True
                 break
         if self.events is not None:  # what the events of the chunks these orders make resident carry
@@ -533,9 +543,9 @@ class SariaScheduler:
         ids = state.block_ids
         blocks = {h: tuple(ids[j:j + k]) for h, j in zip(hashes, range(0, len(hashes) * k, k))}
         if self.cluster is None:  # no chunk to share (_shares)
-            return RequestOrders(req_id, tuple(orders), blocks, frozenset())
+            return _make_orders(req_id, tuple(orders), blocks, _NO_SHARE)
         computed = set(hashes[local:]) - set(state.cluster_loaded())
-        return RequestOrders(req_id, tuple(orders), blocks, self._shares(orders, computed))
+        return _make_orders(req_id, tuple(orders), blocks, self._shares(orders, computed))
 
     def _shares(self, orders: list[Order], computed: set = frozenset()) -> frozenset:
         """The chunks of ``orders`` to put into the cluster tier (``cluster_admission``): ``all``, the
