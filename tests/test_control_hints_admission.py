@@ -234,3 +234,29 @@ def test_restore_hints_refuses_what_is_not_a_hint_state():
 
     with pytest.raises(ControlPlaneError, match="hint_state"):
         make_plane().restore_hints([("pins", {})], 0.0)
+
+
+def test_recovered_ssd_objects_of_restored_pins_stay_until_a_request_reaches_them():
+    """After a rebuild, a previous plane's pinned chunks are on the drives (recovered, no node yet) and
+    their pins restored: SSD room is made from the other recovered objects (retained ones last), never
+    from a pinned chunk's, and a request that reaches the pinned chunks later reloads them from SSD."""
+    from saria.control import ObjectKey
+    from saria.orders import SSD
+
+    old = make_plane(dram=4, ssd=40)
+    drive(old, [("p", 0), ("p", 1)], 0.0, hints=Hints(pin=math.inf), tenant="A")
+    drive(old, [("r", 0)], 0.5, hints=Hints(retain_s=1e5), tenant="B")
+    config = SariaConfig(dram=Capacity(nbytes=4 * KV), ssd=Capacity(nbytes=8 * KV), chunk=DENSE,
+                         policy=Policy.preset("saria", theta_E=1, metadata_window_s=1e6, prewrite_depth=0))
+    new = ControlPlane(config, pin_bytes_per_tenant=2 * KV, retain_bytes_per_tenant=KV)
+    new.restore_hints(old.hint_state(), 1.0)
+    assert new.pinned_bytes("A") == 2 * KV and new.retained_bytes("B") == KV
+    recovered = [("p", 0), ("p", 1), ("r", 0), ("o", 0), ("o", 1), ("o", 2)]  # pinned and retained first: oldest
+    assert new.recover_ssd([ObjectKey(h, "kv") for h in recovered], 1.0) == []
+    assert new.counters().recovered == 6
+    flood(new, 2.0, 10)  # theta_E 1: the 6 flood chunks DRAM evicts are written, and need 4 chunks of SSD room
+    counters = new.counters()
+    assert counters.recovered_dropped == 4 and counters.recovered_adopted == 0  # the 3 others, then the retained one
+    plan = new.plan((("p", 0), ("p", 1)), 20.0)
+    assert plan.kv_sources == (SSD, SSD)
+    new.release(plan, 20.0)

@@ -145,7 +145,7 @@ class HintBook:
         self.retains: dict[Hashable, dict[Hashable, list]] = {}  # tenant -> chunk key -> [until, charge]
         self.retained: dict[Hashable, int] = {}  # tenant -> bytes (SSD charges) inside their retention
         self._retain_expiry: list[tuple[float, int, Hashable, Hashable]] = []  # (until, seq, tenant, key)
-        self._restored_retains: dict[Hashable, float] = {}  # chunk key -> retention end, from a previous plane
+        self.restored_retains: dict[Hashable, float] = {}  # chunk key -> retention end, from a previous plane
         self.pins: dict[Hashable, dict[Hashable, _Pin]] = {}  # tenant -> chunk key -> pin
         self.pinned: dict[Hashable, int] = {}  # tenant -> bytes
         self.pinned_keys: dict[Hashable, set] = {}  # chunk key -> the tenants pinning it
@@ -175,9 +175,9 @@ class HintBook:
                 if mark.owner != owner:
                     mark.owner = _SHARED
                 mark.done = False
-        if self._restored_retains:  # a chunk retained under a previous control plane: retained again
+        if self.restored_retains:  # a chunk retained under a previous control plane: retained again
             for node in nodes:
-                until = self._restored_retains.pop(node.key, None)
+                until = self.restored_retains.pop(node.key, None)
                 if until is not None:
                     mark = self._mark(node)
                     mark.retain_until = max(mark.retain_until, until)
@@ -376,8 +376,8 @@ class HintBook:
     def restore(self, state: dict, now: float) -> None:
         """Take over a previous control plane's :meth:`snapshot` (this one new, its hints empty):
         pins and retentions whose end has not passed (a pinned chunk is pinned again when a request
-        references it, as one whose node was reclaimed is; its bytes count against its tenant's cap
-        at once), sessions (their announced turns decide admission again, their due prewarms are
+        references it, as one whose node was reclaimed is, its recovered SSD objects kept meanwhile:
+        ``Residency._drop_recovered_hinted``; its bytes count against its tenant's cap at once), sessions (their announced turns decide admission again, their due prewarms are
         due again) and the ended sessions. A pin or retention past this plane's caps (a smaller
         SSD tier) is dropped, counted as refused."""
         for tenant, mine in state.get("pins", {}).items():
@@ -404,7 +404,7 @@ class HintBook:
                     self.counters.retains_refused += 1
                     continue
                 self.retains.setdefault(tenant, {})[key] = [until, charge]
-                self._restored_retains[key] = max(until, self._restored_retains.get(key, -math.inf))
+                self.restored_retains[key] = max(until, self.restored_retains.get(key, -math.inf))
                 self.retained[tenant] = self.retained.get(tenant, 0) + charge
                 self._seq += 1
                 heapq.heappush(self._retain_expiry, (until, self._seq, tenant, key))

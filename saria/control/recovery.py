@@ -1,7 +1,8 @@
 """SSD recovery: taking over the objects a previous run left on the drives (``ControlPlane.recover_ssd``).
 
 A recovered object holds its SSD bytes at once (``Residency.recovered``: when SSD room is needed,
-these go first, oldest first, before any copy in the SSD LRU) but has no node until a request's
+these go first, oldest first, before any copy in the SSD LRU; under hints restored from a previous
+control plane, a pinned chunk's never and a retained chunk's last) but has no node until a request's
 chunks reach it: then the run of recovered chunks right after the known prefix joins the context
 tree (:meth:`SsdRecovery.adopt_run`) and a plan reloads it like any SSD copy (a recovered chunk
 that a request recomputes keeps its SSD copy). Dropped at once: objects that do not fit, objects

@@ -268,8 +268,12 @@ class Residency:
         if need > ssd.capacity:
             return False
         lru, recovered = ssd.lru, self.recovered
-        while ssd.capacity - ssd.used < need and recovered:
-            self.drop_recovered(next(iter(recovered)), changes)
+        if recovered and ssd.capacity - ssd.used < need:
+            if self.hints.active:
+                self._drop_recovered_hinted(need, changes)
+            else:
+                while ssd.capacity - ssd.used < need and recovered:
+                    self.drop_recovered(next(iter(recovered)), changes)
         if self.hints.active:
             return self._reserve_ssd_hinted(need, changes)
         while ssd.capacity - ssd.used < need:
@@ -281,6 +285,28 @@ class Residency:
             self.drop_ssd(victim, changes)
         ssd.used += need
         return True
+
+    def _drop_recovered_hinted(self, need: int, changes: PendingChanges) -> None:
+        """:meth:`reserve_ssd`'s room from recovered objects under hints (a previous control plane's
+        pins and retentions, ``ControlPlane.restore_hints``, wait for a request to reach their chunks):
+        a pinned chunk's objects are never dropped, a retained chunk's only when no other recovered
+        object is left (each group oldest first)."""
+        ssd, hints, now = self.ssd, self.hints, self._tree.clock
+        pinned, retains = hints.pinned_keys, hints.restored_retains
+        retained: list[ObjectKey] = []
+        for key in list(self.recovered):
+            if ssd.capacity - ssd.used >= need:
+                return
+            if key.chunk in pinned:
+                continue
+            if retains.get(key.chunk, -1.0) > now:
+                retained.append(key)
+                continue
+            self.drop_recovered(key, changes)
+        for key in retained:
+            if ssd.capacity - ssd.used >= need:
+                return
+            self.drop_recovered(key, changes)
 
     def _reserve_ssd_hinted(self, need: int, changes: PendingChanges) -> bool:
         """:meth:`reserve_ssd`'s LRU eviction under hints: a pinned copy is never evicted, a copy
