@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from saria.kernels import BlockIds, PageTable
-from saria.orders import STATE, ObjectKey, ReloadPlan, Tier
+from saria.orders import DRAM, KV, STATE, ObjectKey, ReloadPlan, Tier
 
 from saria.dataplane.transfer.flags import LazyEvent
 
@@ -69,17 +69,18 @@ class _ItemJob:
 
     timeline = None  # a LoadJob's, if it keeps one (a layer-wise step keeps none)
 
-    def _init_items(self, items, after) -> None:
+    def _init_items(self, items, after, pending: int | None = None) -> None:
+        """``pending``: how many items will be finished (default ``len(items)``)."""
         self.after = after
         self.items = items
-        self._pending = len(items)
+        self._pending = len(items) if pending is None else pending
         self._lock = threading.Lock()
         self._issued = LazyEvent()  # made per job, seldom waited on before it is set
         self._events: list = []
         self._failed: list[LoadItem] = []
         self._start = time.perf_counter()
         self._end: float | None = None
-        if not items:
+        if not self._pending:
             self._issued.set()
 
     def _what(self) -> str:
@@ -241,20 +242,76 @@ def _failed_result(plan: ReloadPlan, failed: list[LoadItem], dram_bytes: int, ss
 
 
 class StepJob(_ItemJob):
-    """One layer-wise step's reloads of several plans as one job (built on the hook's thread once
-    per step, not once per plan): ``items`` of every plan, each naming its plan's position in
-    ``plans`` (:attr:`LoadItem.plan`). The engine finishes items on it as on a :class:`LoadJob`;
-    :meth:`outcomes` / :meth:`wait` give one :class:`LoadResult` per plan, in order, each from its
-    own items only (one plan's failed object never touches another plan's result).
-    ``after``: as for :class:`LoadJob`."""
+    """One layer-wise step's reloads of several plans as one job (one a step, not one per plan):
+    the hook checks every plan and its block ids and hands them over; each path thread makes the
+    items of its own tier (:meth:`take`: a :class:`LoadItem` per object, naming its plan's position
+    in ``plans``, :attr:`LoadItem.plan`), off the hook's thread. The engine finishes items on it as
+    on a :class:`LoadJob`; :meth:`outcomes` / :meth:`wait` give one :class:`LoadResult` per plan, in
+    order, each from its own items only (one plan's failed object never touches another plan's
+    result).
 
-    def __init__(self, plans: list[ReloadPlan], items: list[LoadItem], after=None):
+    ``ids``: the checked block ids of every plan's chunks in order, plan after plan (a list of
+    :class:`~saria.kernels.BlockIds`, or a callable that makes that list: ids a batch check
+    vouched for, made by the first path thread that needs them); ``skips``: each plan's
+    ``skip_pages`` (its first chunk's); ``table``, ``nbytes``: every object's page table and size
+    (layer-wise objects are kv objects, none in an FP8 form); ``after``: as for :class:`LoadJob`."""
+
+    def __init__(self, plans: list[ReloadPlan], ids, skips: list[int], table: PageTable, nbytes: int,
+                 after=None):
         self.plans = plans
-        self._init_items(items, after)
+        self.skips = skips
+        self.table, self.nbytes = table, nbytes
+        self._ids = ids
+        self._lost: list[bool] = []  # paths (dram or not) that could not make their items (abandon)
+        self.count = sum(len(plan.kv_sources) for plan in plans)  # objects, every tier (as many as chunks)
+        self._init_items([], after, self.count)  # the path threads add the items they make
         self._results: list[LoadResult] | None = None  # made once every item is issued
 
     def _what(self) -> str:
         return "layer-wise reloads"
+
+    def _block_ids(self) -> list:
+        ids = self._ids
+        if callable(ids):
+            with self._lock:  # made once, by the first path thread
+                if callable(self._ids):
+                    self._ids = self._ids()
+                ids = self._ids
+        return ids
+
+    def take(self, dram: bool) -> list[LoadItem]:
+        """The items of every plan's objects read from DRAM (``dram``) or from anywhere else (the
+        SSD path's), in plan and chunk order: a path thread's work, made there; each is then
+        finished on this job."""
+        ids = self._block_ids()
+        table, nbytes, out, base = self.table, self.nbytes, [], 0
+        for p, plan in enumerate(self.plans):
+            sources = plan.kv_sources
+            n = len(sources)
+            if (DRAM in sources) if dram else sources.count(DRAM) < n:
+                skip = self.skips[p]
+                for i, (chunk, source) in enumerate(zip(plan.chunk_hashes, sources)):
+                    if (source is DRAM) is dram:
+                        out.append(LoadItem(i, ObjectKey(chunk, KV), source, table, ids[base + i], nbytes,
+                                            skip if i == 0 else 0, False, p))
+            base += n
+        with self._lock:
+            self.items += out
+        return out
+
+    def abandon(self, dram: bool) -> int:
+        """A path thread could not make its items (:meth:`take` raised): every object it would
+        have taken fails (counted here, so that no waiter hangs; named in the results). Returns
+        how many."""
+        n = sum(plan.kv_sources.count(DRAM) if dram else len(plan.kv_sources) - plan.kv_sources.count(DRAM)
+                for plan in self.plans)
+        with self._lock:
+            self._lost.append(dram)
+            self._pending -= n
+            last = self._pending <= 0
+        if last:
+            self._issued.set()
+        return n
 
     def outcomes(self, timeout: float | None = None) -> list[LoadResult]:
         """Each plan's result once every object is issued or failed, without waiting for the device
@@ -289,6 +346,12 @@ class StepJob(_ItemJob):
         failed: dict[int, list[LoadItem]] = {}
         for item in self._failed:
             failed.setdefault(item.plan, []).append(item)
+        if self._lost:  # objects no path thread made an item of
+            for p, plan in enumerate(self.plans):
+                for i, (chunk, source) in enumerate(zip(plan.chunk_hashes, plan.kv_sources)):
+                    if (source is DRAM) in self._lost:
+                        failed.setdefault(p, []).append(LoadItem(i, ObjectKey(chunk, KV), source, self.table, None,
+                                                                 self.nbytes, plan=p))
         out = []
         for p, plan in enumerate(self.plans):
             bad = failed.get(p)
