@@ -131,16 +131,6 @@ class Tables:
             return None
         return Vouched(rows, flat, ends, pages)
 
-    def checked_ids(self, kind: str, gather) -> "CheckedIds":
-        """A step's block id lists (``gather()``, e.g. every kv object's of the step) checked in one
-        batch (:meth:`ids_batch`), to look up by the list itself (:class:`CheckedIds`). Never
-        raises (arguments too malformed to gather: nothing is vouched for)."""
-        try:
-            blocks = list(gather())
-        except Exception:
-            blocks = []
-        return CheckedIds(blocks, self.ids_batch(kind, blocks))
-
 
 class Vouched:
     """Block id lists a batch check vouched for (:meth:`Tables.vouch`): ``rows``, their positions
@@ -155,22 +145,6 @@ class Vouched:
     def make(self) -> list[BlockIds]:
         """The ids of every row, one lazy batch (its tensor made on first read: BlockIds._rows)."""
         return BlockIds._rows(self.flat, [end + 1 for end in self.ends], self.pages)
-
-
-class CheckedIds:
-    """Block id lists checked in one batch (:meth:`Tables.checked_ids`): :meth:`get` gives the
-    checked ids of one of those very lists (matched by identity: each list is kept alive here, so
-    no other object can take its ``id``), or ``None`` where the caller checks it itself
-    (:meth:`Tables.ids`)."""
-
-    __slots__ = ("_by_id",)
-
-    def __init__(self, blocks: list, ids: list[BlockIds | None]):
-        self._by_id = {id(b): (b, i) for b, i in zip(blocks, ids) if i is not None}
-
-    def get(self, blocks) -> BlockIds | None:
-        entry = self._by_id.get(id(blocks))
-        return entry[1] if entry is not None and entry[0] is blocks else None
 
 
 def _unpack(item: LoadItem, staging: torch.Tensor) -> None:
