@@ -498,3 +498,36 @@ def test_load_layers_refuses_every_bad_id_as_the_one_by_one_check_does(tmp_path,
                 for item in step.job.items}
         assert made == given_ids
         assert all(item.skip == (loads[item.plan][2] if item.index == 0 else 0) for item in step.job.items)
+
+
+def test_a_path_thread_that_cannot_make_its_items_fails_its_objects_and_no_wait_hangs(tmp_path, monkeypatch):
+    """The path threads make the load items (StepJob.take): one that cannot fails every object of
+    its tier (StepJob.abandon), each plan's result naming them from its own chunks on, while the
+    other path's objects land; no layer's wait hangs."""
+    from saria.dataplane.transfer.load_job import StepJob
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["a", "b", "c"], [Tier.DRAM, Tier.SSD, Tier.DRAM])
+        real = StepJob.take
+
+        def take(job, dram):
+            if dram:
+                raise MemoryError("no room for the items")
+            return real(job, dram)
+
+        monkeypatch.setattr(StepJob, "take", take)
+        failures = dst.counters()["engine"]["load_failures"]
+        step = dst.load_layers([(plan(["a", "b"], [Tier.DRAM, Tier.SSD], plan_id=1), [[40, 41], [42, 43]], 0),
+                                (plan(["b"], [Tier.SSD], plan_id=2), [[44, 45]], 0),
+                                (plan(["c"], [Tier.DRAM], plan_id=3), [[46, 47]], 0)])
+        done = threading.Event()
+        threading.Thread(target=lambda: (step.wait_all(), done.set()), daemon=True).start()
+        assert done.wait(30), "a layer's wait hung after a path could not make its items"
+        first, second, third = step.finish(timeout=30)
+        assert first.failed == (ObjectKey("a", "kv"),) and first.valid_chunks == 0
+        assert second.ok and second.valid_chunks == 1  # the SSD path's objects landed
+        assert third.failed == (ObjectKey("c", "kv"),) and third.valid_chunks == 0
+        assert dst.counters()["engine"]["load_failures"] == failures + 2
+        for layer in caches:  # the SSD object's pages hold what was stored from pages [2, 3]
+            assert same(layer[44], layer[2]) and same(layer[45], layer[3])
