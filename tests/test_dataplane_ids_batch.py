@@ -1,4 +1,4 @@
-"""Tables.ids_batch / checked_ids: a step's block ids checked in one batch vouch for exactly what
+"""Tables.ids_batch / vouch: a step's block ids checked in one batch vouch for exactly what
 Tables.ids accepts one by one (same values, same bound), and for nothing it refuses."""
 
 import torch
@@ -58,12 +58,10 @@ def test_batch_vouches_for_exactly_what_ids_accepts(entries):
     if entries and all(isinstance(b, (list, tuple)) and all(type(x) is int for x in b) for b in entries) and \
             not any(isinstance(s, Exception) for s in singles):
         assert all(b is not None for b in batch)
-    checked = TABLES.checked_ids(KV, lambda: entries)
-    for b, got in zip(entries, batch):
-        found = checked.get(b)
-        assert (found is None) == (got is None) and (found is None or torch.equal(found.on(cpu), got.on(cpu)))
-    if entries and isinstance(entries[0], (list, tuple)):  # an equal list that is not the one checked
-        assert checked.get(list(entries[0]) if isinstance(entries[0], tuple) else tuple(entries[0])) is None
+    vouched = TABLES.vouch(KV, entries)  # the check alone (the hooks' fast path): the same rows
+    assert (vouched.rows if vouched is not None else []) == [i for i, got in enumerate(batch) if got is not None]
+    if vouched is not None:
+        assert [ids.end for ids in vouched.make()] == [batch[i].end for i in vouched.rows]
 
 
 def test_a_bad_list_anywhere_leaves_every_entry_to_ids():
@@ -74,7 +72,7 @@ def test_a_bad_list_anywhere_leaves_every_entry_to_ids():
         assert TABLES.ids_batch(KV, [good, bad, good]) == [None, None, None]
     short = TABLES.ids_batch(KV, [good, (0, 1, 2), torch.tensor(good)])  # only the lists of the right length
     assert short[0] is not None and short[1:] == [None, None]
-    assert TABLES.checked_ids(KV, lambda: 1 / 0).get(good) is None  # nothing gathered: nothing vouched
+    assert TABLES.vouch(KV, [good, (0, 1, 2, True)]) is None and TABLES.vouch(KV, []) is None
 
 
 def test_batch_makes_its_tensor_on_first_read_from_what_was_checked():

@@ -557,3 +557,53 @@ def test_a_layerwise_loads_results_are_made_by_its_last_path_thread(tmp_path, mo
         assert load.end() == [first, second]
         assert all(same(eng.kv_table.tensors[t][20 + p], eng.kv_table.tensors[t][p]) for t in range(3)
                    for p in range(4))
+
+
+_bad_id = st.sampled_from([True, 41.0, "41", -1, NB, 2 ** 64, None])
+_ids_list = st.one_of(
+    st.lists(st.integers(0, NB - 1), min_size=PAGES, max_size=PAGES),  # the usual case
+    st.lists(st.integers(0, NB - 1), min_size=PAGES, max_size=PAGES).map(tuple),
+    st.tuples(st.lists(st.integers(0, NB - 1), min_size=PAGES, max_size=PAGES), st.integers(0, PAGES - 1),
+              _bad_id).map(lambda t: t[0][:t[1]] + [t[2]] + t[0][t[1] + 1:]),  # one bad id in a good list
+    st.lists(st.integers(0, NB - 1), min_size=PAGES - 1, max_size=PAGES + 1),
+    st.lists(st.integers(0, NB - 1), min_size=PAGES, max_size=PAGES).map(lambda v: torch.tensor(v)),
+    st.none(),  # no ids for the chunk
+)
+
+
+@settings(max_examples=4 * EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_store_layers_refuses_every_bad_id_as_the_one_by_one_check_does(tmp_path_factory, data):
+    """The hook checks a step's block ids in one batch (Tables.vouch) and the step's preparation
+    makes its objects from them: whatever the lists, a step is refused with the first error of the
+    one-by-one check (Tables.ids, order after order, chunk after chunk), before anything started;
+    a step accepted stores each object from exactly the ids given."""
+    chunks = [f"c{i}" for i in range(data.draw(st.integers(1, 4), label="chunks"))]
+    blocks = {c: data.draw(_ids_list, label=c) for c in chunks if data.draw(st.integers(0, 12)) > 0}
+    orders, at = [], 0
+    while at < len(chunks):
+        n = data.draw(st.integers(1, 2))
+        orders.append(StoreOrder(len(orders) + 1, tuple(chunks[at:at + n]), (), 0))
+        at += n
+    with rig(tmp_path_factory.mktemp("s"), caches_of(4, 2, 8), 4096, ssd=False) as eng:
+        expected = None
+        for order in orders:
+            for n, chunk in enumerate(order.kv):
+                try:
+                    eng._tables.ids("kv", f"kv object {n} of order {order.order_id}", blocks.get(chunk))
+                except ValueError as exc:
+                    expected = expected or str(exc)
+        free = eng.host_pool.free_slots
+        if expected is not None:
+            with pytest.raises(ValueError) as refused:
+                eng.store_layers(orders, blocks)
+            assert str(refused.value) == expected
+            assert eng.host_pool.free_slots == free and eng.counters()["engine"]["layerwise_save_steps"] == 0
+            return
+        step = eng.store_layers(orders, blocks)
+        for layer in range(step.layers):
+            step.save_layer(layer)
+        runs = step.finish()
+        assert [run.order for run in runs] == orders
+        made = [(obj.key.chunk, obj.ids.on(torch.device("cpu")).tolist()) for obj in step._objs()]
+        assert made == [(c, [int(x) for x in blocks[c]]) for order in orders for c in order.kv]

@@ -427,3 +427,107 @@ def test_a_plan_of_a_step_job_is_a_job_of_its_own_for_a_cluster_load(tmp_path):
         assert (failed.outcome().failed, failed.outcome().valid_chunks) == ((ObjectKey("missing", "kv"),), 0)
         assert mine.wait(timeout=30).ok and other.wait(timeout=30).plan_id == 8
         step.finish(timeout=30)
+
+
+_id_value = st.one_of(st.integers(40, NB - 1), st.integers(40, NB - 1), st.integers(40, NB - 1),
+                      st.sampled_from([-1, NB]), st.booleans(), st.just(41.0), st.just("41"), st.just(2 ** 64))
+_block_list = st.one_of(
+    st.lists(st.integers(40, NB - 1), min_size=PAGES, max_size=PAGES),  # the usual case
+    st.lists(st.integers(40, NB - 1), min_size=PAGES, max_size=PAGES).map(tuple),
+    st.lists(st.sampled_from([-2, -1, 40, 41, 42, 60, NB - 1, NB, NB + 1]), min_size=PAGES, max_size=PAGES),  # edges
+    st.lists(_id_value, min_size=PAGES - 1, max_size=PAGES + 1),
+    st.tuples(st.lists(st.integers(40, NB - 1), min_size=PAGES, max_size=PAGES), st.integers(0, PAGES - 1),
+              st.sampled_from([True, 41.0, "41", -1, NB, 2 ** 64, None])).map(
+        lambda t: t[0][:t[1]] + [t[2]] + t[0][t[1] + 1:]),  # one bad id in a good list
+    st.lists(st.integers(40, NB - 1), min_size=PAGES, max_size=PAGES).map(lambda v: torch.tensor(v)),
+    st.none(),
+)
+
+
+def _refusal_one_by_one(engine: TransferEngine, loads) -> str | None:
+    """What load_layers must refuse, checked plan by plan and id list by id list as a reload of
+    each plan alone checks them (Tables.ids): the first error's message, or None."""
+    for p, kv_blocks, skip in loads:
+        if len(kv_blocks) != p.num_chunks:
+            return f"plan {p.plan_id} has {p.num_chunks} chunks but {len(kv_blocks)} block lists"
+        for i, blocks in enumerate(kv_blocks):
+            try:
+                engine._tables.ids("kv", f"the kv object of chunk {i} of plan {p.plan_id}", blocks)
+            except ValueError as exc:
+                return str(exc)
+        if not 0 <= skip < PAGES or (skip and not p.num_chunks):
+            return f"skip_pages must be in [0, {PAGES}) and needs a chunk, got {skip}"
+    return None
+
+
+@settings(max_examples=4 * EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_load_layers_refuses_every_bad_id_as_the_one_by_one_check_does(tmp_path, data):
+    """The hook checks a step's block ids in one batch (Tables.vouch) and hands them to the path
+    threads, which make the load items: whatever the lists (ints out of range, bools, floats,
+    strings, wrong lengths, tuples, tensors, None), a step is refused with the first error of the
+    one-by-one check, before anything started; a step accepted loads into exactly the ids given."""
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        chunks = ["a", "b", "c"]
+        put(src, chunks, [Tier.DRAM] * 3)
+        loads = []
+        for p in range(data.draw(st.integers(1, 3), label="plans")):
+            n = data.draw(st.integers(0, 2), label="chunks")
+            lists = data.draw(st.lists(_block_list, min_size=n, max_size=n), label="ids")
+            if n and data.draw(st.integers(0, 9), label="short") == 0:
+                lists = lists[:-1]
+            skip = data.draw(st.sampled_from([0, 0, 1, PAGES]), label="skip")
+            loads.append((plan(chunks[:n], [Tier.DRAM] * n, plan_id=p + 1), lists, skip))
+        expected = _refusal_one_by_one(dst, loads)
+        before = dst.counters()["engine"]["layerwise_steps"]
+        if expected is not None:
+            with pytest.raises(ValueError) as refused:
+                dst.load_layers(loads)
+            assert str(refused.value) == expected
+            assert dst.counters()["engine"]["layerwise_steps"] == before  # nothing started
+            return
+        step = dst.load_layers(loads)
+        results = step.finish(timeout=30)
+        given_ids = {(p.plan_id, i): [int(x) for x in blocks] for p, lists, _ in loads
+                     for i, blocks in enumerate(lists)}
+        flat = [x for ids in given_ids.values() for x in ids]
+        assert [r.plan_id for r in results] == [p.plan_id for p, _, _ in loads]
+        assert all(r.ok for r in results) or len(set(flat)) < len(flat)  # a page named twice fails its copy
+        made = {(loads[item.plan][0].plan_id, item.index): item.blocks.on(torch.device("cpu")).tolist()
+                for item in step.job.items}
+        assert made == given_ids
+        assert all(item.skip == (loads[item.plan][2] if item.index == 0 else 0) for item in step.job.items)
+
+
+def test_a_path_thread_that_cannot_make_its_items_fails_its_objects_and_no_wait_hangs(tmp_path, monkeypatch):
+    """The path threads make the load items (StepJob.take): one that cannot fails every object of
+    its tier (StepJob.abandon), each plan's result naming them from its own chunks on, while the
+    other path's objects land; no layer's wait hangs."""
+    from saria.dataplane.transfer.load_job import StepJob
+
+    caches = caches_of(4, 2, 8)
+    with rig(tmp_path, caches, 4096) as (src, dst, store):
+        put(src, ["a", "b", "c"], [Tier.DRAM, Tier.SSD, Tier.DRAM])
+        real = StepJob.take
+
+        def take(job, dram):
+            if dram:
+                raise MemoryError("no room for the items")
+            return real(job, dram)
+
+        monkeypatch.setattr(StepJob, "take", take)
+        failures = dst.counters()["engine"]["load_failures"]
+        step = dst.load_layers([(plan(["a", "b"], [Tier.DRAM, Tier.SSD], plan_id=1), [[40, 41], [42, 43]], 0),
+                                (plan(["b"], [Tier.SSD], plan_id=2), [[44, 45]], 0),
+                                (plan(["c"], [Tier.DRAM], plan_id=3), [[46, 47]], 0)])
+        done = threading.Event()
+        threading.Thread(target=lambda: (step.wait_all(), done.set()), daemon=True).start()
+        assert done.wait(30), "a layer's wait hung after a path could not make its items"
+        first, second, third = step.finish(timeout=30)
+        assert first.failed == (ObjectKey("a", "kv"),) and first.valid_chunks == 0
+        assert second.ok and second.valid_chunks == 1  # the SSD path's objects landed
+        assert third.failed == (ObjectKey("c", "kv"),) and third.valid_chunks == 0
+        assert dst.counters()["engine"]["load_failures"] == failures + 2
+        for layer in caches:  # the SSD object's pages hold what was stored from pages [2, 3]
+            assert same(layer[44], layer[2]) and same(layer[45], layer[3])

@@ -52,8 +52,8 @@ from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from saria.orders import KV, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, Tier, \
-    WriteOrder
+from saria.orders import DRAM, KV, SSD, STATE, DropOrder, ObjectKey, Order, PromoteOrder, ReloadPlan, StoreOrder, \
+    Tier, WriteOrder
 from saria.kernels import PageTable, warm_kernels
 
 from saria.dataplane.devices import pool_initializer
@@ -74,7 +74,7 @@ from saria.dataplane.transfer.results import Completion, EngineCounters, OrderRu
 from saria.dataplane.transfer.ssd_loads import SsdLoads
 from saria.dataplane.transfer.stores import Stores
 from saria.dataplane.transfer.streams import Streams
-from saria.dataplane.transfer.tables import Blocks, CheckedIds, Tables
+from saria.dataplane.transfer.tables import Blocks, Tables
 from saria.dataplane.transfer.writes import Writes
 
 __all__ = ["Blocks", "Completion", "DramObject", "DramStore", "EngineCounters", "LoadItem", "LoadJob", "LoadResult",
@@ -212,23 +212,17 @@ class TransferEngine:
             self._dram_loads.submit(job, dram_items)
         return job
 
-    def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int,
-                  checked: CheckedIds | None = None, position: int = 0) -> list[LoadItem]:
-        """The plan's kv objects as load items, their block ids checked (``ValueError``).
-        ``checked``: the step's ids checked in one batch already (:meth:`Tables.checked_ids`);
-        ``position``: the plan's position in a layer-wise step (:attr:`LoadItem.plan`)."""
+    def _kv_items(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], skip_pages: int) -> list[LoadItem]:
+        """The plan's kv objects as load items, their block ids checked (``ValueError``)."""
         if len(kv_blocks) != plan.num_chunks:
             raise ValueError(f"plan {plan.plan_id} has {plan.num_chunks} chunks but {len(kv_blocks)} block lists")
         items = []
         fp8 = self._tables.quantized(KV)
         for i, (chunk, tier, blocks) in enumerate(zip(plan.chunk_hashes, plan.kv_sources, kv_blocks)):
             quantized = fp8 and tier is Tier.SSD  # arrives in its FP8 form, dequantized by the unpack
-            ids = checked.get(blocks) if checked is not None else None
-            if ids is None:
-                ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
+            ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
             items.append(LoadItem(i, ObjectKey(chunk, KV), tier, self.kv_table, ids,
-                                   self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized,
-                                   plan=position))
+                                   self.kv_ssd_bytes if quantized else self.kv_bytes, quantized=quantized))
         if not 0 <= skip_pages < self.pages_per_chunk or (skip_pages and not items):
             raise ValueError(f"skip_pages must be in [0, {self.pages_per_chunk}) and needs a chunk, got {skip_pages}")
         if items:
@@ -272,29 +266,83 @@ class TransferEngine:
         return (plan.state_chunk is None and paths.capable
                 and not (self._tables.quantized(KV) and Tier.SSD in plan.kv_sources))
 
+    def layerwise_ok_all(self, plans: Sequence[ReloadPlan]) -> list[bool]:
+        """:meth:`layerwise_ok` for each of a step's plans, the engine's part of it checked once
+        (a plan of no chunk: ``True``, the engine not asked; none with a chunk: the engine never
+        asked)."""
+        if not any(plan.chunk_hashes for plan in plans):
+            return [True] * len(plans)
+        paths = self._layerwise if self._layerwise is not None and not self._closed else self.layerwise()
+        if not paths.capable:
+            return [not plan.chunk_hashes for plan in plans]
+        if self._tables.quantized(KV):
+            return [not plan.chunk_hashes or (plan.state_chunk is None and SSD not in plan.kv_sources)
+                    for plan in plans]
+        return [not plan.chunk_hashes or plan.state_chunk is None for plan in plans]
+
     def load_layers(self, loads: Sequence[tuple[ReloadPlan, Sequence[Blocks], int]]) -> StepLoad:
         """Start one step's reloads layer by layer: ``loads`` are ``(plan, kv_blocks, skip_pages)``
         as for :meth:`load`, all in one :class:`~saria.dataplane.transfer.load_job.StepJob` of the
         returned :class:`~saria.dataplane.transfer.layerwise.StepLoad`. Call ``wait_layer(l)`` on it
         before layer ``l`` reads its pages and ``end()`` (or ``finish()``) for the results, one per plan. Raises (``ValueError``: a plan
         :meth:`layerwise_ok` refuses, bad block ids, an SSD source without a store) only before
-        anything started."""
+        anything started.
+
+        This thread checks everything (every block id: in one batch, :meth:`Tables.vouch`, or one
+        by one where the batch does not vouch for every list, with the same errors in the same
+        order); the path threads make the load items and the ids' objects (:meth:`StepJob.take`)."""
         self._check_open()
         paths = self.layerwise()
-        plans, items = [], []
         after = self._streams.caller_event()  # the copies follow the caller's queued work
-        checked = self._tables.checked_ids(KV, lambda: [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks])
-        capable, fp8, no_ssd = paths.capable, self._tables.quantized(KV), self.ssd is None
-        for p, (plan, kv_blocks, skip_pages) in enumerate(loads):
-            if plan.state_chunk is not None or not capable or (fp8 and Tier.SSD in plan.kv_sources):  # layerwise_ok
+        try:
+            lists = [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks]
+        except Exception:  # each plan's own check below says which and why
+            lists = []
+        vouched = self._tables.vouch(KV, lists)
+        every = vouched is not None and len(vouched.rows) == len(lists)  # the common case: nothing left to check
+        capable, fp8, no_ssd, pages = paths.capable, self._tables.quantized(KV), self.ssd is None, self.pages_per_chunk
+        plans, skips, ids = [], [], None if every else []
+        made = None if every else dict(zip(vouched.rows, vouched.make())) if vouched is not None else {}
+        dram = other = False  # whether the DRAM path, the SSD path have work
+        for plan, kv_blocks, skip_pages in loads:
+            sources = plan.kv_sources
+            has_ssd = SSD in sources
+            if plan.state_chunk is not None or not capable or (fp8 and has_ssd):  # layerwise_ok
                 raise ValueError(f"plan {plan.plan_id} cannot be reloaded layer by layer (a GDN state, an FP8 SSD "
                                  "object, or pages that straddle host slots): reload it whole with load()")
-            items += self._kv_items(plan, kv_blocks, skip_pages, checked, p)
-            if no_ssd and Tier.SSD in plan.kv_sources:
+            n = len(plan.chunk_hashes)
+            if len(kv_blocks) != n:
+                raise ValueError(f"plan {plan.plan_id} has {n} chunks but {len(kv_blocks)} block lists")
+            if not every:  # some list the batch did not vouch for: each checked here, in order
+                ids += self._checked_kv_ids(plan, kv_blocks, made, len(ids), lists)
+            if not 0 <= skip_pages < pages or (skip_pages and not n):
+                raise ValueError(f"skip_pages must be in [0, {pages}) and needs a chunk, got {skip_pages}")
+            if no_ssd and has_ssd:
                 raise ValueError(f"plan {plan.plan_id} reads from SSD but this engine has no SSD store")
+            if len(sources) != n:
+                raise ValueError(f"plan {plan.plan_id} has {n} chunks but {len(sources)} kv sources")
+            d = sources.count(DRAM)
+            dram = dram or d > 0
+            other = other or d < n
             plans.append(plan)
-        self._counters.add(loads=len(plans), load_objects=len(items))
-        return paths.submit(StepJob(plans, items, after))
+            skips.append(skip_pages)
+        job = StepJob(plans, vouched.make if every else ids, skips, self.kv_table, self.kv_bytes, after)
+        self._counters.add(loads=len(plans), load_objects=job.count)
+        return paths.submit(job, dram=dram, ssd=other)
+
+    def _checked_kv_ids(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], made: dict, base: int,
+                        lists: list) -> list:
+        """A plan's kv block ids (its chunks' in order; ``ValueError`` for the first bad one, named
+        by its place) where a step's batch check did not vouch for every list of the step: those
+        it vouched for taken from ``made`` (position in ``lists`` -> ids; this plan's from ``base``)."""
+        out = []
+        for i, blocks in enumerate(kv_blocks):
+            k = base + i
+            ids = made.get(k) if k < len(lists) and lists[k] is blocks else None
+            if ids is None:
+                ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
+            out.append(ids)
+        return out
 
     def retire(self, events: Sequence, then) -> None:
         """Run ``then()`` off the caller's thread once the device reached ``events`` (the hot-path

@@ -5,7 +5,7 @@ layer's copy started as soon as the engine's forward pass wrote that layer (vLLM
 
 :meth:`LayerSaves.start` (``TransferEngine.store_layers``, before the forward, on the caller's
 thread) checks the orders (kv objects from the pages only: a GDN state has no layer hook and is
-stored whole; every object's block ids, in one batch: ``Tables.checked_ids``) and makes the
+stored whole; every object's block ids, in one batch: ``Tables.vouch``) and makes the
 step's runs; nothing else runs on that thread. The step's preparation then runs, once: the DRAM
 drops given with the step (``drops``: run first, so that the slots they free can hold the step's
 objects; done by the time :meth:`StepSave.end` returns, whoever ran them), the objects' host slots
@@ -80,12 +80,14 @@ class StepSave:
     :class:`~saria.dataplane.transfer.results.OrderRun` per order, in the order given; their
     completions are done and their ``released`` events set once :meth:`finish` returned."""
 
-    def __init__(self, saves: "LayerSaves", runs: list[OrderRun], objects: list[tuple], layers: int):
+    def __init__(self, saves: "LayerSaves", runs: list[OrderRun], objects: list[tuple] | tuple, layers: int):
         self.runs = runs
         self.layers = layers
         self.saved = [False] * layers  # layers handed to a copy (by a hook or by finish)
         self._saves = saves
-        self._specs = objects  # (chunk, order index, ids) per kv object: its _Object made off the bind hook
+        # (chunk, order index, ids) per kv object, or (orders, a function that makes every object's
+        # ids in order) where a batch check vouched for all: its _Object made off the bind hook
+        self._specs = objects
         self._objects: list[_Object] | None = None  # made once (_objs), under _prepare_lock
         self._prepared = None  # the step's LayeredCopy, every layer's work (made once, by the first to need it)
         self._preparing = None  # the function that prepares it (None: done, failed, or nothing to copy)
@@ -185,7 +187,12 @@ class StepSave:
         ``_prepare_lock``."""
         objects = self._objects
         if objects is None:
-            objects = self._objects = [_Object(ObjectKey(chunk, KV), o, ids) for chunk, o, ids in self._specs]
+            specs = self._specs
+            if type(specs) is tuple:  # (orders, make): the ids vouched for by the batch check, made here
+                orders, make = specs
+                specs = zip([(chunk, o) for o, order in enumerate(orders) for chunk in order.kv], make())
+                specs = [(chunk, o, ids) for (chunk, o), ids in specs]
+            objects = self._objects = [_Object(ObjectKey(chunk, KV), o, ids) for chunk, o, ids in specs]
         return objects
 
     def _run_drops(self) -> None:
@@ -414,10 +421,16 @@ class LayerSaves:
         and prepares every layer's copies."""
         if drops and self.drop is None:
             raise ValueError("these layer-wise saves were built without a drop function: drops cannot go with a step")
-        objects: list[tuple] = []
-        checked = self.tables.checked_ids(KV, lambda: [kv_blocks.get(chunk) for order in orders
-                                               if isinstance(order, (StoreOrder, PromoteOrder)) for chunk in order.kv])
-        capable, get, vouched = self.loads.capable, kv_blocks.get, checked.get
+        get = kv_blocks.get
+        try:  # every object's block id list, in the order of the loop below
+            lists = [get(chunk) for order in orders for chunk in order.kv]
+        except Exception:  # the loop says which order and why
+            lists = []
+        vouched = self.tables.vouch(KV, lists)
+        every = vouched is not None and len(vouched.rows) == len(lists)  # the common case: nothing left to check
+        made = None if every else dict(zip(vouched.rows, vouched.make())) if vouched is not None else {}
+        objects: list[tuple] | None = None if every else []  # (chunk, order index, ids), where checked here
+        capable, k = self.loads.capable, 0
         for o, order in enumerate(orders):
             kind = type(order)
             if kind is not StoreOrder:  # the common case needs none of these checks but the last
@@ -429,19 +442,24 @@ class LayerSaves:
             if order.state or not capable or (kind is not StoreOrder and not self.ok(order)):
                 raise ValueError(f"order {order.order_id} cannot be stored layer by layer (a GDN state, or pages "
                                  "that straddle host slots): store it whole with store()")
+            if every:  # vouched for: the objects are made by the step's preparation (StepSave._objs)
+                continue
             for n, chunk in enumerate(order.kv):
                 blocks = get(chunk)
-                ids = vouched(blocks)
+                ids = made.get(k) if k < len(lists) and lists[k] is blocks else None
                 if ids is None:  # by place: never its chunk hash
                     ids = self.tables.ids(KV, f"kv object {n} of order {order.order_id}", blocks)
                 objects.append((chunk, o, ids))
+                k += 1
+        if every:
+            objects = (tuple(orders), vouched.make)
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
         released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
         runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
         step._drops = [(order, None if keys is None else list(keys)) for order, keys in drops]
-        self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(objects))
+        self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(lists) if every else len(objects))
         with self._lock:
             self._open.add(step)
         try:

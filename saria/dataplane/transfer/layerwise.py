@@ -69,9 +69,9 @@ class _Path:
     """One path's work of one step: per layer, ``issued`` (set once the layer's copies are queued,
     or given up) and the device event recorded after them (``None``: nothing to wait for)."""
 
-    def __init__(self, name: str, layers: int, items: list[LoadItem]):
+    def __init__(self, name: str, layers: int):
         self.name = name
-        self.items = items
+        self.items: list[LoadItem] = []  # made by the path's thread (StepJob.take)
         self.issued = LayerFlags(layers)
         self.events: list[Event | None] = [None] * layers
         self.done = LazyEvent()  # every layer issued and every item finished on its job
@@ -253,7 +253,7 @@ class LayerwiseLoads:
         self.refusal = "a page straddles two host slots" if not fits else \
             host_address_refusal(streams.device, host_pool.segment_addresses(), host_pool.pinned)
         self.capable = self.refusal is None
-        self._queues = {name: queue.Queue() for name in PATHS}
+        self._queues = {name: queue.SimpleQueue() for name in PATHS}  # a put: C, no condition's Python
         self._threads = [threading.Thread(target=self._loop, args=(name,), name=f"saria-layers-{name}", daemon=True)
                          for name in PATHS]
         for thread in self._threads:
@@ -261,19 +261,17 @@ class LayerwiseLoads:
 
     # --- submission (the caller's thread) --------------------------------------------------------
 
-    def submit(self, job: StepJob) -> StepLoad:
-        """Start a step's reloads: ``job``, whose items are kv objects from DRAM or SSD (checked by
-        the engine). Returns at once; never raises after the job was created (an object that
-        cannot be moved is a failed object of its plan)."""
-        items = {name: [] for name in PATHS}
-        dram, ssd = items["dram"], items["ssd"]
-        for item in job.items:
-            (dram if item.tier is Tier.DRAM else ssd).append((job, item))
-        paths = [_Path(name, len(self.layers), [i for _, i in work]) for name, work in items.items() if work]
+    def submit(self, job: StepJob, *, dram: bool = True, ssd: bool = True) -> StepLoad:
+        """Start a step's reloads: ``job``, whose plans the engine checked (kv objects from DRAM or
+        SSD); ``dram`` / ``ssd``: whether it has objects for that path (a path with none is not
+        woken). Returns at once; never raises after the job was created (an object that cannot be
+        moved is a failed object of its plan). Each path thread makes its items
+        (:meth:`StepJob.take`), off this thread."""
+        paths = [_Path(name, len(self.layers)) for name, has in (("dram", dram), ("ssd", ssd)) if has]
         step = StepLoad(job, paths, len(self.layers), self.streams, self.counters, self.retirer)
-        self.counters.add(layerwise_steps=1, layerwise_objects=sum(len(w) for w in items.values()))
+        self.counters.add(layerwise_steps=1, layerwise_objects=job.count)
         for path in paths:
-            self._queues[path.name].put((step, path, items[path.name]))
+            self._queues[path.name].put((step, path))
         return step
 
     def close(self) -> None:
@@ -294,15 +292,21 @@ class LayerwiseLoads:
             work = self._queues[name].get()
             if work is None:
                 return
-            step, path, items = work
+            step, path = work
+            job, items = step.job, None
             try:
+                items = [(job, item) for item in job.take(name == "dram")]  # made here, not on the hook
+                path.items = [item for _, item in items]
                 run(step, path, items)
             except Exception as exc:  # never leaves a layer waiting or a job unfinished
                 log.warning("layer-wise %s reload failed: %s", name.upper(), exc)
-                left = [(job, item) for job, item in items if id(item) not in path.finished]
-                self.counters.add(load_failures=len(left))
-                for job, item in left:
-                    job.finish(item, error=exc)
+                if items is None:  # its items could not be made: every object of the path fails
+                    self.counters.add(load_failures=job.abandon(name == "dram"))
+                else:
+                    left = [(job, item) for job, item in items if id(item) not in path.finished]
+                    self.counters.add(load_failures=len(left))
+                    for job, item in left:
+                        job.finish(item, error=exc)
             finally:  # the failed items are failed first: a waiter wakes to them
                 path.give_up()
                 step._path_ended(path)  # sets path.done

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from saria.kernels import BlockIds, PageTable
-from saria.orders import STATE, ObjectKey, ReloadPlan, Tier
+from saria.orders import DRAM, KV, STATE, ObjectKey, ReloadPlan, Tier
 
 from saria.dataplane.transfer.flags import LazyEvent
 
@@ -61,44 +61,30 @@ class LoadItem:
     plan: int = 0  # in a layer-wise step's StepJob: the position of its plan in the step
 
 
-class LoadJob:
-    """One reload in flight. ``wait()`` blocks the host until every object is in its pages;
-    ``wait_on(streams)`` instead makes the caller's CUDA stream wait (no host block once all is issued).
+class _ItemJob:
+    """The item bookkeeping a :class:`LoadJob` and a :class:`StepJob` share: ``items`` pending until
+    the engine's threads :meth:`finish` them (each once), the failed ones, the device events after
+    which the finished ones are in their pages, and the flag set once the last one is finished.
+    :meth:`_what` names the job in messages."""
 
-    ``start_event``: with a ``timeline``, a timing event recorded when the reload started (the
-    time base of the device-timed points :meth:`mark` gets). ``after``: an event on the caller's
-    stream that the reload's unpacks must follow (its pages may still be in use by work the caller
-    queued before it, e.g. a step that freed them); ``None``: nothing to follow."""
+    timeline = None  # a LoadJob's, if it keeps one (a layer-wise step keeps none)
 
-    def __init__(self, plan: ReloadPlan, items: list[LoadItem], timeline: list | None, start_event=None,
-                 after=None):
-        if timeline is not None and start_event is not None and not start_event.enable_timing:
-            raise ValueError("a timeline's start event must be created with enable_timing=True")
-        self.plan = plan
+    def _init_items(self, items, after, pending: int | None = None) -> None:
+        """``pending``: how many items will be finished (default ``len(items)``)."""
         self.after = after
-        self.items = tuple(items)
-        self._pending = len(items)
+        self.items = items
+        self._pending = len(items) if pending is None else pending
         self._lock = threading.Lock()
-        self._issued = LazyEvent()  # made per plan and step, seldom waited on before it is set
+        self._issued = LazyEvent()  # made per job, seldom waited on before it is set
         self._events: list = []
         self._failed: list[LoadItem] = []
         self._start = time.perf_counter()
         self._end: float | None = None
-        self.timeline = timeline
-        self._start_event = start_event  # CUDA: device time base for timeline points
-        self._marks: list[tuple[str, object, int]] = []
-        self._deferred: list[tuple[Callable, list[LoadItem]]] = []
-        dram_bytes = ssd_bytes = 0
-        for i in items:
-            if i.tier is Tier.DRAM:
-                dram_bytes += i.nbytes
-            elif i.tier is Tier.SSD:
-                ssd_bytes += i.nbytes
-        self.dram_bytes, self.ssd_bytes = dram_bytes, ssd_bytes
-        if not items:
+        if not self._pending:
             self._issued.set()
 
-    # --- reported by the engine ------------------------------------------------------------------
+    def _what(self) -> str:
+        raise NotImplementedError
 
     def finish(self, items: LoadItem | Iterable[LoadItem], event=None, error: BaseException | None = None) -> None:
         """``items`` (one or several) are done: in their pages once ``event`` (CUDA) is reached,
@@ -108,8 +94,8 @@ class LoadJob:
             return
         with self._lock:
             if len(items) > self._pending:
-                raise RuntimeError(f"reload of plan {self.plan.plan_id}: {len(items)} objects finished but only "
-                                   f"{self._pending} are pending")
+                raise RuntimeError(f"{self._what()}: {len(items)} objects finished but only {self._pending} "
+                                   "are pending")
             if event is not None:
                 self._events.append(event)
             if error is not None:
@@ -123,6 +109,61 @@ class LoadJob:
     def timed(self) -> bool:
         """Whether this reload keeps a timeline (callers skip recording timing events otherwise)."""
         return self.timeline is not None
+
+    def done(self) -> bool:
+        """All objects issued (and, on CPU, copied). On CUDA the copies may still be running."""
+        return self._issued.is_set()
+
+    def ready(self) -> bool:
+        """Every object is in its pages (or failed): issued, and every CUDA event reached. Never blocks."""
+        return self._issued.is_set() and all(event.query() for event in self._events)
+
+    @property
+    def events(self) -> tuple:
+        """The device events after which every object issued so far is in its pages."""
+        with self._lock:
+            return tuple(self._events)
+
+    def wait_on(self, streams, name: str | None = None) -> None:
+        """Make a stream of ``streams`` (a :class:`~saria.dataplane.transfer.streams.Streams`; ``name``
+        ``None``: the caller's current stream) wait for every copy and unpack of this reload, without
+        blocking the host once everything is issued (on the CPU the work is done by then)."""
+        self._issued.wait()
+        for event in self._events:
+            streams.wait(name, event)
+
+
+class LoadJob(_ItemJob):
+    """One reload in flight. ``wait()`` blocks the host until every object is in its pages;
+    ``wait_on(streams)`` instead makes the caller's CUDA stream wait (no host block once all is issued).
+
+    ``start_event``: with a ``timeline``, a timing event recorded when the reload started (the
+    time base of the device-timed points :meth:`mark` gets). ``after``: an event on the caller's
+    stream that the reload's unpacks must follow (its pages may still be in use by work the caller
+    queued before it, e.g. a step that freed them); ``None``: nothing to follow."""
+
+    def __init__(self, plan: ReloadPlan, items: list[LoadItem], timeline: list | None, start_event=None,
+                 after=None):
+        if timeline is not None and start_event is not None and not start_event.enable_timing:
+            raise ValueError("a timeline's start event must be created with enable_timing=True")
+        self.plan = plan
+        self._init_items(tuple(items), after)
+        self.timeline = timeline
+        self._start_event = start_event  # CUDA: device time base for timeline points
+        self._marks: list[tuple[str, object, int]] = []
+        self._deferred: list[tuple[Callable, list[LoadItem]]] = []
+        dram_bytes = ssd_bytes = 0
+        for i in items:
+            if i.tier is Tier.DRAM:
+                dram_bytes += i.nbytes
+            elif i.tier is Tier.SSD:
+                ssd_bytes += i.nbytes
+        self.dram_bytes, self.ssd_bytes = dram_bytes, ssd_bytes
+
+    # --- reported by the engine (finish: _ItemJob) -----------------------------------------------
+
+    def _what(self) -> str:
+        return f"reload of plan {self.plan.plan_id}"
 
     def mark(self, path: str, nbytes: int, event=None) -> None:
         """A timeline point: ``nbytes`` of ``path`` done now (host time) or when ``event`` (a timing
@@ -155,14 +196,6 @@ class LoadJob:
 
     # --- for the caller --------------------------------------------------------------------------
 
-    def done(self) -> bool:
-        """All objects issued (and, on CPU, copied). On CUDA the copies may still be running."""
-        return self._issued.is_set()
-
-    def ready(self) -> bool:
-        """Every object is in its pages (or failed): issued, and every CUDA event reached. Never blocks."""
-        return self._issued.is_set() and all(event.query() for event in self._events)
-
     def wait(self, timeout: float | None = None) -> LoadResult:
         if not self._issued.wait(timeout):
             raise TimeoutError(f"reload of plan {self.plan.plan_id} not done after {timeout} s")
@@ -186,20 +219,6 @@ class LoadJob:
             raise TimeoutError(f"reload of plan {self.plan.plan_id} not issued after {timeout} s")
         return self.result()
 
-    @property
-    def events(self) -> tuple:
-        """The device events after which every object issued so far is in its pages."""
-        with self._lock:
-            return tuple(self._events)
-
-    def wait_on(self, streams, name: str | None = None) -> None:
-        """Make a stream of ``streams`` (a :class:`~saria.dataplane.transfer.streams.Streams`; ``name``
-        ``None``: the caller's current stream) wait for every copy and unpack of this reload, without
-        blocking the host once everything is issued (on the CPU the work is done by then)."""
-        self._issued.wait()
-        for event in self._events:
-            streams.wait(name, event)
-
     def result(self) -> LoadResult:
         if not self._issued.is_set():
             raise RuntimeError("reload still in flight: call wait() first")
@@ -222,66 +241,77 @@ def _failed_result(plan: ReloadPlan, failed: list[LoadItem], dram_bytes: int, ss
     return LoadResult(plan.plan_id, tuple(i.key for i in failed), valid, dram_bytes, ssd_bytes, seconds)
 
 
-class StepJob:
-    """One layer-wise step's reloads of several plans as one job (built on the hook's thread once
-    per step, not once per plan): ``items`` of every plan, each naming its plan's position in
-    ``plans`` (:attr:`LoadItem.plan`). The engine finishes items on it as on a :class:`LoadJob`;
-    :meth:`outcomes` / :meth:`wait` give one :class:`LoadResult` per plan, in order, each from its
-    own items only (one plan's failed object never touches another plan's result).
-    ``after``: as for :class:`LoadJob`."""
+class StepJob(_ItemJob):
+    """One layer-wise step's reloads of several plans as one job (one a step, not one per plan):
+    the hook checks every plan and its block ids and hands them over; each path thread makes the
+    items of its own tier (:meth:`take`: a :class:`LoadItem` per object, naming its plan's position
+    in ``plans``, :attr:`LoadItem.plan`), off the hook's thread. The engine finishes items on it as
+    on a :class:`LoadJob`; :meth:`outcomes` / :meth:`wait` give one :class:`LoadResult` per plan, in
+    order, each from its own items only (one plan's failed object never touches another plan's
+    result).
 
-    timeline = None  # a layer-wise step keeps none
-    timed = False
+    ``ids``: the checked block ids of every plan's chunks in order, plan after plan (a list of
+    :class:`~saria.kernels.BlockIds`, or a callable that makes that list: ids a batch check
+    vouched for, made by the first path thread that needs them); ``skips``: each plan's
+    ``skip_pages`` (its first chunk's); ``table``, ``nbytes``: every object's page table and size
+    (layer-wise objects are kv objects, none in an FP8 form); ``after``: as for :class:`LoadJob`."""
 
-    def __init__(self, plans: list[ReloadPlan], items: list[LoadItem], after=None):
+    def __init__(self, plans: list[ReloadPlan], ids, skips: list[int], table: PageTable, nbytes: int,
+                 after=None):
         self.plans = plans
-        self.after = after
-        self.items = items
-        self._pending = len(items)
-        self._lock = threading.Lock()
-        self._issued = LazyEvent()
-        self._events: list = []
-        self._failed: list[LoadItem] = []
-        self._start = time.perf_counter()
-        self._end: float | None = None
+        self.skips = skips
+        self.table, self.nbytes = table, nbytes
+        self._ids = ids
+        self._lost: list[bool] = []  # paths (dram or not) that could not make their items (abandon)
+        self.count = sum(len(plan.kv_sources) for plan in plans)  # objects, every tier (as many as chunks)
+        self._init_items([], after, self.count)  # the path threads add the items they make
         self._results: list[LoadResult] | None = None  # made once every item is issued
-        if not items:
-            self._issued.set()
 
-    def finish(self, items: LoadItem | Iterable[LoadItem], event=None, error: BaseException | None = None) -> None:
-        """As :meth:`LoadJob.finish`."""
-        items = [items] if isinstance(items, LoadItem) else list(items)
-        if not items:
-            return
+    def _what(self) -> str:
+        return "layer-wise reloads"
+
+    def _block_ids(self) -> list:
+        ids = self._ids
+        if callable(ids):
+            with self._lock:  # made once, by the first path thread
+                if callable(self._ids):
+                    self._ids = self._ids()
+                ids = self._ids
+        return ids
+
+    def take(self, dram: bool) -> list[LoadItem]:
+        """The items of every plan's objects read from DRAM (``dram``) or from anywhere else (the
+        SSD path's), in plan and chunk order: a path thread's work, made there; each is then
+        finished on this job."""
+        ids = self._block_ids()
+        table, nbytes, out, base = self.table, self.nbytes, [], 0
+        for p, plan in enumerate(self.plans):
+            sources = plan.kv_sources
+            n = len(sources)
+            if (DRAM in sources) if dram else sources.count(DRAM) < n:
+                skip = self.skips[p]
+                for i, (chunk, source) in enumerate(zip(plan.chunk_hashes, sources)):
+                    if (source is DRAM) is dram:
+                        out.append(LoadItem(i, ObjectKey(chunk, KV), source, table, ids[base + i], nbytes,
+                                            skip if i == 0 else 0, False, p))
+            base += n
         with self._lock:
-            if len(items) > self._pending:
-                raise RuntimeError(f"layer-wise reloads: {len(items)} objects finished but only {self._pending} "
-                                   "are pending")
-            if event is not None:
-                self._events.append(event)
-            if error is not None:
-                self._failed.extend(items)
-            self._pending -= len(items)
-            last = self._pending == 0
+            self.items += out
+        return out
+
+    def abandon(self, dram: bool) -> int:
+        """A path thread could not make its items (:meth:`take` raised): every object it would
+        have taken fails (counted here, so that no waiter hangs; named in the results). Returns
+        how many."""
+        n = sum(plan.kv_sources.count(DRAM) if dram else len(plan.kv_sources) - plan.kv_sources.count(DRAM)
+                for plan in self.plans)
+        with self._lock:
+            self._lost.append(dram)
+            self._pending -= n
+            last = self._pending <= 0
         if last:
             self._issued.set()
-
-    def done(self) -> bool:
-        return self._issued.is_set()
-
-    def ready(self) -> bool:
-        return self._issued.is_set() and all(event.query() for event in self._events)
-
-    @property
-    def events(self) -> tuple:
-        with self._lock:
-            return tuple(self._events)
-
-    def wait_on(self, streams, name: str | None = None) -> None:
-        """As :meth:`LoadJob.wait_on`, for every plan of the step."""
-        self._issued.wait()
-        for event in self._events:
-            streams.wait(name, event)
+        return n
 
     def outcomes(self, timeout: float | None = None) -> list[LoadResult]:
         """Each plan's result once every object is issued or failed, without waiting for the device
@@ -316,6 +346,12 @@ class StepJob:
         failed: dict[int, list[LoadItem]] = {}
         for item in self._failed:
             failed.setdefault(item.plan, []).append(item)
+        if self._lost:  # objects no path thread made an item of
+            for p, plan in enumerate(self.plans):
+                for i, (chunk, source) in enumerate(zip(plan.chunk_hashes, plan.kv_sources)):
+                    if (source is DRAM) in self._lost:
+                        failed.setdefault(p, []).append(LoadItem(i, ObjectKey(chunk, KV), source, self.table, None,
+                                                                 self.nbytes, plan=p))
         out = []
         for p, plan in enumerate(self.plans):
             bad = failed.get(p)

@@ -88,64 +88,63 @@ class Tables:
         """The block ids of several objects of ``kind`` checked together, for a step's objects:
         one tensor and one range check for all of them instead of one each. Entry ``i`` is what
         :meth:`ids` returns for ``blocks[i]`` (the same values, the same ``end``), or ``None``
-        where the batch does not vouch for it: an entry not a list or tuple of ``pages_per_chunk``
-        items, or any entry of the batch refused or holding anything but Python ints (then every
-        entry is ``None``). Never raises: the caller checks each ``None`` entry with :meth:`ids`, at
-        the place it always did, so a bad object is refused with the same error, in the same
-        order, as without the batch.
+        where the batch does not vouch for it (:meth:`vouch`). Never raises: the caller checks each
+        ``None`` entry with :meth:`ids`, at the place it always did, so a bad object is refused
+        with the same error, in the same order, as without the batch."""
+        out: list[BlockIds | None] = [None] * len(blocks)
+        vouched = self.vouch(kind, blocks)
+        if vouched is not None:
+            for i, ids in zip(vouched.rows, vouched.make()):
+                out[i] = ids
+        return out
+
+    def vouch(self, kind: str, blocks: Sequence[Blocks | None]) -> "Vouched | None":
+        """The check of :meth:`ids_batch` without making its :class:`~saria.kernels.BlockIds`
+        (:meth:`Vouched.make` makes them, on whichever thread needs them): ``None`` where nothing
+        is vouched for, else the entries vouched for (``Vouched.rows``). Vouched for: the entries
+        that are lists or tuples of ``pages_per_chunk`` items, if every item of all of them is a
+        Python int (``type(x) is int``: bools, floats, numpy ints, ... are left to :meth:`ids`,
+        which converts them) in ``[0, num_pages)``; any such entry refused leaves every entry to
+        :meth:`ids`. Never raises.
 
         Pure Python, no torch op: a torch op releases the GIL (as ``torch.tensor`` does), which
         lets saria's own threads take it, and the hook's thread may then wait for them to give it
         back. The ids' tensor is made on first read (:meth:`BlockIds._rows`), by the path or save
         thread that prepares the copies."""
-        out: list[BlockIds | None] = [None] * len(blocks)
         try:
             table, pages, _ = self.table(kind)
             rows = [i for i, b in enumerate(blocks) if isinstance(b, (list, tuple)) and len(b) == pages]
             if not rows or not pages:
-                return out
+                return None
             picked = [blocks[i] for i in rows]
             flat = list(chain.from_iterable(picked))  # at C speed: a step checks hundreds of ids
-            if set(map(type, flat)) != {int}:  # bools, floats, numpy ints, ...: ids() converts them
-                return out
+            # every item exactly a Python int: list.count compares by identity first (a set of the
+            # types costs twice as much)
+            if list(map(type, flat)).count(int) != len(flat):
+                return None
             if min(flat) < 0:  # refused: ids() names the first bad one
-                return out
+                return None
             ends = list(map(max, picked))
             if max(ends) >= table.num_pages:
-                return out
+                return None
         except Exception:  # ids() says which and why
-            return out
-        # int64 as ids() makes them (a value past int64 would raise: in range, none is); the tensor
-        # is made by the first thread that reads the ids (BlockIds._rows), not by this hook's
-        for i, ids in zip(rows, BlockIds._rows(flat, [end + 1 for end in ends], pages)):
-            out[i] = ids
-        return out
-
-    def checked_ids(self, kind: str, gather) -> "CheckedIds":
-        """A step's block id lists (``gather()``, e.g. every kv object's of the step) checked in one
-        batch (:meth:`ids_batch`), to look up by the list itself (:class:`CheckedIds`). Never
-        raises (arguments too malformed to gather: nothing is vouched for)."""
-        try:
-            blocks = list(gather())
-        except Exception:
-            blocks = []
-        return CheckedIds(blocks, self.ids_batch(kind, blocks))
+            return None
+        return Vouched(rows, flat, ends, pages)
 
 
-class CheckedIds:
-    """Block id lists checked in one batch (:meth:`Tables.checked_ids`): :meth:`get` gives the
-    checked ids of one of those very lists (matched by identity: each list is kept alive here, so
-    no other object can take its ``id``), or ``None`` where the caller checks it itself
-    (:meth:`Tables.ids`)."""
+class Vouched:
+    """Block id lists a batch check vouched for (:meth:`Tables.vouch`): ``rows``, their positions
+    in the batch; :meth:`make` their :class:`~saria.kernels.BlockIds`, in that order (int64 as
+    :meth:`Tables.ids` makes them: in range, no value is past int64)."""
 
-    __slots__ = ("_by_id",)
+    __slots__ = ("rows", "flat", "ends", "pages")
 
-    def __init__(self, blocks: list, ids: list[BlockIds | None]):
-        self._by_id = {id(b): (b, i) for b, i in zip(blocks, ids) if i is not None}
+    def __init__(self, rows: list[int], flat: list[int], ends: list[int], pages: int):
+        self.rows, self.flat, self.ends, self.pages = rows, flat, ends, pages
 
-    def get(self, blocks) -> BlockIds | None:
-        entry = self._by_id.get(id(blocks))
-        return entry[1] if entry is not None and entry[0] is blocks else None
+    def make(self) -> list[BlockIds]:
+        """The ids of every row, one lazy batch (its tensor made on first read: BlockIds._rows)."""
+        return BlockIds._rows(self.flat, [end + 1 for end in self.ends], self.pages)
 
 
 def _unpack(item: LoadItem, staging: torch.Tensor) -> None:

@@ -95,8 +95,9 @@ class LayerLoads:
         is kept with no job: :meth:`end` reports it failed (nothing of it lands; what of it did
         start is waited for)."""
         layered: list[LoadSpec] = []
-        for spec in specs:
-            if spec.plan.num_chunks == 0 or engine.layerwise_ok(spec.plan):
+        fits = engine.layerwise_ok_all([spec.plan for spec in specs])  # the engine's part once a step
+        for spec, ok in zip(specs, fits):
+            if ok:
                 layered.append(spec)
                 continue
             try:
