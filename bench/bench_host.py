@@ -251,7 +251,11 @@ class Serving:
         out, self.free = self.free[:n], self.free[n:]
         return out
 
-    def step(self, record: bool) -> None:
+    def step(self, record: bool) -> bool:
+        """One scheduler step and the worker's, as vLLM drives them; returns whether it admitted its
+        ``new`` requests (a step of the measured shape). Like vLLM's scheduler, it admits none while
+        the free blocks cannot hold them (blocks saria still reads come back when the worker says
+        so): such a step only decodes and is not recorded."""
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
         from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -276,7 +280,8 @@ class Serving:
             scheduled[request.request_id] = 1
         # new requests: lookup, allocation, their whole prompt (less what saria loads) scheduled
         new = []
-        for _ in range(self.new):
+        admit = self.new if len(self.free) >= self.new * -(-self.prompt_tokens // BLOCK) else 0
+        for _ in range(admit):
             request = self.request()
             t0 = clock()
             external, _ = sched.get_num_new_matched_tokens(request, 0)
@@ -344,9 +349,10 @@ class Serving:
                 self.held[request.request_id] = blocks
             else:
                 self.free += blocks
-        if record:
+        if record and admit:
             for k, v in t.items():
                 self.times[k].append(v)
+        return bool(admit)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -360,8 +366,13 @@ def connector_cost(steps: int, prof, forward_s: float) -> dict:
                 rig.step(False)
             rig.loads = rig.stores = 0
             with prof("connector"):
-                for _ in range(steps):
-                    rig.step(True)
+                recorded = tries = 0
+                while recorded < steps:
+                    tries += 1
+                    if tries > 20 * steps:
+                        raise SystemExit(f"bench_host: {tries - recorded} of {tries} steps found no free blocks for "
+                                         "their new requests: the worker returns none")
+                    recorded += rig.step(True)
         finally:
             rig.close()
     tm = rig.times
