@@ -355,3 +355,56 @@ def test_the_schedulers_makers_build_what_the_metadatas_constructors_build():
     check_maker(LoadSpec, ("req-1", plan, ((1, 2), (3, 4)), 1, None, (), (), True))
     check_maker(LoadSpec, ("req-1", plan, ((1, 2),), 0, (9,), (b"c",), (b"d",), False))
     check_maker(RequestOrders, ("req-2", (StoreOrder(3, (1,), (), 100),), {1: (5, 6)}, frozenset({1})))
+
+
+def test_a_dense_request_past_its_prompt_is_no_longer_followed_until_a_preemption_resets_it():
+    """A dense model's request that has computed its prompt but waits for its (layer-wise) load's
+    report to commit is no longer followed through vLLM's output (its later blocks and tokens are
+    not read); a preemption before its commit still resets it, and the blocks it commits are the
+    ones it computed its prompt in after resuming."""
+    from saria.control import StoreOrder
+    from saria.integrations.vllm.scheduler import SariaScheduler
+
+    geometry = engine_geometry(kv_config((["l0"], ATTN)), cache_config())
+    scheduler = SariaScheduler(ConnectorSettings.from_extra_config({"chunk_tokens": 64}), geometry, layerwise=True)
+
+    def request(name, prefix):  # two full chunks of prompt (the first shared), and one token more
+        hashes = [f"{prefix}{i}".encode() for i in range(2)] + [f"{name}{i}".encode() for i in range(2, 4)]
+        return types.SimpleNamespace(request_id=name, block_hashes=hashes, num_prompt_tokens=129)
+
+    def step(new=(), cached=(), preempted=(), report=None):
+        new_reqs = [types.SimpleNamespace(req_id=r.request_id, block_ids=(list(ids),), num_computed_tokens=c)
+                    for r, ids, c in new]
+        cached_reqs = types.SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
+                                            new_block_ids=[(list(ids),) for _, ids, _ in cached],
+                                            num_computed_tokens=[c for _, _, c in cached], resumed_req_ids=set())
+        out = types.SimpleNamespace(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                                    num_scheduled_tokens={r.request_id: 129 - c for r, _, c in new}
+                                    | {r.request_id: 1 for r, _, _ in cached}, preempted_req_ids=set(preempted))
+        meta = scheduler.build_connector_meta(out)
+        if report is not None:
+            scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=report))
+        return meta
+
+    first = request("a", "p")
+    scheduler.get_num_new_matched_tokens(first, 0)
+    meta = step(new=[(first, range(1, 6), 0)])
+    stores = [o for batch in meta.orders for o in batch.orders if isinstance(o, StoreOrder)]
+    assert stores  # its chunks go to DRAM
+    scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=SariaWorkerMetadata(
+        completions=[CompletionReport(o.order_id, True) for o in stores])))
+    second = request("b", "p")
+    assert scheduler.get_num_new_matched_tokens(second, 0) == (64, False)  # the shared chunk, in-step
+    scheduler.update_state_after_alloc(second, types.SimpleNamespace(get_block_ids=lambda: ([20, 21, 22, 23, 24],)), 64)
+    meta = step(new=[(second, [20, 21, 22, 23, 24], 64)])
+    (load,) = meta.loads
+    assert not meta.orders and list(scheduler._computing) == []  # past its prompt: waits for its load's report
+    step(cached=[(second, [25], 129)], preempted=["b"])  # preempted before its commit
+    assert list(scheduler._computing) == ["b"] and scheduler._requests["b"].block_ids == []
+    report = SariaWorkerMetadata(loads=[LoadReport("b", load.plan.plan_id, (), load.plan.num_chunks)])
+    meta = step(new=[(second, [30, 31, 32, 33, 34], 64)], report=report)  # resumed (vLLM 0.34: sent in full)
+    assert [batch.req_id for batch in meta.orders] == []  # the report came after this step's metadata
+    meta = step(cached=[(second, [35], 130)])  # its later blocks are not followed, nor read
+    (orders,) = [batch for batch in meta.orders if batch.req_id == "b"]
+    assert orders.kv_blocks[second.block_hashes[3]] == (32, 33) and list(scheduler._computing) == []
+    assert scheduler._requests["b"].block_ids == [30, 31, 32, 33, 34]

@@ -61,7 +61,7 @@ from .metadata import (CompletionReport, LoadReport, LoadSpec, RequestOrders, Sa
 from .events import KVEvents
 from .prewarm import PrewarmSession, PrewarmSessions
 from .recovery import InventoryTakeover
-from .requests import TIER_NAMES, TOTALS_FROM_CONTROL, LoadCounters, RequestState, completes, follow_blocks, reads_pages
+from .requests import TIER_NAMES, TOTALS_FROM_CONTROL, LoadCounters, RequestState, follow_blocks, reads_pages
 from .sealing import ChunkNames
 from .settings import ConnectorSettings
 
@@ -149,6 +149,10 @@ class SariaScheduler:
         # of those, the ones not yet committed, in the same order: the only ones a step's metadata
         # follows, loads or commits (a committed request's blocks and tokens are no longer read)
         self._open: dict[str, RequestState] = {}
+        # of those, the ones still computing their prompt (a dense model's: a request past its prompt,
+        # waiting for its load report to commit, needs no more of vLLM's blocks or tokens, only a
+        # preemption's reset); a hybrid model's steps follow every open request (_captures)
+        self._computing: dict[str, RequestState] = {}
         self._follow_ups: list[Order] = []  # drops caused by completions and releases
         self._partial_loads: dict[str, LoadReport] = {}
         self._partial_orders: dict[int, CompletionReport] = {}
@@ -288,7 +292,10 @@ class SariaScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> SariaConnectorMetadata:
         open_ = self._open
-        follow_blocks(open_, scheduler_output, self.geometry.attention_group, self.geometry.state_group)
+        if self._hybrid:
+            follow_blocks(open_, scheduler_output, self.geometry.attention_group, self.geometry.state_group)
+        else:
+            self._follow_computing(scheduler_output)
         meta = SariaConnectorMetadata()
         if self._first:
             meta.orders.append(RequestOrders(None, tuple(self._first)))
@@ -309,8 +316,11 @@ class SariaScheduler:
                      if not state.committed and state.computed >= state.request.num_prompt_tokens
                      and (not state.load_sent or state.load_report is not None)]  # _ready_to_commit, inlined
         orders = meta.orders
+        computing = self._computing
         for req_id, state in committed:
             del open_[req_id]
+            if computing:
+                computing.pop(req_id, None)
             orders.append(self._commit(req_id, state))
         if self.prewarm.enabled:
             warm = self.prewarm.due(self.clock())
@@ -321,8 +331,8 @@ class SariaScheduler:
             if warm:
                 orders.append(RequestOrders(None, tuple(warm)))
         in_flight, events = self._in_flight, self.events
-        for batch in orders:
-            in_flight.update([o.order_id for o in batch.orders if completes(o)])
+        for batch in orders:  # the orders that report back (completes(), inlined: drops do not)
+            in_flight.update([o.order_id for o in batch.orders if not isinstance(o, DropOrder)])
             if events is not None:
                 events.sent(batch.orders)
         return meta
@@ -388,6 +398,7 @@ class SariaScheduler:
         if state is not None:
             del self._requests[req_id]
             self._open.pop(req_id, None)
+            self._computing.pop(req_id, None)
         self.names.forget(req_id)
         return state is not None and state.reads_pages, None
 
@@ -495,6 +506,29 @@ class SariaScheduler:
             state.captured.add(index)
         return captures
 
+    def _follow_computing(self, out: Any) -> None:
+        """:func:`follow_blocks` for a dense model: only the open requests still computing their
+        prompt are followed. One that has computed it keeps the blocks and tokens its commit reads
+        (its prompt's chunks' blocks, all allocated by then; its tokens at or past the prompt, which
+        only a preemption takes back): it leaves the followed set, and a preemption before its
+        commit resets it and follows it again, as following it every step would."""
+        computing = self._computing
+        if computing:
+            follow_blocks(computing, out, self.geometry.attention_group, self.geometry.state_group)
+        preempted = out.preempted_req_ids
+        if preempted:
+            open_ = self._open
+            for req_id in preempted:
+                state = open_.get(req_id)
+                if state is not None and req_id not in computing:
+                    state.block_ids, state.state_block_ids, state.computed = [], [], 0
+                    state.captured.clear()
+                    computing[req_id] = state
+        if computing:
+            done = [req_id for req_id, state in computing.items() if state.computed >= state.request.num_prompt_tokens]
+            for req_id in done:
+                del computing[req_id]
+
     def _ready_to_commit(self, state: RequestState) -> bool:
         if state.committed or state.computed < state.request.num_prompt_tokens:
             return False
@@ -509,6 +543,8 @@ class SariaScheduler:
             self._open = {k: v for k, v in self._requests.items() if not v.committed}
         else:
             self._open[req_id] = state
+        if not self._hybrid:
+            self._computing[req_id] = state
 
     def _commit(self, req_id: str, state: RequestState) -> RequestOrders:
         request = state.request
