@@ -37,7 +37,6 @@ from saria.control.tree import ContextTree, Node
 from saria.orders import SSD, ControlPlaneError, ObjectKey, Order, ReloadPlan, StoreOrder, WriteOrder
 from saria.sizing import TierSizing
 
-_INF = math.inf
 _NONE_BAD: frozenset = frozenset()  # no failed read (never changed)
 
 __all__ = ["ChunkInfo", "ControlPlane", "CopyInfo", "Usage"]
@@ -116,12 +115,8 @@ class ControlPlane:
         """Plan the reload of the longest reusable prefix of a request's chunks and pin every
         object it reads until :meth:`release` or :meth:`commit_prefill`."""
         with self._lock:
-            if type(now) is float and -_INF < now < _INF:  # check_now's common case, inlined
-                if now < self._now:
-                    now = self._now
-            else:
-                now = check_now(now, self._now)
-            hashes = chunk_hashes if type(chunk_hashes) is tuple else check_hashes(chunk_hashes)
+            now = check_now(now, self._now)  # (a float and a tuple: each returns at its first test)
+            hashes = check_hashes(chunk_hashes)
             nodes = self._resolve(hashes)
             # ---- valid: from here on, state changes
             tiers = self._tiers
@@ -194,12 +189,8 @@ class ControlPlane:
         step ended); None: every checkpoint the prefill computed.
         Returns the orders to execute, in a safe order."""
         with self._lock:
-            if type(now) is float and -_INF < now < _INF:  # check_now's common case, inlined
-                if now < self._now:
-                    now = self._now
-            else:
-                now = check_now(now, self._now)
-            hashes = chunk_hashes if type(chunk_hashes) is tuple else check_hashes(chunk_hashes)
+            now = check_now(now, self._now)  # (a float and a tuple: each returns at its first test)
+            hashes = check_hashes(chunk_hashes)
             if states is not None:
                 states = check_states(states, len(hashes))
             if hints is not None or tenant is not None:  # (None and None pass the check)
