@@ -377,7 +377,8 @@ class HintBook:
         """Take over a previous control plane's :meth:`snapshot` (this one new, its hints empty):
         pins and retentions whose end has not passed (a pinned chunk is pinned again when a request
         references it, as one whose node was reclaimed is, its recovered SSD objects kept meanwhile:
-        ``Residency._drop_recovered_hinted``; its bytes count against its tenant's cap at once), sessions (their announced turns decide admission again, their due prewarms are
+        ``Residency._drop_recovered_hinted``; its bytes count against its tenant's cap at once),
+        sessions (their announced turns decide admission again, their due prewarms are
         due again) and the ended sessions. A pin or retention past this plane's caps (a smaller
         SSD tier) is dropped, counted as refused."""
         for tenant, mine in state.get("pins", {}).items():

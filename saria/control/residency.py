@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from itertools import islice
 from typing import Sequence
@@ -299,7 +300,7 @@ class Residency:
                 return
             if key.chunk in pinned:
                 continue
-            if retains.get(key.chunk, -1.0) > now:
+            if retains.get(key.chunk, -math.inf) > now:
                 retained.append(key)
                 continue
             self.drop_recovered(key, changes)
