@@ -72,6 +72,11 @@ class RequestState:
     load_first: int = 0  # the load's first chunk (vLLM holds the ones before)
     prompt_hashes: tuple | None = None  # the prompt's chunk hashes (names), from its lookup
 
+    def preempted(self) -> None:
+        """vLLM preempted the request: its blocks are freed and its tokens will be computed again."""
+        self.block_ids, self.state_block_ids, self.computed = [], [], 0
+        self.captured.clear()
+
     def cluster_loaded(self) -> tuple:
         """The cluster chunks the load delivered into the request's blocks."""
         if self.load_report is None or not self.cluster:
@@ -112,8 +117,7 @@ def follow_blocks(requests: dict[str, RequestState], out: Any, fa: int, gdn: int
     for req_id in out.preempted_req_ids or ():
         state = requests.get(req_id)
         if state is not None:
-            state.block_ids, state.state_block_ids, state.computed = [], [], 0
-            state.captured.clear()
+            state.preempted()
 
 
 def _follow_cached(requests: dict[str, RequestState], out: Any, fa: int, gdn: int | None, scheduled: dict) -> None:

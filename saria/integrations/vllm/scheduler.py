@@ -521,8 +521,7 @@ class SariaScheduler:
             for req_id in preempted:
                 state = open_.get(req_id)
                 if state is not None and req_id not in computing:
-                    state.block_ids, state.state_block_ids, state.computed = [], [], 0
-                    state.captured.clear()
+                    state.preempted()
                     computing[req_id] = state
         if computing:
             done = [req_id for req_id, state in computing.items() if state.computed >= state.request.num_prompt_tokens]
