@@ -263,8 +263,7 @@ class TransferEngine:
         layer hook), none in an FP8 form (dequantized whole by its unpack), and pages that never
         straddle two host slots."""
         paths = self._layerwise if self._layerwise is not None and not self._closed else self.layerwise()
-        return (plan.state_chunk is None and paths.capable
-                and not (self._tables.quantized(KV) and Tier.SSD in plan.kv_sources))
+        return _layerwise_fits(plan, paths.capable, self._tables.quantized(KV))
 
     def layerwise_ok_all(self, plans: Sequence[ReloadPlan]) -> list[bool]:
         """:meth:`layerwise_ok` for each of a step's plans, the engine's part of it checked once
@@ -273,12 +272,8 @@ class TransferEngine:
         if not any(plan.chunk_hashes for plan in plans):
             return [True] * len(plans)
         paths = self._layerwise if self._layerwise is not None and not self._closed else self.layerwise()
-        if not paths.capable:
-            return [not plan.chunk_hashes for plan in plans]
-        if self._tables.quantized(KV):
-            return [not plan.chunk_hashes or (plan.state_chunk is None and SSD not in plan.kv_sources)
-                    for plan in plans]
-        return [not plan.chunk_hashes or plan.state_chunk is None for plan in plans]
+        capable, fp8 = paths.capable, self._tables.quantized(KV)
+        return [not plan.chunk_hashes or _layerwise_fits(plan, capable, fp8) for plan in plans]
 
     def load_layers(self, loads: Sequence[tuple[ReloadPlan, Sequence[Blocks], int]]) -> StepLoad:
         """Start one step's reloads layer by layer: ``loads`` are ``(plan, kv_blocks, skip_pages)``
@@ -294,27 +289,23 @@ class TransferEngine:
         self._check_open()
         paths = self.layerwise()
         after = self._streams.caller_event()  # the copies follow the caller's queued work
-        try:
-            lists = [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks]
-        except Exception:  # each plan's own check below says which and why
-            lists = []
-        vouched = self._tables.vouch(KV, lists)
-        every = vouched is not None and len(vouched.rows) == len(lists)  # the common case: nothing left to check
+        step_ids = self._tables.step_ids(KV, lambda: [blocks for _, kv_blocks, _ in loads for blocks in kv_blocks])
+        every = step_ids.every  # the common case: nothing left to check
         capable, fp8, no_ssd, pages = paths.capable, self._tables.quantized(KV), self.ssd is None, self.pages_per_chunk
         plans, skips, ids = [], [], None if every else []
-        made = None if every else dict(zip(vouched.rows, vouched.make())) if vouched is not None else {}
         dram = other = False  # whether the DRAM path, the SSD path have work
         for plan, kv_blocks, skip_pages in loads:
             sources = plan.kv_sources
             has_ssd = SSD in sources
-            if plan.state_chunk is not None or not capable or (fp8 and has_ssd):  # layerwise_ok
+            if not _layerwise_fits(plan, capable, fp8):
                 raise ValueError(f"plan {plan.plan_id} cannot be reloaded layer by layer (a GDN state, an FP8 SSD "
                                  "object, or pages that straddle host slots): reload it whole with load()")
             n = len(plan.chunk_hashes)
             if len(kv_blocks) != n:
                 raise ValueError(f"plan {plan.plan_id} has {n} chunks but {len(kv_blocks)} block lists")
             if not every:  # some list the batch did not vouch for: each checked here, in order
-                ids += self._checked_kv_ids(plan, kv_blocks, made, len(ids), lists)
+                for i, blocks in enumerate(kv_blocks):
+                    ids.append(step_ids.checked(len(ids), blocks, f"the kv object of chunk {i} of plan {plan.plan_id}"))
             if not 0 <= skip_pages < pages or (skip_pages and not n):
                 raise ValueError(f"skip_pages must be in [0, {pages}) and needs a chunk, got {skip_pages}")
             if no_ssd and has_ssd:
@@ -326,23 +317,9 @@ class TransferEngine:
             other = other or d < n
             plans.append(plan)
             skips.append(skip_pages)
-        job = StepJob(plans, vouched.make if every else ids, skips, self.kv_table, self.kv_bytes, after)
+        job = StepJob(plans, step_ids.make if every else ids, skips, self.kv_table, self.kv_bytes, after)
         self._counters.add(loads=len(plans), load_objects=job.count)
         return paths.submit(job, dram=dram, ssd=other)
-
-    def _checked_kv_ids(self, plan: ReloadPlan, kv_blocks: Sequence[Blocks], made: dict, base: int,
-                        lists: list) -> list:
-        """A plan's kv block ids (its chunks' in order; ``ValueError`` for the first bad one, named
-        by its place) where a step's batch check did not vouch for every list of the step: those
-        it vouched for taken from ``made`` (position in ``lists`` -> ids; this plan's from ``base``)."""
-        out = []
-        for i, blocks in enumerate(kv_blocks):
-            k = base + i
-            ids = made.get(k) if k < len(lists) and lists[k] is blocks else None
-            if ids is None:
-                ids = self._tables.ids(KV, f"the kv object of chunk {i} of plan {plan.plan_id}", blocks)
-            out.append(ids)
-        return out
 
     def retire(self, events: Sequence, then) -> None:
         """Run ``then()`` off the caller's thread once the device reached ``events`` (the hot-path
@@ -568,3 +545,9 @@ def _set(event: threading.Event) -> threading.Event:
 # The ``released`` of every run that reads no pages (a drop): set once and never cleared (nothing
 # clears a run's ``released``), so one is shared instead of an event built per drop.
 _RELEASED = _set(threading.Event())
+
+
+def _layerwise_fits(plan: ReloadPlan, capable: bool, fp8: bool) -> bool:
+    """The rule of :meth:`TransferEngine.layerwise_ok`: kv objects only (no GDN state), none read in an
+    FP8 form (``fp8``: the kv table is quantized), on layer-wise paths that can take them (``capable``)."""
+    return plan.state_chunk is None and capable and not (fp8 and SSD in plan.kv_sources)

@@ -422,13 +422,9 @@ class LayerSaves:
         if drops and self.drop is None:
             raise ValueError("these layer-wise saves were built without a drop function: drops cannot go with a step")
         get = kv_blocks.get
-        try:  # every object's block id list, in the order of the loop below
-            lists = [get(chunk) for order in orders for chunk in order.kv]
-        except Exception:  # the loop says which order and why
-            lists = []
-        vouched = self.tables.vouch(KV, lists)
-        every = vouched is not None and len(vouched.rows) == len(lists)  # the common case: nothing left to check
-        made = None if every else dict(zip(vouched.rows, vouched.make())) if vouched is not None else {}
+        # every object's block id list, in the order of the loop below (a malformed order: the loop says which and why)
+        step_ids = self.tables.step_ids(KV, lambda: [get(chunk) for order in orders for chunk in order.kv])
+        every = step_ids.every  # the common case: nothing left to check
         objects: list[tuple] | None = None if every else []  # (chunk, order index, ids), where checked here
         capable, k = self.loads.capable, 0
         for o, order in enumerate(orders):
@@ -445,21 +441,18 @@ class LayerSaves:
             if every:  # vouched for: the objects are made by the step's preparation (StepSave._objs)
                 continue
             for n, chunk in enumerate(order.kv):
-                blocks = get(chunk)
-                ids = made.get(k) if k < len(lists) and lists[k] is blocks else None
-                if ids is None:  # by place: never its chunk hash
-                    ids = self.tables.ids(KV, f"kv object {n} of order {order.order_id}", blocks)
-                objects.append((chunk, o, ids))
+                objects.append((chunk, o, step_ids.checked(k, get(chunk), f"kv object {n} of order {order.order_id}")))
                 k += 1
         if every:
-            objects = (tuple(orders), vouched.make)
+            objects = (tuple(orders), step_ids.make)
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
         released = LazyEvent()  # one for the step's orders: StepSave._end sets them all at once
         runs = [OrderRun(order, _running(), released) for order in orders]
         step = StepSave(self, runs, objects, len(self.loads.layers))
         step._drops = [(order, None if keys is None else list(keys)) for order, keys in drops]
-        self.counters.add(layerwise_save_steps=1, layerwise_store_objects=len(lists) if every else len(objects))
+        self.counters.add(layerwise_save_steps=1,
+                          layerwise_store_objects=len(step_ids.lists) if every else len(objects))
         with self._lock:
             self._open.add(step)
         try:

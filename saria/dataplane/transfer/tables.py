@@ -98,6 +98,16 @@ class Tables:
                 out[i] = ids
         return out
 
+    def step_ids(self, kind: str, gather) -> StepIds:
+        """A step's block id lists (``gather()``, in the order its caller walks them) checked in one
+        batch (:meth:`vouch`). Never raises (lists too malformed to gather: none is vouched for; the
+        caller's own walk says which and why)."""
+        try:
+            lists = list(gather())
+        except Exception:
+            lists = []
+        return StepIds(self, kind, lists)
+
     def vouch(self, kind: str, blocks: Sequence[Blocks | None]) -> "Vouched | None":
         """The check of :meth:`ids_batch` without making its :class:`~saria.kernels.BlockIds`
         (:meth:`Vouched.make` makes them, on whichever thread needs them): ``None`` where nothing
@@ -130,6 +140,28 @@ class Tables:
         except Exception:  # ids() says which and why
             return None
         return Vouched(rows, flat, ends, pages)
+
+
+class StepIds:
+    """A step's block id lists checked in one batch (:meth:`Tables.step_ids`): ``every`` when the batch
+    vouched for all of them (the common case: :attr:`make` makes their ids, on the thread that needs
+    them); else :meth:`checked` gives each list's ids, vouched for or checked one by one."""
+
+    __slots__ = ("lists", "every", "make", "_made", "_tables", "_kind")
+
+    def __init__(self, tables: "Tables", kind: str, lists: list):
+        vouched = tables.vouch(kind, lists)
+        self.lists, self._tables, self._kind = lists, tables, kind
+        self.every = vouched is not None and len(vouched.rows) == len(lists)
+        self.make = vouched.make if self.every else None
+        self._made = None if self.every else dict(zip(vouched.rows, vouched.make())) if vouched is not None else {}
+
+    def checked(self, k: int, blocks, what: str) -> BlockIds:
+        """The ids of ``blocks``, entry ``k`` of the step's lists: those the batch vouched for, else
+        :meth:`Tables.ids` (``ValueError`` naming ``what``, by place: never a chunk hash)."""
+        made, lists = self._made, self.lists
+        ids = made.get(k) if made and k < len(lists) and lists[k] is blocks else None
+        return ids if ids is not None else self._tables.ids(self._kind, what, blocks)
 
 
 class Vouched:
